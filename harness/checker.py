@@ -1,0 +1,37 @@
+"""InvariantChecker: the observer that checks every applicable invariant at every observation."""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+
+from spec.config import ModelConfig
+from spec.invariants import INVARIANTS, Invariant, InvariantViolation
+from spec.state import Observation
+
+
+@dataclass
+class InvariantChecker:
+    config: ModelConfig
+    exercised: Counter[str] = field(default_factory=Counter)
+    observations: int = 0
+    applicable: tuple[Invariant, ...] = ()
+
+    def __post_init__(self) -> None:
+        self.applicable = tuple(inv for inv in INVARIANTS if inv.applies(self.config.cell))
+
+    def __call__(self, obs: Observation) -> None:
+        """Check every applicable invariant; report all that fail at this observation."""
+        self.observations += 1
+        failures: list[InvariantViolation] = []
+        for inv in self.applicable:
+            try:
+                self.exercised[inv.id] += inv.check(self.config, obs)
+            except InvariantViolation as violation:
+                failures.append(violation)
+        if failures:
+            first = failures[0]
+            where = f" (script step {obs.step_index}, cell {self.config.name})"
+            others = "".join(f"\n  also {f}" for f in failures[1:])
+            raise InvariantViolation(first.invariant_id, first.message + where + others,
+                                     all_ids=tuple(f.invariant_id for f in failures))

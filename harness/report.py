@@ -1,0 +1,91 @@
+"""Reports: the invariant x cell table for a terminal and the JSON document for CI."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from harness.stateful import CellResult, describe_failure
+from spec.invariants import INVARIANTS
+
+REPORT_VERSION = 1
+PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "n/a"
+SYMBOLS = {PASS: ".", FAIL: "X", NOT_APPLICABLE: "-"}
+
+
+def get_verdicts(results: list[CellResult]) -> dict[str, dict[str, str]]:
+    """invariant ID -> cell name -> pass / fail / n/a."""
+    verdicts: dict[str, dict[str, str]] = {inv.id: {} for inv in INVARIANTS}
+    for result in results:
+        cell = result.config.name
+        failed = set(result.failed_ids)
+        for inv in INVARIANTS:
+            if not inv.applies(result.config.cell):
+                verdict = NOT_APPLICABLE
+            elif inv.id in failed or result.error is not None:
+                verdict = FAIL
+            else:
+                verdict = PASS
+            verdicts[inv.id][cell] = verdict
+    return verdicts
+
+
+def render_table(results: list[CellResult]) -> str:
+    verdicts = get_verdicts(results)
+    lines = ["cells:"]
+    for k, result in enumerate(results, 1):
+        status = "ok" if result.ok else "FAILED"
+        lines.append(f"  c{k:02d} {result.config.name:<40} {result.seconds:6.2f}s  {status}")
+    header = "ID    " + "".join(f"{k:>3d}" for k in range(1, len(results) + 1))
+    lines += ["", "invariant x cell ('.' pass, 'X' fail, '-' n/a):", header]
+    for inv in INVARIANTS:
+        row = "".join(f"{SYMBOLS[verdicts[inv.id][r.config.name]]:>3}" for r in results)
+        lines.append(f"{inv.id:<6}{row}   {inv.claim}")
+    failures = [r for r in results if not r.ok]
+    if failures:
+        lines += ["", "failures:"]
+        for result in failures:
+            lines += ["  " + line for line in describe_failure(result).splitlines()]
+    return "\n".join(lines)
+
+
+def build_json(results: list[CellResult], elapsed: float) -> dict[str, Any]:
+    verdicts = get_verdicts(results)
+    ok = all(r.ok for r in results)
+    details: dict[str, Any] = {}
+    for result in results:
+        entry: dict[str, Any] = {
+            "seconds": round(result.seconds, 3),
+            "seed": result.seed,
+            "profile": result.profile,
+            "runs": result.exercised.get("__runs__", 0),
+            "observations": result.exercised.get("__observations__", 0),
+            "exercised": {inv.id: result.exercised.get(inv.id, 0) for inv in INVARIANTS
+                          if inv.applies(result.config.cell)},
+        }
+        if result.violation is not None:
+            entry["violation"] = str(result.violation)
+            entry["failed"] = list(result.failed_ids)
+            if result.script_path is not None:
+                entry["replay"] = f"overlap-spec replay {result.script_path}"
+            if result.script is not None:
+                entry["steps"] = len(result.script.ops)
+                entry["requests"] = result.script.count_requests()
+        if result.error is not None:
+            entry["error"] = f"{type(result.error).__name__}: {result.error}"
+        details[result.config.name] = entry
+    return {
+        "version": REPORT_VERSION,
+        "ok": ok,
+        "elapsed_s": round(elapsed, 3),
+        "cells": [r.config.name for r in results],
+        "invariants": verdicts,
+        "mutants": {},
+        "details": details,
+    }
+
+
+def write_json(document: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(document, indent=1, sort_keys=False) + "\n")

@@ -1,0 +1,207 @@
+"""Operation scripts: the replayable form of every run and every counterexample.
+
+A script is JSON::
+
+    {"version": 1, "cell": "ov-p1-v2chain-cpu-honest", "preset": "minimal",
+     "faults": ["B3"], "seed": 12345, "implementation": "reference",
+     "ops": [{"op": "admit", "prompt_len": 3, "max_new_tokens": 4},
+             {"op": "iterate", "allow_prefill": true, "retract": 0,
+              "accept_lens": [2, 1, 1], "eos_positions": [0]},
+             {"op": "abort", "request": 0}]}
+
+``overlap-spec replay FILE`` runs it and reports the first violation.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from harness.checker import InvariantChecker
+from reference.scheduler import SUPPORTED_FAULTS, Scheduler
+from spec.config import PRESETS, ModelConfig, get_cell
+from spec.interface import Observer, SchedulerModel
+from spec.invariants import InvariantViolation
+from spec.state import IterationChoices
+from spec.units import RequestId
+
+SCRIPT_VERSION = 1
+
+
+class ScriptError(ValueError):
+    """A script file that cannot be read: says which field and why."""
+
+
+@dataclass(frozen=True)
+class Admit:
+    prompt_len: int
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
+class Iterate:
+    choices: IterationChoices
+
+
+@dataclass(frozen=True)
+class Abort:
+    request: int  # index into the admitted requests, in admission order
+
+
+Op = Admit | Iterate | Abort
+
+
+@dataclass
+class Script:
+    cell: str
+    preset: str
+    ops: list[Op] = field(default_factory=list)
+    faults: tuple[str, ...] = ()
+    seed: int | None = None
+    implementation: str = "reference"
+
+    def get_config(self) -> ModelConfig:
+        return ModelConfig(get_cell(self.cell), PRESETS[self.preset])
+
+    def count_requests(self) -> int:
+        return sum(1 for op in self.ops if isinstance(op, Admit))
+
+
+def op_to_json(op: Op) -> dict[str, Any]:
+    if isinstance(op, Admit):
+        return {"op": "admit", "prompt_len": op.prompt_len, "max_new_tokens": op.max_new_tokens}
+    if isinstance(op, Abort):
+        return {"op": "abort", "request": op.request}
+    c = op.choices
+    return {"op": "iterate", "allow_prefill": c.allow_prefill, "retract": c.retract,
+            "accept_lens": list(c.accept_lens), "eos_positions": sorted(c.eos_positions)}
+
+
+def _field(raw: dict[str, Any], name: str, kind: type, where: str) -> Any:
+    if name not in raw:
+        raise ScriptError(f"{where}: missing field {name!r}")
+    value = raw[name]
+    if kind is int and (isinstance(value, bool) or not isinstance(value, int)):
+        raise ScriptError(f"{where}: field {name!r} must be an integer, got {value!r}")
+    if kind is not int and not isinstance(value, kind):
+        raise ScriptError(f"{where}: field {name!r} must be {kind.__name__}, got {value!r}")
+    return value
+
+
+def op_from_json(raw: Any, index: int) -> Op:
+    where = f"ops[{index}]"
+    if not isinstance(raw, dict):
+        raise ScriptError(f"{where}: expected an object")
+    kind = raw.get("op")
+    if kind == "admit":
+        return Admit(_field(raw, "prompt_len", int, where),
+                     _field(raw, "max_new_tokens", int, where))
+    if kind == "abort":
+        return Abort(_field(raw, "request", int, where))
+    if kind == "iterate":
+        accept = _field(raw, "accept_lens", list, where)
+        eos = _field(raw, "eos_positions", list, where)
+        for name, values in (("accept_lens", accept), ("eos_positions", eos)):
+            if not all(isinstance(v, int) and not isinstance(v, bool) for v in values):
+                raise ScriptError(f"{where}: field {name!r} must be a list of integers")
+        return Iterate(IterationChoices(
+            allow_prefill=_field(raw, "allow_prefill", bool, where),
+            retract=_field(raw, "retract", int, where),
+            accept_lens=tuple(int(a) for a in accept),
+            eos_positions=frozenset(int(e) for e in eos),
+        ))
+    raise ScriptError(f"{where}: unknown op {kind!r} (expected admit, iterate or abort)")
+
+
+def script_to_json(script: Script) -> dict[str, Any]:
+    return {"version": SCRIPT_VERSION, "cell": script.cell, "preset": script.preset,
+            "faults": list(script.faults), "seed": script.seed,
+            "implementation": script.implementation,
+            "ops": [op_to_json(op) for op in script.ops]}
+
+
+def script_from_json(raw: Any) -> Script:
+    if not isinstance(raw, dict):
+        raise ScriptError("script: expected a JSON object")
+    if raw.get("version") != SCRIPT_VERSION:
+        raise ScriptError(f"script: unsupported version {raw.get('version')!r}")
+    cell = _field(raw, "cell", str, "script")
+    preset = _field(raw, "preset", str, "script")
+    try:
+        get_cell(cell)
+    except KeyError as error:
+        raise ScriptError(f"script: {error.args[0]}") from None
+    if preset not in PRESETS:
+        raise ScriptError(f"script: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    ops = [op_from_json(op, i) for i, op in enumerate(_field(raw, "ops", list, "script"))]
+    faults = raw.get("faults", [])
+    if not isinstance(faults, list) or not all(isinstance(f, str) for f in faults):
+        raise ScriptError("script: field 'faults' must be a list of bug IDs such as \"B3\"")
+    unknown = set(faults) - SUPPORTED_FAULTS
+    if unknown:
+        raise ScriptError(f"script: unknown fault IDs {sorted(unknown)}; supported: "
+                          f"{sorted(SUPPORTED_FAULTS)}")
+    seed = raw.get("seed")
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+        raise ScriptError(f"script: field 'seed' must be an integer or null, got {seed!r}")
+    implementation = raw.get("implementation", "reference")
+    get_factory(implementation)
+    return Script(cell, preset, ops, tuple(faults), seed, implementation)
+
+
+def save_script(script: Script, path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(script_to_json(script), indent=1) + "\n")
+    return path
+
+
+def load_script(path: Path) -> Script:
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as error:
+        raise ScriptError(f"{path}: not JSON (line {error.lineno}: {error.msg})") from None
+    return script_from_json(raw)
+
+
+Factory = Callable[[ModelConfig, frozenset[str], Observer | None], SchedulerModel]
+
+
+def get_factory(implementation: str) -> Factory:
+    if implementation == "reference":
+        return Scheduler
+    raise ScriptError(f"unknown implementation {implementation!r} (available: reference)")
+
+
+def apply_op(model: SchedulerModel, op: Op, admitted: list[RequestId]) -> None:
+    if isinstance(op, Admit):
+        admitted.append(model.admit(op.prompt_len, op.max_new_tokens))
+    elif isinstance(op, Abort):
+        if admitted:
+            model.abort(admitted[op.request % len(admitted)])
+    else:
+        model.run_iteration(op.choices)
+
+
+@dataclass
+class RunOutcome:
+    violation: InvariantViolation | None
+    failed_at: int | None
+    checker: InvariantChecker
+
+
+def run_script(script: Script) -> RunOutcome:
+    """Replay ``script`` on its implementation, checking every invariant after every step."""
+    config = script.get_config()
+    checker = InvariantChecker(config)
+    model = get_factory(script.implementation)(config, frozenset(script.faults), checker)
+    admitted: list[RequestId] = []
+    for index, op in enumerate(script.ops):
+        model.set_step_index(index)
+        try:
+            apply_op(model, op, admitted)
+        except InvariantViolation as violation:
+            return RunOutcome(violation, index, checker)
+    return RunOutcome(None, None, checker)

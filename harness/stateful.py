@@ -1,0 +1,194 @@
+"""Hypothesis stateful checking: random operation sequences, invariants after every step.
+
+The machine's rules are the script operations (admit, iterate, abort); the
+observer checks every applicable invariant at every observation point inside
+each operation. A failure is shrunk by Hypothesis, saved as a replayable
+script (:mod:`harness.script`) and reported with the seed.
+
+Profiles (``HYPOTHESIS_PROFILE`` or ``--profile``): ``ci`` (default, fast),
+``dev``, ``thorough``.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, seed, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    get_state_machine_test,
+    precondition,
+    rule,
+)
+
+from harness.checker import InvariantChecker
+from harness.script import Abort, Admit, Iterate, Op, Script, apply_op, get_factory, save_script
+from spec.config import ModelConfig
+from spec.invariants import InvariantViolation
+from spec.state import IterationChoices
+from spec.units import RequestId
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    max_examples: int
+    step_count: int
+
+
+PROFILES = {
+    "ci": Profile("ci", max_examples=150, step_count=40),
+    "dev": Profile("dev", max_examples=1000, step_count=60),
+    "thorough": Profile("thorough", max_examples=5000, step_count=100),
+}
+
+MAX_REQUESTS = 6
+
+
+def get_profile(name: str | None = None) -> Profile:
+    chosen = name or os.environ.get("HYPOTHESIS_PROFILE", "ci")
+    if chosen not in PROFILES:
+        raise ValueError(f"unknown profile {chosen!r}; choose one of {', '.join(PROFILES)}")
+    return PROFILES[chosen]
+
+
+def get_failure_dir() -> Path:
+    return Path(os.environ.get("OVERLAP_SPEC_OUT", ".overlap-spec")) / "failures"
+
+
+def make_machine(config: ModelConfig, faults: frozenset[str], implementation: str = "reference",
+                 stats: Counter[str] | None = None) -> type[RuleBasedStateMachine]:
+    """A state machine class bound to one configuration and fault set."""
+    width = config.preset.max_running_requests
+    max_accept = config.max_accept_len
+    factory = get_factory(implementation)
+
+    class SchedulerMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.checker = InvariantChecker(config)
+            self.model = factory(config, faults, self.checker)
+            self.script = Script(config.cell.name, config.preset.name, [], tuple(sorted(faults)),
+                                 implementation=implementation)
+            self.admitted: list[RequestId] = []
+
+        def _apply(self, op: Op) -> None:
+            self.script.ops.append(op)
+            self.model.set_step_index(len(self.script.ops) - 1)
+            try:
+                apply_op(self.model, op, self.admitted)
+            except InvariantViolation as violation:
+                violation.script = self.script  # type: ignore[attr-defined]
+                raise
+
+        @precondition(lambda self: len(self.admitted) < MAX_REQUESTS)
+        @rule(prompt_len=st.integers(1, config.preset.max_prompt_len),
+              max_new_tokens=st.integers(1, config.preset.max_new_tokens))
+        def admit(self, prompt_len: int, max_new_tokens: int) -> None:
+            self._apply(Admit(prompt_len, max_new_tokens))
+
+        @rule(allow_prefill=st.booleans(),
+              retract=st.integers(0, 1),
+              accept_lens=st.lists(st.integers(1, max_accept), min_size=width, max_size=width),
+              eos_positions=st.frozensets(st.integers(0, width - 1), max_size=1))
+        def iterate(self, allow_prefill: bool, retract: int, accept_lens: list[int],
+                    eos_positions: frozenset[int]) -> None:
+            self._apply(Iterate(IterationChoices(allow_prefill, retract, tuple(accept_lens),
+                                                 eos_positions)))
+
+        @precondition(lambda self: bool(self.admitted))
+        @rule(request=st.integers(0, MAX_REQUESTS - 1))
+        def abort(self, request: int) -> None:
+            self._apply(Abort(request))
+
+        def teardown(self) -> None:
+            if stats is not None:
+                stats.update(self.checker.exercised)
+                stats["__runs__"] += 1
+                stats["__observations__"] += self.checker.observations
+
+    SchedulerMachine.__name__ = f"SchedulerMachine[{config.name}]"
+    return SchedulerMachine
+
+
+@dataclass
+class CellResult:
+    config: ModelConfig
+    faults: frozenset[str]
+    seed: int
+    profile: str
+    seconds: float
+    violation: InvariantViolation | None = None
+    script: Script | None = None
+    script_path: Path | None = None
+    exercised: Counter[str] = field(default_factory=Counter)
+    error: BaseException | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.violation is None and self.error is None
+
+    @property
+    def failed_ids(self) -> tuple[str, ...]:
+        return self.violation.all_ids if self.violation is not None else ()
+
+
+def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
+               faults: frozenset[str] = frozenset(), implementation: str = "reference",
+               save_dir: Path | None = None) -> CellResult:
+    """Run the stateful check in one cell; never raises for a violation, returns it."""
+    stats: Counter[str] = Counter()
+    machine = make_machine(config, faults, implementation, stats)
+    test: Any = get_state_machine_test(
+        machine,
+        settings=settings(
+            max_examples=profile.max_examples,
+            stateful_step_count=profile.step_count,
+            deadline=None,
+            database=None,
+            phases=(Phase.generate, Phase.shrink),
+            suppress_health_check=list(HealthCheck),
+            print_blob=False,
+            report_multiple_bugs=False,
+        ),
+    )
+    test = seed(run_seed)(test)
+    started = time.perf_counter()
+    result = CellResult(config, faults, run_seed, profile.name, 0.0)
+    try:
+        test()
+    except InvariantViolation as violation:
+        result.violation = violation
+        script: Script | None = getattr(violation, "script", None)
+        if script is not None:
+            script.seed = run_seed
+            result.script = script
+            name = "-".join([config.name.replace("@", "-"), *sorted(faults)])
+            directory = save_dir or get_failure_dir()
+            result.script_path = save_script(script, directory / f"{name}.json")
+    except Exception as error:  # a crash of the implementation is a failure, not a pass
+        result.error = error
+    result.seconds = time.perf_counter() - started
+    result.exercised = stats
+    return result
+
+
+def describe_failure(result: CellResult) -> str:
+    """The lines a user needs: which ID, where, the seed and the replay command."""
+    lines = [f"cell {result.config.name}, seed {result.seed}, profile {result.profile}"]
+    if result.violation is not None:
+        lines.append(str(result.violation))
+        if result.script is not None:
+            lines.append(f"counterexample: {len(result.script.ops)} steps, "
+                         f"{result.script.count_requests()} requests")
+        if result.script_path is not None:
+            lines.append(f"replay: overlap-spec replay {result.script_path}")
+    if result.error is not None:
+        lines.append(f"implementation crashed: {type(result.error).__name__}: {result.error}")
+    return "\n".join(lines)

@@ -1,0 +1,1 @@
+"""proofs: Z3 encodings of spec transitions (not built yet; see the proofs issue)."""

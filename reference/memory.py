@@ -1,0 +1,89 @@
+"""KV pools: the paged token-to-KV allocator, the req_to_token rows and a tree-cache sink.
+
+Upstream: ``mem_cache/memory_pool.py`` (ReqToTokenPool), ``mem_cache/allocator.py``
+(paged allocator), ``mem_cache/common.py`` (alloc_for_extend / alloc_for_decode /
+release_kv_cache), ``mem_cache/radix_cache.py`` (cache_finished_req).
+
+Modelling compromises:
+- The allocator works in pages; with page_size 1 a page is a slot.
+- The radix tree is a sink: finished requests hand it pages, which stay
+  evictable and are evicted first-in first-out when the allocator runs short. No
+  prefix is ever matched, so no request starts with shared pages.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+from spec.units import PageId, PoolRow
+
+
+class OutOfMemory(Exception):
+    """The allocator cannot satisfy a request even after evicting the tree."""
+
+
+@dataclass
+class TokenToKVPoolAllocator:
+    page_size: int
+    total_pages: int
+    free_pages: list[PageId] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.free_pages = [PageId(p) for p in range(self.total_pages)]
+
+    def available_size(self) -> int:
+        return len(self.free_pages)
+
+    def alloc(self, pages: int) -> list[PageId]:
+        if pages > len(self.free_pages):
+            raise OutOfMemory(f"need {pages} pages, {len(self.free_pages)} free")
+        taken, self.free_pages = self.free_pages[:pages], self.free_pages[pages:]
+        return taken
+
+    def free(self, pages: list[PageId]) -> None:
+        self.free_pages.extend(pages)
+
+
+@dataclass
+class TreeCache:
+    """Holds the pages finished requests cached; all of them are evictable."""
+
+    chunks: deque[list[PageId]] = field(default_factory=deque)
+
+    def evictable_size(self) -> int:
+        return sum(len(chunk) for chunk in self.chunks)
+
+    def cache_finished_req(self, pages: list[PageId]) -> None:
+        if pages:
+            self.chunks.append(list(pages))
+
+    def evict(self, pages_needed: int, allocator: TokenToKVPoolAllocator) -> None:
+        while allocator.available_size() < pages_needed and self.chunks:
+            allocator.free(self.chunks.popleft())
+
+    def get_pages(self) -> list[PageId]:
+        return [page for chunk in self.chunks for page in chunk]
+
+
+@dataclass
+class ReqToTokenPool:
+    """``size + 1`` rows; row 0 is the CUDA-graph padding row and is never handed out."""
+
+    size: int
+    width: int
+    rows: list[list[int]] = field(default_factory=list)
+    free_slots: list[PoolRow] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.rows = [[-1] * self.width for _ in range(self.size + 1)]
+        self.free_slots = [PoolRow(r) for r in range(1, self.size + 1)]
+
+    def alloc(self) -> PoolRow | None:
+        if not self.free_slots:
+            return None
+        return self.free_slots.pop(0)
+
+    def free(self, row: PoolRow) -> None:
+        self.rows[row] = [-1] * self.width
+        self.free_slots.append(row)

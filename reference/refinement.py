@@ -1,0 +1,124 @@
+"""The refinement function: reference state → spec :class:`Observation`.
+
+Field mapping (reference → spec): ``Req`` → :class:`RequestView` (same field
+names as upstream), ``ScheduleBatch`` → :class:`BatchView`, ``ForwardBatch`` →
+:class:`ForwardView`, the allocator / tree / req_to_token pool →
+:class:`AllocatorView`, ``Req.ghost`` → :class:`GhostView`. Races are the ones
+the happens-before record found since the previous observation.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from reference.runtime import Runtime
+from spec.interface import Observer
+from spec.state import (
+    AllocatorView,
+    BatchView,
+    ForwardView,
+    GhostView,
+    Observation,
+    ObservationPoint,
+    RequestView,
+)
+from spec.units import PageId, PoolRow, SlotId, TokenCount
+
+if TYPE_CHECKING:
+    from reference.req import Req
+    from reference.schedule_batch import ScheduleBatch
+    from reference.scheduler import Scheduler
+    from reference.worker import ForwardBatch
+
+
+class Refinement:
+    def __init__(self, rt: Runtime, observer: Observer | None) -> None:
+        self.rt = rt
+        self.observer = observer
+        self.races_seen = 0
+
+    def get_request_view(self, req: Req) -> RequestView:
+        g = req.ghost
+        row: tuple[SlotId, ...] = ()
+        if req.req_pool_idx is not None and req.holds_kv:
+            values = self.rt.req_to_token.rows[req.req_pool_idx][: max(req.kv_allocated_len, 0)]
+            row = tuple(SlotId(v) for v in values)
+        return RequestView(
+            rid=req.rid,
+            prompt_len=req.prompt_len,
+            output_len=TokenCount(len(req.output_ids)),
+            max_new_tokens=req.max_new_tokens,
+            kv_committed_len=req.kv_committed_len,
+            kv_allocated_len=req.kv_allocated_len,
+            req_pool_idx=req.req_pool_idx,
+            finished=req.finished(),
+            is_retracted=req.is_retracted,
+            waiting=req.waiting,
+            holds_kv=req.holds_kv,
+            row_slots=row,
+            owned_pages=tuple(req.pages),
+            release_count=req.release_count,
+            cached_len=req.cached_len,
+            committed_at_release=req.committed_at_release,
+            inflight_at_release=g.inflight_at_release,
+            ghost=GhostView(
+                epoch=g.epoch,
+                kv_len_true=TokenCount(g.kv_len_true),
+                settled_len=TokenCount(g.settled_len),
+                inflight_steps=g.inflight_steps,
+                extend_inflight=g.extend_inflight,
+                output_len_true=TokenCount(g.output_len_true),
+                finished=g.finished,
+            ),
+        )
+
+    def get_batch_view(self, batch: ScheduleBatch) -> BatchView:
+        return BatchView(
+            forward_mode=batch.forward_mode,
+            rids=tuple(req.rid for req in batch.reqs),
+            seq_lens=tuple(batch.seq_lens.values),
+            seq_lens_cpu=None if batch.seq_lens_cpu is None else tuple(batch.seq_lens_cpu),
+            seq_lens_sum=batch.seq_lens_sum,
+            req_pool_indices=tuple(PoolRow(r) for r in batch.req_pool_indices.values),
+            req_pool_indices_cpu=tuple(batch.req_pool_indices_cpu),
+            future_indices=None if batch.future_indices is None else tuple(batch.future_indices),
+            seq_len_cpu_ub=batch.seq_len_cpu_ub,
+        )
+
+    def get_forward_view(self, fb: ForwardBatch, batch: ScheduleBatch) -> ForwardView:
+        return ForwardView(
+            purpose=fb.purpose,
+            batch_size=fb.batch_size,
+            seq_lens=tuple(fb.seq_lens),
+            seq_lens_cpu=None if fb.seq_lens_cpu is None else tuple(fb.seq_lens_cpu),
+            seq_lens_sum=fb.seq_lens_sum,
+            schedule_batch=self.get_batch_view(batch),
+        )
+
+    def get_allocator_view(self) -> AllocatorView:
+        rt = self.rt
+        return AllocatorView(
+            total_pages=rt.allocator.total_pages,
+            page_size=rt.config.page_size,
+            free_pages=tuple(PageId(p) for p in rt.allocator.free_pages),
+            tree_pages=tuple(rt.tree.get_pages()),
+            free_pool_rows=tuple(rt.req_to_token.free_slots),
+            pool_rows=rt.req_to_token.size,
+        )
+
+    def observe(self, point: ObservationPoint, scheduler: Scheduler, **parts: Any) -> None:
+        if self.observer is None:
+            return
+        races = self.rt.hb.races[self.races_seen:]
+        self.races_seen = len(self.rt.hb.races)
+        batch = parts.pop("batch", None)
+        obs = Observation(
+            point=point,
+            step_index=scheduler.step_index,
+            requests=tuple(self.get_request_view(r) for r in scheduler.requests.values()),
+            batch=None if batch is None else self.get_batch_view(batch),
+            allocator=self.get_allocator_view(),
+            races=tuple(races),
+            **parts,
+        )
+        self.observer(obs)

@@ -1,0 +1,149 @@
+"""ScheduleBatch: the running batch as the schedule side holds it (upstream schedule_batch.py).
+
+Three homes of a sequence length live here: the device ``seq_lens`` (a
+:class:`DeviceTensor`), the host mirror ``seq_lens_cpu`` (or None on the
+no-D2H path) and the lazy ``seq_lens_sum`` (None means "recompute").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+
+from reference.mem_cache import alloc_for_decode, alloc_for_extend, grow_to
+from reference.req import Req
+from reference.runtime import DeviceTensor, Runtime
+from spec.happens_before import SCHEDULE
+from spec.transitions import compute_fill_len, compute_v2_alloc_target
+from spec.units import PoolRow
+
+
+@dataclass
+class ScheduleBatch:
+    rt: Runtime
+    reqs: list[Req]
+    forward_mode: str  # "extend" | "decode" | "idle"
+    seq_lens: DeviceTensor
+    seq_lens_cpu: list[int] | None
+    seq_lens_sum: int | None
+    req_pool_indices: DeviceTensor
+    req_pool_indices_cpu: list[PoolRow]
+    future_indices: list[PoolRow] | None = None  # spec_info.future_indices (spec overlap)
+    seq_len_cpu_ub: int | None = None
+    input_ids: list[int] | None = None
+    extra: dict[str, object] = field(default_factory=dict)
+
+    # -- construction ---------------------------------------------------------
+    @classmethod
+    def prepare_for_extend(cls, rt: Runtime, reqs: list[Req]) -> ScheduleBatch:
+        """Prefill: a pool row and KV for fill_len per request; every mirror exact.
+
+        Changes per request: req_pool_idx, pages, kv_committed_len = kv_allocated_len =
+        fill_len, is_retracted = False, waiting = False. Batch: seq_lens (pinned H2D),
+        seq_lens_cpu, seq_lens_sum (eager). Leaves output_ids.
+        """
+        lens: list[int] = []
+        for req in reqs:
+            fill_len = compute_fill_len(req.prompt_len, len(req.output_ids))
+            alloc_for_extend(rt, req, fill_len)
+            req.is_retracted = False
+            req.waiting = False
+            lens.append(fill_len)
+        rows = [req.req_pool_idx for req in reqs]
+        assert all(row is not None for row in rows)
+        pool_rows = [PoolRow(row) for row in rows if row is not None]
+        return cls(
+            rt=rt,
+            reqs=list(reqs),
+            forward_mode="extend",
+            seq_lens=rt.new_tensor(lens, "prepare_for_extend"),
+            seq_lens_cpu=list(lens),
+            seq_lens_sum=sum(lens),
+            req_pool_indices=rt.new_tensor(pool_rows, "prepare_for_extend"),
+            req_pool_indices_cpu=pool_rows,
+        )
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    # -- decode -----------------------------------------------------------------
+    def prepare_for_decode(self) -> None:
+        """Non-spec: claim one slot, seq_lens + 1 (new tensor under overlap), sum = None.
+        Spec-v2: reserve up to max(cur, committed + 2A), page aligned; seq_lens untouched."""
+        rt = self.rt
+        self.forward_mode = "decode"
+        if rt.config.cell.is_spec:
+            self._prepare_for_decode_spec_v2()
+            return
+        old = self.seq_lens.values
+        for req, seq_len in zip(self.reqs, old, strict=True):
+            alloc_for_decode(rt, req, seq_len)
+        bumped = [s + 1 for s in old]
+        if rt.config.cell.overlap:
+            # A new tensor: the in-flight forward still reads the old one.
+            self.seq_lens = rt.new_tensor(bumped, "prepare_for_decode")
+        else:
+            self.seq_lens.values = bumped
+            rt.hb.write(SCHEDULE, ("tensor", self.seq_lens.tensor_id), "prepare_for_decode")
+        if self.seq_lens_cpu is not None:
+            self.seq_lens_cpu = [s + 1 for s in self.seq_lens_cpu]
+        self.seq_lens_sum = None
+
+    def _prepare_for_decode_spec_v2(self) -> None:
+        """Frame: kv_allocated_len (and kv_committed_len + 1 with the pre-claim) only."""
+        rt = self.rt
+        cfg = rt.config
+        for req in self.reqs:
+            target = compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len,
+                                             cfg.alloc_reserve_per_decode, cfg.page_size)
+            grow_to(rt, req, target, "prepare_for_decode")
+            if cfg.cell.preclaim:
+                req.kv_committed_len += 1
+
+    # -- filter / merge -----------------------------------------------------------
+    def filter_batch(self, keep_indices: list[int] | None = None) -> None:
+        """Keep unfinished requests (or ``keep_indices``): gathers on S, sum = None."""
+        if keep_indices is None:
+            keep_indices = [j for j, req in enumerate(self.reqs) if not req.finished()]
+        if keep_indices == list(range(len(self.reqs))):
+            return
+        rt = self.rt
+        lens = rt.read_tensor(SCHEDULE, self.seq_lens, "filter_batch")
+        rows = rt.read_tensor(SCHEDULE, self.req_pool_indices, "filter_batch")
+        self.reqs = [self.reqs[j] for j in keep_indices]
+        self.seq_lens = rt.new_tensor([lens[j] for j in keep_indices], "filter_batch")
+        self.req_pool_indices = rt.new_tensor([rows[j] for j in keep_indices], "filter_batch")
+        self.req_pool_indices_cpu = [self.req_pool_indices_cpu[j] for j in keep_indices]
+        if self.seq_lens_cpu is not None:
+            self.seq_lens_cpu = [self.seq_lens_cpu[j] for j in keep_indices]
+        if self.future_indices is not None:
+            self.future_indices = [self.future_indices[j] for j in keep_indices]
+        self.seq_lens_sum = None
+
+    def merge_batch(self, other: ScheduleBatch) -> None:
+        """Concatenate; seq_lens_cpu is None if either side's is; sum = None."""
+        rt = self.rt
+        lens = rt.read_tensor(SCHEDULE, self.seq_lens, "merge_batch")
+        lens += rt.read_tensor(SCHEDULE, other.seq_lens, "merge_batch")
+        rows = rt.read_tensor(SCHEDULE, self.req_pool_indices, "merge_batch")
+        rows += rt.read_tensor(SCHEDULE, other.req_pool_indices, "merge_batch")
+        self.seq_lens = rt.new_tensor(lens, "merge_batch")
+        self.req_pool_indices = rt.new_tensor(rows, "merge_batch")
+        self.req_pool_indices_cpu = self.req_pool_indices_cpu + other.req_pool_indices_cpu
+        if self.seq_lens_cpu is None or other.seq_lens_cpu is None:
+            self.seq_lens_cpu = None
+        else:
+            self.seq_lens_cpu = self.seq_lens_cpu + other.seq_lens_cpu
+        if self.future_indices is not None and other.future_indices is not None:
+            self.future_indices = self.future_indices + other.future_indices
+        else:
+            self.future_indices = None
+        self.seq_lens_sum = None
+        self.reqs = self.reqs + other.reqs
+
+    # -- snapshot -----------------------------------------------------------------
+    def copy(self) -> ScheduleBatch:
+        """``SB.copy()`` for the result queue: a shallow list of the same Req objects."""
+        return replace(self, reqs=list(self.reqs), extra={})
+
+    def get_referenced_tensors(self) -> set[int]:
+        return {self.seq_lens.tensor_id, self.req_pool_indices.tensor_id}

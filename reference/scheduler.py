@@ -1,0 +1,470 @@
+"""Scheduler: the event loop, run_batch with isolation, retraction and result processing.
+
+Upstream: ``managers/scheduler.py`` (event_loop_overlap / event_loop_normal,
+get_next_batch_to_run, update_running_batch, run_batch, _forward_isolation,
+record_batch_in_overlap, _apply_war_barrier), ``schedule_batch.py``
+(retract_decode, release_req), ``batch_result_processor.py``
+(process_batch_result_prefill / _decode, _resolve_spec_v2_tokens).
+
+One call of :meth:`Scheduler.run_iteration` is one pass of the event loop::
+
+    overlap:     prepare(B_i) → run_batch(B_i) → WAR fence → process(R_{i-1})
+    no overlap:  prepare(B_i) → run_batch(B_i) → process(R_i)
+
+``faults`` switches on historical bugs (digest section 5) by ID; with none the
+reference is the intended design.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from reference.future_map import FutureMap
+from reference.mem_cache import get_available_pages, get_decode_pages_needed, release_kv_cache
+from reference.refinement import Refinement
+from reference.req import Req
+from reference.runtime import Runtime
+from reference.schedule_batch import ScheduleBatch
+from reference.worker import ForwardResult, ModelWorker
+from spec.config import ModelConfig
+from spec.happens_before import COPY, FORWARD, HOST, SCHEDULE
+from spec.interface import Observer
+from spec.state import (
+    BatchView,
+    IsolationView,
+    IterationChoices,
+    LaunchMember,
+    LaunchView,
+    ObservationPoint,
+    ProcessedEntry,
+    PublishRecord,
+    ResultView,
+)
+from spec.transitions import (
+    compute_committed_after_result,
+    compute_fill_len,
+    compute_forward_write_width,
+    compute_pages_for_len,
+    compute_run_len,
+)
+from spec.units import PoolRow, RequestId, StepId, TokenCount
+
+READ_DONE = "shared_read_done"
+
+# Historical bugs (digest section 5) this reference can re-introduce, by ID.
+SUPPORTED_FAULTS = frozenset({"B2", "B3", "B4", "B5", "B7", "B8", "B11", "B15"})
+
+
+class ConfigurationError(Exception):
+    """The chosen sizes cannot run one request alone (a preset error, not a bug)."""
+
+
+@dataclass
+class QueuedResult:
+    batch: ScheduleBatch
+    result: ForwardResult
+
+
+class Scheduler:
+    """The reference implementation of :class:`reference.interface.SchedulerModel`."""
+
+    def __init__(self, config: ModelConfig, faults: frozenset[str] = frozenset(),
+                 observer: Observer | None = None) -> None:
+        unknown = set(faults) - SUPPORTED_FAULTS
+        if unknown:
+            raise ValueError(f"unknown fault IDs {sorted(unknown)}; this reference supports "
+                             f"{sorted(SUPPORTED_FAULTS)}")
+        self.config = config
+        self.rt = Runtime(config, frozenset(faults))
+        self.refinement = Refinement(self.rt, observer)
+        self.future_map = FutureMap(self.rt)
+        self.worker = ModelWorker(self.rt, self._emit_forward)
+        self.requests: dict[RequestId, Req] = {}
+        self.waiting_queue: list[Req] = []
+        self.running_batch: ScheduleBatch | None = None
+        self.last_batch: ScheduleBatch | None = None
+        self.result_queue: deque[QueuedResult] = deque()
+        self.batch_record_buf: list[set[int]] = [set(), set()]
+        self.batch_record_ct = 0
+        self.next_rid = 0
+        self.next_step = 0
+        self.last_processed_step: StepId | None = None
+        self.step_index = 0
+        self.isolation_entry: BatchView | None = None
+
+    # ------------------------------------------------------------------ interface
+    def admit(self, prompt_len: int, max_new_tokens: int) -> RequestId:
+        rid = RequestId(self.next_rid)
+        self.next_rid += 1
+        req = Req(rid, TokenCount(prompt_len), TokenCount(max_new_tokens))
+        self.requests[rid] = req
+        self.waiting_queue.append(req)
+        return rid
+
+    def abort(self, rid: RequestId) -> None:
+        """Waiting: leave the queue finished. Running: deferred until its next result."""
+        req = self.requests.get(rid)
+        if req is None or req.finished():
+            return
+        if req.waiting:
+            self.waiting_queue.remove(req)
+            req.waiting = False
+            req.is_retracted = False
+            req.finished_reason = "abort"
+            self.rt.ghost.on_abort(req, waiting=True)
+        else:
+            req.to_finish = "abort"
+            self.rt.ghost.on_abort(req, waiting=False)
+        self.refinement.observe(ObservationPoint.ABORT, self)
+
+    def run_iteration(self, choices: IterationChoices) -> None:
+        hb = self.rt.hb
+        syncs_before = len(hb.host_syncs)
+        batch = self.get_next_batch_to_run(choices)
+        launched = batch is not None
+        if self.config.cell.overlap:
+            if batch is not None:
+                result = self.run_batch(batch, choices)
+                self.apply_war_barrier()
+                self.result_queue.append(QueuedResult(batch.copy(), result))
+            if self.last_batch is not None and self.result_queue:
+                self.pop_and_process()
+        elif batch is not None:
+            result = self.run_batch(batch, choices)
+            self.result_queue.append(QueuedResult(batch.copy(), result))
+            self.pop_and_process()
+        self.last_batch = batch
+        # "event:copy_done:7" -> "event:copy_done": the step number is not part of the kind.
+        syncs = tuple(":".join(s.split(":")[:2]) for s in hb.host_syncs[syncs_before:])
+        self.refinement.observe(ObservationPoint.ITERATION_END, self, host_syncs=syncs,
+                                launched_this_iteration=launched)
+
+    def get_request_ids(self) -> tuple[RequestId, ...]:
+        return tuple(self.requests)
+
+    def set_step_index(self, index: int) -> None:
+        self.step_index = index
+
+    # ------------------------------------------------------------------ scheduling
+    def get_next_batch_to_run(self, choices: IterationChoices) -> ScheduleBatch | None:
+        last = self.last_batch
+        if last is not None and last.forward_mode == "extend":
+            last.filter_batch()
+            self._observe_batch(ObservationPoint.FILTER_BATCH, last)
+            if not last.is_empty():
+                if self.running_batch is None or self.running_batch.is_empty():
+                    self.running_batch = last
+                else:
+                    self.running_batch.merge_batch(last)
+                    self._observe_batch(ObservationPoint.MERGE_BATCH, self.running_batch)
+        if choices.allow_prefill:
+            new_batch = self.get_new_batch_prefill()
+            if new_batch is not None:
+                return new_batch
+        if self.running_batch is not None and not self.running_batch.is_empty():
+            self.update_running_batch(self.running_batch, choices.retract)
+            if not self.running_batch.is_empty():
+                return self.running_batch
+        return None
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        """Admit waiting requests in order while a row and their pages are free."""
+        rt = self.rt
+        running = 0 if self.running_batch is None else len(self.running_batch.reqs)
+        chosen: list[Req] = []
+        pages = 0
+        for req in self.waiting_queue:
+            if running + len(chosen) >= self.config.preset.max_running_requests:
+                break
+            if len(rt.req_to_token.free_slots) <= len(chosen):
+                break
+            need = compute_pages_for_len(
+                compute_fill_len(req.prompt_len, len(req.output_ids)), self.config.page_size)
+            if pages + need > get_available_pages(rt):
+                break
+            chosen.append(req)
+            pages += need
+        if not chosen:
+            return None
+        for req in chosen:
+            self.waiting_queue.remove(req)
+        batch = ScheduleBatch.prepare_for_extend(rt, chosen)
+        for req in chosen:
+            self.future_map.on_row_acquired(req)
+        self._observe_batch(ObservationPoint.PREPARE_FOR_EXTEND, batch)
+        return batch
+
+    def update_running_batch(self, batch: ScheduleBatch, forced_retracts: int) -> None:
+        batch.filter_batch()
+        self._observe_batch(ObservationPoint.FILTER_BATCH, batch)
+        if batch.is_empty():
+            return
+        self.retract_decode(batch, forced_retracts)
+        if batch.is_empty():
+            return
+        batch.prepare_for_decode()
+        self._observe_batch(ObservationPoint.PREPARE_FOR_DECODE, batch)
+
+    def _decode_pages_needed(self, batch: ScheduleBatch) -> int:
+        return sum(get_decode_pages_needed(self.rt, req, s)
+                   for req, s in zip(batch.reqs, batch.seq_lens.values, strict=True))
+
+    def retract_decode(self, batch: ScheduleBatch, forced: int) -> None:
+        """Retract until the next decode fits, plus ``forced`` more; keep at least one.
+
+        Spec retracts from the back only; non-spec picks the longest outputs first.
+        """
+        fits = self._decode_pages_needed(batch) <= get_available_pages(self.rt)
+        if forced == 0 and fits:
+            return
+        retracted: list[Req] = []
+        order = list(range(len(batch.reqs)))
+        if not self.config.cell.is_spec:
+            order.sort(key=lambda j: (len(batch.reqs[j].output_ids), -batch.reqs[j].prompt_len))
+        keep = set(order)
+        while len(keep) > 1 and (
+            forced > len(retracted)
+            or self._pages_needed_for(batch, keep) > get_available_pages(self.rt)
+        ):
+            victim = order.pop()
+            keep.discard(victim)
+            req = batch.reqs[victim]
+            self.release_req(req)
+            retracted.append(req)
+        if self._pages_needed_for(batch, keep) > get_available_pages(self.rt):
+            raise ConfigurationError(
+                f"{self.config.name}: one request does not fit the KV pool; enlarge the preset")
+        if not retracted:
+            return
+        batch.filter_batch(keep_indices=sorted(keep))
+        self.waiting_queue.extend(retracted)
+        self._observe_batch(ObservationPoint.RETRACT_DECODE, batch)
+
+    def _pages_needed_for(self, batch: ScheduleBatch, keep: set[int]) -> int:
+        return sum(get_decode_pages_needed(self.rt, batch.reqs[j], batch.seq_lens.values[j])
+                   for j in keep)
+
+    def release_req(self, req: Req) -> None:
+        release_kv_cache(self.rt, req, is_insert=False)
+        req.reset_for_retract()
+        self.rt.ghost.on_retract(req)
+
+    # ------------------------------------------------------------------ run_batch
+    def run_batch(self, batch: ScheduleBatch, choices: IterationChoices) -> ForwardResult:
+        rt = self.rt
+        cfg = self.config
+        hb = rt.hb
+        step = StepId(self.next_step)
+        self.next_step += 1
+        for req in batch.reqs:
+            rt.ghost.on_launch(step, req, batch.forward_mode == "extend")
+        resolve = None
+        unseeded: list[tuple[RequestId, PoolRow]] = []
+        if cfg.cell.is_spec and cfg.cell.overlap and batch.forward_mode == "decode":
+            assert batch.future_indices is not None
+            unseeded = self.future_map.get_unseeded_rows(batch.reqs, batch.future_indices)
+            resolve = self.future_map.resolve_seq_lens_cpu(batch)
+            self._observe_batch(ObservationPoint.RESOLVE_SEQ_LENS_CPU, batch, resolve=resolve)
+        if cfg.cell.overlap:
+            hb.wait_stream(FORWARD, SCHEDULE)  # RAW fence at launch (ST1)
+        rows = list(batch.req_pool_indices_cpu)
+        gathers = []
+        if cfg.cell.overlap and batch.forward_mode == "decode":
+            gathers = self.future_map.resolve_forward_inputs(batch.reqs, rows)
+        width = compute_forward_write_width(cfg, batch.forward_mode)
+        members = tuple(
+            LaunchMember(
+                rid=req.rid,
+                seq_len=s,
+                published_seq_len=(self.future_map.new_seq_lens_buf[row]
+                                   if cfg.cell.is_spec and cfg.cell.overlap else None),
+                kv_allocated_len=req.kv_allocated_len,
+                ghost_kv_len=TokenCount(req.ghost.kv_len_true),
+                write_width=width,
+            )
+            for req, s, row in zip(batch.reqs, batch.seq_lens.values, rows, strict=True)
+        )
+        entry = self.refinement.get_batch_view(batch)
+        self.isolation_entry = entry
+        snapshot = self._isolation_snapshot(batch)
+        if cfg.cell.overlap:
+            self.record_batch_in_overlap(batch)
+        future_indices = list(rows)
+        publishes: list[PublishRecord] = []
+        accept_lens = [choices.get_accept_len(j, cfg.max_accept_len)
+                       for j in range(len(batch.reqs))]
+
+        def on_publish(values: list[int]) -> None:
+            seq_in = batch.seq_lens.values
+            for j, (req, value) in enumerate(zip(batch.reqs, values, strict=True)):
+                accept = None if batch.forward_mode == "extend" else accept_lens[j]
+                publishes.append(
+                    PublishRecord(req.rid, future_indices[j], seq_in[j], accept, value))
+            self.future_map.publish(batch.reqs, future_indices, values)
+
+        result = self.worker.forward_batch_generation(batch, step, choices, on_publish)
+        if not cfg.cell.is_spec and cfg.cell.overlap:
+            # Non-spec publish of seq_lens + 1: written, never read by the schedule side.
+            self.future_map.publish(batch.reqs, future_indices, result.new_seq_lens)
+        if cfg.cell.overlap and not cfg.cell.is_spec:
+            hb.record(READ_DONE, rt.forward_stream)
+        result.publishes = publishes
+        # Relay the sampled / bonus token for the next forward (stash on F).
+        last_tokens = [
+            result.next_token_ids[j * result.stride + result.accept_lens[j] - 1]
+            for j in range(len(batch.reqs))
+        ]
+        self.future_map.stash(batch.reqs, future_indices, last_tokens)
+        # Result D2H on the copy stream, then copy_done.
+        result.copy_done = f"copy_done:{step}"
+        hb.wait_stream(COPY, rt.forward_stream)
+        hb.write(COPY, ("result", step), "copy_to_cpu")
+        hb.record(result.copy_done, COPY)
+        # Isolation exit: spec restores every field; non-spec keeps its own.
+        if cfg.cell.is_spec:
+            self._isolation_restore(batch, snapshot)
+        batch.input_ids = None
+        reapplied = None
+        if cfg.cell.is_spec:
+            batch.future_indices = list(future_indices) if cfg.cell.overlap else None
+            if not cfg.cell.overlap:
+                reapplied = tuple(result.new_seq_lens)
+                batch.seq_lens = rt.new_tensor(result.new_seq_lens, "run_batch re-apply")
+                if batch.seq_lens_cpu is not None:
+                    hb.synchronize_stream(SCHEDULE)  # new_seq_lens.to("cpu")
+                    batch.seq_lens_cpu = list(result.new_seq_lens)
+                    batch.seq_lens_sum = sum(batch.seq_lens_cpu)
+        launch = LaunchView(
+            step=step,
+            forward_mode=batch.forward_mode,
+            members=members,
+            kv_write_faults=tuple(result.kv_write_faults),
+            relay_gathers=tuple(gathers),
+            unseeded_spec_rows=tuple(unseeded),
+            publishes=tuple(publishes),
+        )
+        self.refinement.observe(ObservationPoint.LAUNCH, self, batch=batch, launch=launch)
+        isolation = None
+        if cfg.cell.is_spec:
+            isolation = IsolationView(entry, self.refinement.get_batch_view(batch), reapplied)
+        self.refinement.observe(ObservationPoint.RUN_BATCH, self, batch=batch, launch=launch,
+                                isolation=isolation)
+        return result
+
+    def _isolation_snapshot(self, batch: ScheduleBatch) -> dict[str, Any]:
+        fields = ("forward_mode", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "input_ids",
+                  "future_indices", "seq_len_cpu_ub")
+        return {name: getattr(batch, name) for name in fields}
+
+    def _isolation_restore(self, batch: ScheduleBatch, snapshot: dict[str, Any]) -> None:
+        for name, value in snapshot.items():
+            setattr(batch, name, value)
+
+    def record_batch_in_overlap(self, batch: ScheduleBatch) -> None:
+        """Keep the launched batch's tensors alive for two launches (batch_record_buf)."""
+        size = 1 if self.rt.has_fault("B15") else 2
+        self.batch_record_ct = (self.batch_record_ct + 1) % size
+        self.batch_record_buf[self.batch_record_ct] = batch.get_referenced_tensors()
+        if size == 1:
+            self.batch_record_buf[1] = set()
+        self._collect_tensors("record_batch_in_overlap")
+
+    def _collect_tensors(self, operation: str) -> None:
+        referenced: set[int] = set().union(*self.batch_record_buf)
+        for batch in (self.running_batch, self.last_batch):
+            if batch is not None:
+                referenced |= batch.get_referenced_tensors()
+        for queued in self.result_queue:
+            referenced.add(queued.batch.req_pool_indices.tensor_id)
+        self.rt.release_tensors(referenced, operation)
+
+    def apply_war_barrier(self) -> None:
+        """Right after launch (PR 31687): S waits for F_i's reads before writing again."""
+        if self.rt.has_fault("B8"):
+            return
+        if self.config.cell.is_spec:
+            self.rt.hb.wait_stream(SCHEDULE, FORWARD)  # spec keeps the coarse fence
+        else:
+            self.rt.hb.wait_event(SCHEDULE, READ_DONE)
+
+    # ------------------------------------------------------------------ results
+    def pop_and_process(self) -> None:
+        queued = self.result_queue.popleft()
+        self.process_batch_result(queued.batch, queued.result)
+        if self.config.cell.overlap:
+            self._collect_tensors("process_batch_result")
+
+    def process_batch_result(self, batch: ScheduleBatch, result: ForwardResult) -> None:
+        rt = self.rt
+        cfg = self.config
+        hb = rt.hb
+        hb.synchronize_event(result.copy_done)
+        hb.read(HOST, ("result", result.step), "process_batch_result")
+        entries: list[ProcessedEntry] = []
+        live_correct = 0
+        live_count = 0
+        all_correct = 0
+        for j, req in enumerate(result.reqs):
+            accept = result.accept_lens[j]
+            eos_at = result.eos_at[j]
+            rt.ghost.on_result(result.step, req, accept, eos_at)
+            was_stale = req.finished() or req.is_retracted
+            stale = was_stale and not rt.has_fault("B3")
+            finished_before = req.finished()
+            out_before, committed_before = len(req.output_ids), req.kv_committed_len
+            remaining = req.max_new_tokens - len(req.output_ids)
+            run_len = compute_run_len(accept, remaining, eos_at)
+            all_correct += accept - 1
+            if not stale:
+                live_correct += accept - 1
+                live_count += 1
+                start = j * result.stride
+                run = result.next_token_ids[start:start + run_len]
+                if result.forward_mode == "decode":
+                    req.kv_committed_len = compute_committed_after_result(
+                        cfg.cell, req.kv_committed_len, run_len, False, False)
+                req.output_ids.extend(run)
+                if cfg.cell.is_spec and result.forward_mode == "decode":
+                    req.spec_verify_ct += 1
+                    req.spec_num_correct_drafts += accept - 1
+                hit_eos = eos_at is not None and eos_at < run_len
+                req.update_finish_state(hit_eos)
+                if req.finished() and req.holds_kv:
+                    release_kv_cache(rt, req, is_insert=True)
+            elif result.forward_mode == "decode":
+                req.kv_committed_len = compute_committed_after_result(
+                    cfg.cell, req.kv_committed_len, run_len, True, finished_before)
+            entries.append(ProcessedEntry(
+                rid=req.rid, stale=was_stale, finished_before=finished_before,
+                accept_len=accept, run_len=run_len if not stale else 0, stride=result.stride,
+                output_before=out_before, output_after=len(req.output_ids),
+                committed_before=committed_before, committed_after=req.kv_committed_len))
+        counted = all_correct if rt.has_fault("B4") else live_correct
+        batch_size = len(result.reqs) if rt.has_fault("B4") else live_count
+        view = ResultView(
+            step=result.step,
+            entries=tuple(entries),
+            num_correct_drafts=counted,
+            metrics_batch_size=batch_size,
+            previous_step=self.last_processed_step,
+            pending_after=len(self.result_queue),
+        )
+        self.last_processed_step = result.step
+        self.refinement.observe(ObservationPoint.PROCESS_RESULT, self, result=view)
+
+    # ------------------------------------------------------------------ observation
+    def _observe_batch(self, point: ObservationPoint, batch: ScheduleBatch, **parts: Any) -> None:
+        self.refinement.observe(point, self, batch=batch, **parts)
+
+    def _emit_forward(self, kind: str, **parts: Any) -> None:
+        point = ObservationPoint.INIT_NEW if kind == "init_new" else ObservationPoint.DRAFT_EXTEND
+        batch = parts["batch"]
+        fb = parts["forward"]
+        forward = self.refinement.get_forward_view(fb, batch)
+        isolation = None
+        if point is ObservationPoint.DRAFT_EXTEND and self.isolation_entry is not None:
+            isolation = IsolationView(self.isolation_entry, forward.schedule_batch, None)
+        self.refinement.observe(point, self, batch=batch, forward=forward, isolation=isolation)
+

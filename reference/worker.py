@@ -1,0 +1,200 @@
+"""The model forward as an environment: ForwardBatch.init_new and a stand-in worker.
+
+The worker writes KV exactly where the real model would (through req_to_token),
+takes accept lengths and EOS from the environment's choices, and publishes
+new_seq_lens through the ``on_publish`` callback between verify and
+draft-extend (multi_layer_eagle_worker_v2.py). A write outside what the request
+owns is recorded as a :class:`KvWrite` fault, so an accounting error shows up
+as a wrong write instead of silently passing.
+
+Upstream: ``model_executor/forward_batch_info.py`` (init_new),
+``speculative/eagle_worker_v2.py`` / ``multi_layer_eagle_worker_v2.py``
+(forward_batch_generation), ``speculative/eagle_info_v2.py``
+(prepare_for_extend_to_fill_draft_kvcache).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from reference.req import EOS_TOKEN, Req
+from reference.runtime import DeviceTensor, Runtime
+from reference.schedule_batch import ScheduleBatch
+from spec.state import IterationChoices, KvWrite, PublishRecord
+from spec.transitions import (
+    compute_draft_extend_seq_lens,
+    compute_forward_write_width,
+    compute_verify_new_seq_len,
+)
+from spec.units import StepId
+
+
+@dataclass
+class ForwardBatch:
+    purpose: str
+    batch_size: int
+    seq_lens: list[int]
+    seq_lens_cpu: list[int] | None
+    seq_lens_sum: int | None
+
+
+def init_new(rt: Runtime, batch: ScheduleBatch, purpose: str,
+             seq_lens_cpu_cache: list[int] | None = None) -> ForwardBatch:
+    """Build the ForwardBatch; backfill SB.seq_lens_sum when it is None (upstream does).
+
+    ``seq_lens`` is aliased from SB, so the forward stream reads SB's tensor.
+    """
+    seq_lens = rt.read_tensor(rt.forward_stream, batch.seq_lens, f"init_new({purpose})")
+    rt.read_tensor(rt.forward_stream, batch.req_pool_indices, f"init_new({purpose})")
+    cpu = seq_lens_cpu_cache if seq_lens_cpu_cache is not None else batch.seq_lens_cpu
+    if batch.seq_lens_sum is None and cpu is not None and not rt.has_fault("B2"):
+        batch.seq_lens_sum = sum(cpu)
+    return ForwardBatch(purpose, len(seq_lens), seq_lens,
+                        None if cpu is None else list(cpu), batch.seq_lens_sum)
+
+
+def token_for(req: Req, index: int) -> int:
+    """A deterministic non-EOS token: the value only matters for relay checks."""
+    return 1 + (req.rid * 31 + index * 7) % 97
+
+
+@dataclass
+class ForwardResult:
+    step: StepId
+    forward_mode: str
+    reqs: list[Req]
+    stride: int
+    next_token_ids: list[int]  # stride tokens per request
+    accept_lens: list[int]
+    eos_at: list[int | None]  # index of EOS inside the request's run, if any
+    new_seq_lens: list[int]
+    publishes: list[PublishRecord] = field(default_factory=list)
+    kv_write_faults: list[KvWrite] = field(default_factory=list)
+    copy_done: str = ""
+
+
+OnPublish = Callable[[list[int]], None]
+Emit = Callable[..., None]
+
+
+class ModelWorker:
+    def __init__(self, rt: Runtime, emit: Emit) -> None:
+        self.rt = rt
+        self.emit = emit
+
+    def _write_kv(self, req: Req, start: int, end: int, faults: list[KvWrite]) -> None:
+        """The forward writes KV for positions [start, end) through req_to_token."""
+        rt = self.rt
+        p = rt.config.page_size
+        if req.req_pool_idx is None:
+            faults.append(KvWrite(req.rid, start, None, "request holds no pool row"))
+            return
+        rt.hb.read(rt.forward_stream, ("req_to_token", req.req_pool_idx), "forward KV write")
+        row = rt.req_to_token.rows[req.req_pool_idx]
+        for position in range(start, end):
+            slot = row[position] if 0 <= position < len(row) else -1
+            if position < 0 or position >= req.kv_allocated_len:
+                faults.append(KvWrite(req.rid, position, slot, "beyond kv_allocated_len"))
+            elif slot < 0 or slot // p not in req.pages:
+                faults.append(KvWrite(req.rid, position, slot, "slot not owned by the request"))
+
+    def forward_batch_generation(self, batch: ScheduleBatch, step: StepId,
+                                 choices: IterationChoices, on_publish: OnPublish) -> ForwardResult:
+        cfg = self.rt.config
+        if batch.forward_mode == "extend":
+            return self._forward_extend(batch, step, choices, on_publish)
+        if cfg.cell.is_spec:
+            return self._forward_decode_spec_v2(batch, step, choices, on_publish)
+        return self._forward_decode(batch, step, choices)
+
+    def _sample(self, req: Req, position: int, run_len: int, choices: IterationChoices,
+                stride: int) -> tuple[list[int], int | None]:
+        base = len(req.output_ids)
+        tokens = [token_for(req, base + k) for k in range(stride)]
+        eos_at = run_len - 1 if choices.is_eos(position) else None
+        if eos_at is not None:
+            tokens[eos_at] = EOS_TOKEN
+        return tokens, eos_at
+
+    def _forward_extend(self, batch: ScheduleBatch, step: StepId, choices: IterationChoices,
+                        on_publish: OnPublish) -> ForwardResult:
+        rt = self.rt
+        fb = init_new(rt, batch, "extend")
+        self.emit("init_new", forward=fb, batch=batch)
+        faults: list[KvWrite] = []
+        tokens: list[int] = []
+        eos: list[int | None] = []
+        for j, (req, fill_len) in enumerate(zip(batch.reqs, fb.seq_lens, strict=True)):
+            self._write_kv(req, 0, fill_len, faults)
+            rt.ghost.on_forward_extend(step, req)
+            run, eos_at = self._sample(req, j, 1, choices, 1)
+            tokens += run
+            eos.append(eos_at)
+        if rt.config.cell.is_spec:
+            on_publish(list(fb.seq_lens))  # spec extend publishes s (the prompt length)
+        return ForwardResult(step, "extend", list(batch.reqs), 1, tokens,
+                             [1] * len(batch.reqs), eos, list(fb.seq_lens), kv_write_faults=faults)
+
+    def _forward_decode(self, batch: ScheduleBatch, step: StepId,
+                        choices: IterationChoices) -> ForwardResult:
+        rt = self.rt
+        fb = init_new(rt, batch, "decode")
+        self.emit("init_new", forward=fb, batch=batch)
+        faults: list[KvWrite] = []
+        tokens: list[int] = []
+        eos: list[int | None] = []
+        for j, (req, seq_len) in enumerate(zip(batch.reqs, fb.seq_lens, strict=True)):
+            self._write_kv(req, seq_len - 1, seq_len, faults)  # the token being processed
+            rt.ghost.on_forward_decode(step, req, 1)
+            run, eos_at = self._sample(req, j, 1, choices, 1)
+            tokens += run
+            eos.append(eos_at)
+        return ForwardResult(step, "decode", list(batch.reqs), 1, tokens,
+                             [1] * len(batch.reqs), eos, [s + 1 for s in fb.seq_lens],
+                             kv_write_faults=faults)
+
+    def _forward_decode_spec_v2(self, batch: ScheduleBatch, step: StepId,
+                                choices: IterationChoices, on_publish: OnPublish) -> ForwardResult:
+        rt = self.rt
+        cfg = rt.config
+        width = compute_forward_write_width(cfg, "decode")
+        draft = init_new(rt, batch, "draft")
+        self.emit("init_new", forward=draft, batch=batch)
+        # Verify copies seq_lens_cpu / seq_lens_sum from SB (TBO reads them).
+        verify = init_new(rt, batch, "verify")
+        self.emit("init_new", forward=verify, batch=batch)
+        faults: list[KvWrite] = []
+        tokens: list[int] = []
+        accept_lens: list[int] = []
+        eos: list[int | None] = []
+        new_seq_lens: list[int] = []
+        stride = cfg.draft_tokens
+        for j, (req, seq_len) in enumerate(zip(batch.reqs, verify.seq_lens, strict=True)):
+            self._write_kv(req, seq_len, seq_len + width, faults)  # draft + verify positions
+            accept = choices.get_accept_len(j, cfg.max_accept_len)
+            rt.ghost.on_forward_decode(step, req, accept)
+            run, eos_at = self._sample(req, j, accept, choices, stride)
+            tokens += run
+            accept_lens.append(accept)
+            eos.append(eos_at)
+            new_seq_lens.append(compute_verify_new_seq_len(seq_len, accept))
+        on_publish(new_seq_lens)  # between verify and draft_extend
+        self._draft_extend(batch)
+        return ForwardResult(step, "decode", list(batch.reqs), stride, tokens, accept_lens, eos,
+                             new_seq_lens, kv_write_faults=faults)
+
+    def _draft_extend(self, batch: ScheduleBatch) -> None:
+        """prepare_for_extend_to_fill_draft_kvcache: +D_tok on the ForwardBatch only."""
+        rt = self.rt
+        fb = init_new(rt, batch, "draft_extend")
+        d_tok = rt.config.draft_tokens
+        fb.seq_lens = list(compute_draft_extend_seq_lens(tuple(fb.seq_lens), d_tok))
+        if rt.has_fault("B7"):
+            batch.seq_lens = DeviceTensor(batch.seq_lens.tensor_id, list(fb.seq_lens))
+            if batch.seq_lens_cpu is not None:
+                batch.seq_lens_cpu = [s + d_tok for s in batch.seq_lens_cpu]
+        if fb.seq_lens_cpu is not None:
+            fb.seq_lens_cpu = [s + d_tok for s in fb.seq_lens_cpu]
+            fb.seq_lens_sum = sum(fb.seq_lens_cpu)
+        self.emit("draft_extend", forward=fb, batch=batch)

@@ -1,0 +1,212 @@
+"""Configuration cells: which scheduler design is being checked.
+
+A *cell* fixes the switches that change which code paths run (overlap, paging,
+speculative mode, whether attention needs the host mirror, the bonus pre-claim
+era). A *preset* fixes the sizes (pools, context, speculative shape). A model
+configuration is one cell plus one preset.
+
+Upstream sources: ``scheduler.py`` (``enable_overlap``), ``eagle_info_v2.py``
+(``get_alloc_len_per_decode``, ``get_alloc_reserve_per_decode``),
+``overlap_utils.py`` (``needs_cpu_seq_lens``, PR 26128), PR 23456 / PR 28754
+(bonus pre-claim on / off), PR 26866 (topk > 1 with page_size 1 only).
+
+Switches that do not matter in a cell take one canonical value, so no two cells
+run the same code paths:
+
+- ``needs_cpu_seq_lens`` only matters for speculative overlap (it gates the
+  private D2H in ``resolve_seq_lens_cpu``); elsewhere it is True.
+- ``preclaim`` only exists in speculative decoding; non-speculative decode always
+  claims its one slot at prepare time and the flag is False.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+from typing import Final
+
+from spec.units import TokenCount
+
+
+class SpecMode(enum.Enum):
+    """Speculative decoding mode of a cell."""
+
+    NONE = "none"
+    V2_CHAIN = "v2chain"  # EAGLE/MTP spec-v2, topk == 1, draft tokens == steps + 1
+    V2_TREE = "v2tree"  # spec-v2 with topk > 1 (page_size 1 only, PR 26866)
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One combination of the design switches."""
+
+    overlap: bool
+    page_size: int
+    spec_mode: SpecMode
+    needs_cpu_seq_lens: bool
+    preclaim: bool
+
+    @property
+    def is_spec(self) -> bool:
+        return self.spec_mode is not SpecMode.NONE
+
+    @property
+    def name(self) -> str:
+        parts = [
+            "ov" if self.overlap else "nov",
+            f"p{self.page_size}",
+            self.spec_mode.value,
+        ]
+        if self.is_spec:
+            parts.append("cpu" if self.needs_cpu_seq_lens else "nocpu")
+            parts.append("preclaim" if self.preclaim else "honest")
+        return "-".join(parts)
+
+
+@dataclass(frozen=True)
+class Preset:
+    """Sizes. ``minimal`` is tiny and fast; ``realistic`` follows upstream defaults."""
+
+    name: str
+    max_running_requests: int  # req_to_token pool rows, not counting padding row 0
+    kv_tokens: int  # token-to-KV pool size, in tokens (pages = kv_tokens // page_size)
+    max_context_len: TokenCount
+    max_prompt_len: TokenCount
+    max_new_tokens: TokenCount
+    chain_steps: int  # v2 chain: draft steps S; draft tokens = S + 1
+    tree_topk: int
+    tree_steps: int
+    tree_draft_tokens: int
+
+
+MINIMAL: Final = Preset(
+    name="minimal",
+    max_running_requests=3,
+    kv_tokens=32,
+    max_context_len=TokenCount(24),
+    max_prompt_len=TokenCount(5),
+    max_new_tokens=TokenCount(8),
+    chain_steps=2,
+    tree_topk=2,
+    tree_steps=2,
+    tree_draft_tokens=4,
+)
+
+REALISTIC: Final = Preset(
+    name="realistic",
+    max_running_requests=16,
+    kv_tokens=4096,
+    max_context_len=TokenCount(256),
+    max_prompt_len=TokenCount(64),
+    max_new_tokens=TokenCount(96),
+    chain_steps=3,
+    tree_topk=4,
+    tree_steps=3,
+    tree_draft_tokens=8,
+)
+
+PRESETS: Final = {p.name: p for p in (MINIMAL, REALISTIC)}
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """A cell with its sizes; every derived quantity the scheduler uses lives here."""
+
+    cell: Cell
+    preset: Preset
+
+    @property
+    def page_size(self) -> int:
+        return self.cell.page_size
+
+    @property
+    def kv_pages(self) -> int:
+        return self.preset.kv_tokens // self.cell.page_size
+
+    @property
+    def topk(self) -> int:
+        return self.preset.tree_topk if self.cell.spec_mode is SpecMode.V2_TREE else 1
+
+    @property
+    def spec_steps(self) -> int:
+        mode = self.cell.spec_mode
+        if mode is SpecMode.V2_CHAIN:
+            return self.preset.chain_steps
+        if mode is SpecMode.V2_TREE:
+            return self.preset.tree_steps
+        return 0
+
+    @property
+    def draft_tokens(self) -> int:
+        """``speculative_num_draft_tokens`` (D_tok); also the verify output stride."""
+        mode = self.cell.spec_mode
+        if mode is SpecMode.V2_CHAIN:
+            return self.preset.chain_steps + 1
+        if mode is SpecMode.V2_TREE:
+            return self.preset.tree_draft_tokens
+        return 1
+
+    @property
+    def max_accept_len(self) -> int:
+        """Largest accept_len (bonus included): a chain or tree path is at most steps+1 deep."""
+        return self.spec_steps + 1 if self.cell.is_spec else 1
+
+    @property
+    def alloc_len_per_decode(self) -> TokenCount:
+        """A = max(steps * topk, D_tok): positions one draft+verify writes (digest 0.2)."""
+        if not self.cell.is_spec:
+            return TokenCount(1)
+        return TokenCount(max(self.spec_steps * self.topk, self.draft_tokens))
+
+    @property
+    def alloc_reserve_per_decode(self) -> TokenCount:
+        """Reserve = 2A: one in-flight verify of lag plus this launch's writes (digest 2.2)."""
+        return TokenCount(2 * self.alloc_len_per_decode)
+
+    @property
+    def row_width(self) -> TokenCount:
+        """req_to_token row width: max_context_len + 4 + D_tok (upstream extra context)."""
+        return TokenCount(self.preset.max_context_len + 4 + self.draft_tokens)
+
+    @property
+    def name(self) -> str:
+        return f"{self.cell.name}@{self.preset.name}"
+
+
+def is_valid_cell(cell: Cell) -> bool:
+    """Whether a cell is a configuration upstream can run, in canonical form."""
+    if cell.page_size < 1:
+        return False
+    if cell.spec_mode is SpecMode.V2_TREE and cell.page_size != 1:
+        return False  # PR 26866: topk > 1 is allowed with page_size 1 only
+    if not cell.is_spec and cell.preclaim:
+        return False
+    if not (cell.is_spec and cell.overlap) and not cell.needs_cpu_seq_lens:
+        return False
+    return True
+
+
+PAGE_SIZES: Final = (1, 4)
+
+
+def enumerate_cells() -> tuple[Cell, ...]:
+    """Every valid cell, in a stable order (non-spec first, overlap first)."""
+    cells: list[Cell] = []
+    for mode in SpecMode:
+        for overlap in (True, False):
+            for page in PAGE_SIZES:
+                for needs_cpu in (True, False):
+                    for preclaim in (False, True):
+                        cell = Cell(overlap, page, mode, needs_cpu, preclaim)
+                        if is_valid_cell(cell):
+                            cells.append(cell)
+    return tuple(cells)
+
+
+def get_cell(name: str) -> Cell:
+    """Look a cell up by its name; raises ``KeyError`` listing the valid names."""
+    for cell in enumerate_cells():
+        if cell.name == name:
+            return cell
+    valid = ", ".join(c.name for c in enumerate_cells())
+    raise KeyError(f"unknown cell {name!r}; valid cells: {valid}")

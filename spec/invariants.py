@@ -1,0 +1,795 @@
+"""The invariants, one predicate per ID of digest section 4.
+
+Each ``check_*`` takes the model configuration and one :class:`Observation`,
+raises :class:`InvariantViolation` naming the ID, the request and both values
+when the claim is false, and otherwise returns how many instances it checked at
+this observation (0 means the observation did not exercise it). Whether an ID
+applies to a cell at all is ``Invariant.applies``; where it does not, reports
+say "n/a".
+
+Families: SL (sequence-length mirror), KV (KV accounting), FM (FutureMap relay),
+ST (stream ordering), RP (result processing).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Final
+
+from spec.config import Cell, ModelConfig
+from spec.happens_before import COPY, D2H, FORWARD, HOST, SCHEDULE, Race
+from spec.state import (
+    SCHEDULE_SIDE_POINTS,
+    BatchView,
+    Observation,
+    ObservationPoint,
+    RequestView,
+)
+from spec.transitions import (
+    compute_cached_len,
+    compute_committed_lead,
+    compute_draft_extend_seq_lens,
+    compute_host_sync_budget,
+    compute_ns_expected_seq_len,
+)
+
+
+class InvariantViolation(AssertionError):
+    """A checked claim is false. ``str()`` reads like the report line."""
+
+    def __init__(self, invariant_id: str, message: str,
+                 all_ids: tuple[str, ...] = ()) -> None:
+        super().__init__(f"{invariant_id} violated {message}")
+        self.invariant_id = invariant_id
+        self.message = message
+        self.all_ids = all_ids or (invariant_id,)
+
+
+def fail(invariant_id: str, obs: Observation, message: str) -> InvariantViolation:
+    return InvariantViolation(invariant_id, f"{message} at {obs.point.value}")
+
+
+Check = Callable[[ModelConfig, Observation], int]
+
+
+@dataclass(frozen=True)
+class Invariant:
+    id: str
+    claim: str
+    source: str
+    applies: Callable[[Cell], bool]
+    check: Check
+
+
+def _always(cell: Cell) -> bool:
+    return True
+
+
+def _spec(cell: Cell) -> bool:
+    return cell.is_spec
+
+
+def _non_spec(cell: Cell) -> bool:
+    return not cell.is_spec
+
+
+def _holding(obs: Observation) -> Iterable[RequestView]:
+    return (r for r in obs.requests if r.holds_kv)
+
+
+def _live(obs: Observation) -> Iterable[RequestView]:
+    return (r for r in obs.requests if r.is_live)
+
+
+def _settling(obs: Observation) -> Iterable[RequestView]:
+    """Live requests whose prefill result is processed: they have settled something."""
+    return (r for r in obs.requests if r.is_live and not r.ghost.extend_inflight)
+
+
+def _schedule_batches(obs: Observation) -> list[BatchView]:
+    views: list[BatchView] = []
+    if obs.point in SCHEDULE_SIDE_POINTS and obs.batch is not None:
+        views.append(obs.batch)
+    if obs.forward is not None:
+        views.append(obs.forward.schedule_batch)
+    return views
+
+
+# ---------------------------------------------------------------- SL: mirror
+def check_sl1(config: ModelConfig, obs: Observation) -> int:
+    """SL1: at init_new, FB.seq_lens_cpu is None or FB.seq_lens_sum == sum(FB.seq_lens_cpu)
+    with matching lengths (forward_batch_info.py init_new, PR 25818)."""
+    fb = obs.forward
+    if fb is None or fb.seq_lens_cpu is None:
+        return 0
+    if fb.seq_lens_sum != sum(fb.seq_lens_cpu):
+        raise fail("SL1", obs, f"for the {fb.purpose} ForwardBatch: seq_lens_sum="
+                   f"{fb.seq_lens_sum} != sum(seq_lens_cpu)={sum(fb.seq_lens_cpu)}")
+    if not len(fb.seq_lens_cpu) == len(fb.seq_lens) == fb.batch_size:
+        raise fail("SL1", obs, f"for the {fb.purpose} ForwardBatch: len(seq_lens_cpu)="
+                   f"{len(fb.seq_lens_cpu)}, len(seq_lens)={len(fb.seq_lens)}, "
+                   f"batch_size={fb.batch_size}")
+    return 1
+
+
+def check_sl2(config: ModelConfig, obs: Observation) -> int:
+    """SL2: wherever SB.seq_lens_cpu is present, SB.seq_lens equals it elementwise
+    (schedule_batch.py, PR 26020 mirror)."""
+    count = 0
+    for batch in _schedule_batches(obs):
+        if batch.seq_lens_cpu is None:
+            continue
+        for j, (gpu, cpu) in enumerate(zip(batch.seq_lens, batch.seq_lens_cpu, strict=False)):
+            if gpu != cpu:
+                raise fail("SL2", obs, f"for request r{batch.rids[j]}: seq_lens={gpu} "
+                           f"!= seq_lens_cpu={cpu}")
+        count += 1
+    return count
+
+
+def check_sl3(config: ModelConfig, obs: Observation) -> int:
+    """SL3: SB.seq_lens_sum is None or equals sum(SB.seq_lens_cpu) (PR 25818 lazy sum)."""
+    count = 0
+    for batch in _schedule_batches(obs):
+        if batch.seq_lens_sum is None:
+            continue
+        if batch.seq_lens_cpu is None:
+            raise fail("SL3", obs, f"for the batch: seq_lens_sum={batch.seq_lens_sum} "
+                       "while seq_lens_cpu is None")
+        if batch.seq_lens_sum != sum(batch.seq_lens_cpu):
+            raise fail("SL3", obs, f"for the batch: seq_lens_sum={batch.seq_lens_sum} "
+                       f"!= sum(seq_lens_cpu)={sum(batch.seq_lens_cpu)}")
+        count += 1
+    return count
+
+
+def check_sl4(config: ModelConfig, obs: Observation) -> int:
+    """SL4: reqs, seq_lens, req_pool_indices(_cpu) and seq_lens_cpu have one length, and
+    spec_info.future_indices equals req_pool_indices (schedule_batch.py filter/merge)."""
+    count = 0
+    for batch in _schedule_batches(obs):
+        lengths = {
+            "reqs": len(batch.rids),
+            "seq_lens": len(batch.seq_lens),
+            "req_pool_indices": len(batch.req_pool_indices),
+            "req_pool_indices_cpu": len(batch.req_pool_indices_cpu),
+        }
+        if batch.seq_lens_cpu is not None:
+            lengths["seq_lens_cpu"] = len(batch.seq_lens_cpu)
+        if len(set(lengths.values())) > 1:
+            raise fail("SL4", obs, f"for the batch: lengths differ {lengths}")
+        if batch.future_indices is not None and batch.future_indices != batch.req_pool_indices:
+            raise fail("SL4", obs, f"for the batch: future_indices={list(batch.future_indices)}"
+                       f" != req_pool_indices={list(batch.req_pool_indices)}")
+        count += 1
+    return count
+
+
+def check_sl5(config: ModelConfig, obs: Observation) -> int:
+    """SL5: seq_lens is never a sentinel: >= 0, and >= 1 in decode (PR 25962, 26020)."""
+    count = 0
+    for batch in _schedule_batches(obs):
+        floor = 1 if batch.forward_mode == "decode" else 0
+        for rid, value in zip(batch.rids, batch.seq_lens, strict=False):
+            if value < floor:
+                raise fail("SL5", obs, f"for request r{rid}: seq_lens={value} < {floor}")
+        count += 1
+    fb = obs.forward
+    if fb is not None:
+        floor = 0 if fb.purpose == "extend" else 1
+        for j, value in enumerate(fb.seq_lens):
+            if value < floor:
+                raise fail("SL5", obs, f"for row {j} of the {fb.purpose} ForwardBatch: "
+                           f"seq_lens={value} < {floor}")
+        count += 1
+    return count
+
+
+def check_sl6(config: ModelConfig, obs: Observation) -> int:
+    """SL6: at a spec decode launch, SB.seq_lens[j] equals the latest published
+    new_seq_lens of the request and its true KV length (overlap_utils.py resolve)."""
+    launch = obs.launch
+    if obs.point is not ObservationPoint.LAUNCH or launch is None:
+        return 0
+    if launch.forward_mode != "decode":
+        return 0
+    for m in launch.members:
+        if m.published_seq_len is not None and m.seq_len != m.published_seq_len:
+            raise fail("SL6", obs, f"for request r{m.rid}: seq_lens={m.seq_len} != "
+                       f"new_seq_lens_buf={m.published_seq_len}")
+        if m.seq_len != m.ghost_kv_len:
+            raise fail("SL6", obs, f"for request r{m.rid}: seq_lens={m.seq_len} != "
+                       f"true KV length={m.ghost_kv_len}")
+    return len(launch.members)
+
+
+def check_sl7(config: ModelConfig, obs: Observation) -> int:
+    """SL7: after a non-spec prepare_for_decode, seq_lens == kv_committed_len ==
+    kv_allocated_len == prompt + output + in-flight steps (schedule_batch.py)."""
+    if obs.point is not ObservationPoint.PREPARE_FOR_DECODE or obs.batch is None:
+        return 0
+    for rid, seq_len in zip(obs.batch.rids, obs.batch.seq_lens, strict=False):
+        r = obs.get_request(rid)
+        expected = compute_ns_expected_seq_len(r.prompt_len, r.output_len,
+                                               r.ghost.inflight_steps)
+        if not seq_len == r.kv_committed_len == r.kv_allocated_len == expected:
+            raise fail("SL7", obs, f"for request r{rid}: seq_lens={seq_len}, kv_committed_len="
+                       f"{r.kv_committed_len}, kv_allocated_len={r.kv_allocated_len}, "
+                       f"expected {expected}")
+    return len(obs.batch.rids)
+
+
+def check_sl8(config: ModelConfig, obs: Observation) -> int:
+    """SL8: verify at seq_lens=s publishes s + accept_len with 1 <= accept_len <= max;
+    extend publishes s (multi_layer_eagle_worker_v2.py on_publish)."""
+    launch = obs.launch
+    if obs.point is not ObservationPoint.RUN_BATCH or launch is None:
+        return 0
+    for p in launch.publishes:
+        if p.accept_len is None:
+            if p.value != p.seq_len_in:
+                raise fail("SL8", obs, f"for request r{p.rid}: extend published {p.value} "
+                           f"!= seq_lens={p.seq_len_in}")
+            continue
+        if not 1 <= p.accept_len <= config.max_accept_len:
+            raise fail("SL8", obs, f"for request r{p.rid}: accept_len={p.accept_len} outside "
+                       f"[1, {config.max_accept_len}]")
+        if p.value != p.seq_len_in + p.accept_len:
+            raise fail("SL8", obs, f"for request r{p.rid}: published {p.value} != seq_lens "
+                       f"{p.seq_len_in} + accept_len {p.accept_len}")
+    return len(launch.publishes)
+
+
+def _mirror_fields(batch: BatchView) -> dict[str, object]:
+    return {
+        "forward_mode": batch.forward_mode,
+        "reqs": batch.rids,
+        "seq_lens": batch.seq_lens,
+        "seq_lens_cpu": batch.seq_lens_cpu,
+        "seq_lens_sum": batch.seq_lens_sum,
+        "req_pool_indices": batch.req_pool_indices,
+    }
+
+
+def check_sl9(config: ModelConfig, obs: Observation) -> int:
+    """SL9: a spec run_batch leaves every SB field as it found it except input_ids and
+    spec_info; without overlap it re-applies new_seq_lens consistently (scheduler.py)."""
+    iso = obs.isolation
+    if obs.point is not ObservationPoint.RUN_BATCH or iso is None:
+        return 0
+    before, after = _mirror_fields(iso.entry), _mirror_fields(iso.exit)
+    if iso.reapplied_seq_lens is not None:
+        new = iso.reapplied_seq_lens
+        before["seq_lens"] = new
+        if iso.entry.seq_lens_cpu is not None:
+            before["seq_lens_cpu"] = new
+            before["seq_lens_sum"] = sum(new)
+    for name, value in before.items():
+        if after[name] != value:
+            raise fail("SL9", obs, f"for the batch field {name}: after run_batch {after[name]}"
+                       f" != expected {value}")
+    return 1
+
+
+def check_sl10(config: ModelConfig, obs: Observation) -> int:
+    """SL10: the draft-extend +D_tok lands on the ForwardBatch (seq_lens, cpu, sum) and
+    never on the ScheduleBatch (eagle_info_v2.py, PR 26020)."""
+    fb, iso = obs.forward, obs.isolation
+    if obs.point is not ObservationPoint.DRAFT_EXTEND or fb is None or iso is None:
+        return 0
+    entry, sb = iso.entry, fb.schedule_batch
+    # init_new may backfill a None SB.seq_lens_sum with the true sum (upstream does;
+    # PR 32532 proposed not to). That is not a mutation of the mirror; anything else is.
+    backfilled = (entry.seq_lens_sum is None and sb.seq_lens_cpu is not None
+                  and sb.seq_lens_sum == sum(sb.seq_lens_cpu))
+    for name in ("seq_lens", "seq_lens_cpu", "seq_lens_sum"):
+        if name == "seq_lens_sum" and backfilled:
+            continue
+        if getattr(sb, name) != getattr(entry, name):
+            raise fail("SL10", obs, f"for the batch: ScheduleBatch.{name}={getattr(sb, name)}"
+                       f" changed from {getattr(entry, name)} inside the forward")
+    expected = compute_draft_extend_seq_lens(entry.seq_lens, config.draft_tokens)
+    if fb.seq_lens != expected:
+        raise fail("SL10", obs, f"for the draft-extend ForwardBatch: seq_lens="
+                   f"{list(fb.seq_lens)} != seq_lens + D_tok={list(expected)}")
+    if fb.seq_lens_cpu is not None and (
+        fb.seq_lens_cpu != expected or fb.seq_lens_sum != sum(expected)
+    ):
+        raise fail("SL10", obs, f"for the draft-extend ForwardBatch: seq_lens_cpu="
+                   f"{fb.seq_lens_cpu}, seq_lens_sum={fb.seq_lens_sum}, expected "
+                   f"{list(expected)} / {sum(expected)}")
+    return 1
+
+
+def check_sl11(config: ModelConfig, obs: Observation) -> int:
+    """SL11: with no host mirror, seq_len_cpu_ub >= max(seq_lens) (overlap_utils.py,
+    PR 26128 no-D2H path)."""
+    batch = obs.batch
+    if obs.point is not ObservationPoint.RESOLVE_SEQ_LENS_CPU or batch is None:
+        return 0
+    if batch.seq_lens_cpu is not None or not batch.seq_lens:
+        return 0
+    top = max(batch.seq_lens)
+    if batch.seq_len_cpu_ub is None or batch.seq_len_cpu_ub < top:
+        raise fail("SL11", obs, f"for the batch: seq_len_cpu_ub={batch.seq_len_cpu_ub} < "
+                   f"max(seq_lens)={top}")
+    return 1
+
+
+# ---------------------------------------------------------------- KV: accounting
+def check_kv1(config: ModelConfig, obs: Observation) -> int:
+    """KV1: 0 <= kv_committed_len <= kv_allocated_len <= row width for every request
+    holding KV (schedule_batch.py, PR 23456)."""
+    count = 0
+    for r in _holding(obs):
+        if not 0 <= r.kv_committed_len <= r.kv_allocated_len <= config.row_width:
+            raise fail("KV1", obs, f"for request r{r.rid}: kv_committed_len="
+                       f"{r.kv_committed_len}, kv_allocated_len={r.kv_allocated_len}, "
+                       f"row width={config.row_width}")
+        count += 1
+    return count
+
+
+def check_kv2(config: ModelConfig, obs: Observation) -> int:
+    """KV2: without speculation kv_committed_len == kv_allocated_len (common.py release
+    assertion)."""
+    count = 0
+    for r in _holding(obs):
+        if r.kv_committed_len != r.kv_allocated_len:
+            raise fail("KV2", obs, f"for request r{r.rid}: kv_committed_len="
+                       f"{r.kv_committed_len} != kv_allocated_len={r.kv_allocated_len}")
+        count += 1
+    return count
+
+
+def check_kv3(config: ModelConfig, obs: Observation) -> int:
+    """KV3: at a spec decode launch kv_allocated_len >= true length + W, so draft and
+    verify write only reserved positions (eagle_info_v2.py 2x reserve)."""
+    launch = obs.launch
+    if obs.point is not ObservationPoint.LAUNCH or launch is None:
+        return 0
+    for write in launch.kv_write_faults:
+        if write.reason == "beyond kv_allocated_len":
+            raise fail("KV3", obs, f"for request r{write.rid}: forward wrote position "
+                       f"{write.position} {write.reason}")
+    if launch.forward_mode != "decode":
+        return 0
+    for m in launch.members:
+        if m.kv_allocated_len < m.ghost_kv_len + m.write_width:
+            raise fail("KV3", obs, f"for request r{m.rid}: kv_allocated_len="
+                       f"{m.kv_allocated_len} < true length {m.ghost_kv_len} + W "
+                       f"{m.write_width}")
+    return len(launch.members)
+
+
+def check_kv4(config: ModelConfig, obs: Observation) -> int:
+    """KV4: req_to_token[row, 0:kv_allocated_len] holds slots of pages the request owns,
+    and no page has two owners (memory_pool.py ReqToTokenPool)."""
+    owner: dict[int, int] = {}
+    count = 0
+    for r in _holding(obs):
+        if len(r.row_slots) != r.kv_allocated_len:
+            raise fail("KV4", obs, f"for request r{r.rid}: row holds {len(r.row_slots)} "
+                       f"slots != kv_allocated_len={r.kv_allocated_len}")
+        pages = set(r.owned_pages)
+        for page in pages:
+            if page in owner:
+                raise fail("KV4", obs, f"for request r{r.rid}: page {page} also owned by "
+                           f"r{owner[page]}")
+            owner[page] = r.rid
+        for position, slot in enumerate(r.row_slots):
+            if slot // obs.allocator.page_size not in pages:
+                raise fail("KV4", obs, f"for request r{r.rid}: req_to_token position "
+                           f"{position} holds slot {slot} outside its pages")
+        count += 1
+    if obs.launch is not None:
+        for write in obs.launch.kv_write_faults:
+            if write.reason != "beyond kv_allocated_len":
+                raise fail("KV4", obs, f"for request r{write.rid}: forward wrote position "
+                           f"{write.position} (slot {write.slot}): {write.reason}")
+    return count
+
+
+def check_kv5(config: ModelConfig, obs: Observation) -> int:
+    """KV5: a retracted request holds nothing: committed == allocated == 0, no pool row,
+    waiting to be re-admitted (schedule_batch.py reset_for_retract)."""
+    count = 0
+    for r in obs.requests:
+        if not r.is_retracted:
+            continue
+        if (r.kv_committed_len, r.kv_allocated_len) != (0, 0):
+            raise fail("KV5", obs, f"for retracted request r{r.rid}: kv_committed_len="
+                       f"{r.kv_committed_len}, kv_allocated_len={r.kv_allocated_len}, "
+                       "expected 0 and 0")
+        if r.req_pool_idx is not None or r.holds_kv or not r.waiting:
+            raise fail("KV5", obs, f"for retracted request r{r.rid}: req_pool_idx="
+                       f"{r.req_pool_idx}, holds_kv={r.holds_kv}, waiting={r.waiting}")
+        count += 1
+    return count
+
+
+def check_kv6(config: ModelConfig, obs: Observation) -> int:
+    """KV6: KV is released once per holding, and after a finish release committed moves
+    only by the pre-claim refunds (common.py release_kv_cache, PR 23456/28754)."""
+    count = 0
+    for r in obs.requests:
+        if r.release_count > 1:
+            raise fail("KV6", obs, f"for request r{r.rid}: released {r.release_count} times")
+        if not r.finished or r.committed_at_release is None:
+            continue
+        # Only the J2-era spec pre-claim is refunded by late results (PR 23456).
+        refund = r.inflight_at_release if (config.cell.is_spec and config.cell.preclaim) else 0
+        settled = r.committed_at_release - refund
+        low, high = settled, r.committed_at_release
+        if r.ghost.inflight_steps == 0:
+            low = high = settled
+        if not low <= r.kv_committed_len <= high:
+            raise fail("KV6", obs, f"for request r{r.rid}: kv_committed_len="
+                       f"{r.kv_committed_len} after release, expected in [{low}, {high}]")
+        count += 1
+    return count
+
+
+def check_kv7(config: ModelConfig, obs: Observation) -> int:
+    """KV7: every KV page is free, in the tree cache or owned by one request, and every
+    pool row is free or held by one request (invariant_checker._check_all_pools)."""
+    alloc = obs.allocator
+    seen: dict[int, str] = {}
+
+    def place(page: int, where: str) -> None:
+        if page in seen:
+            raise fail("KV7", obs, f"for page {page}: both {seen[page]} and {where}")
+        seen[page] = where
+
+    for page in alloc.free_pages:
+        place(page, "free")
+    for page in alloc.tree_pages:
+        place(page, "tree cache")
+    rows: dict[int, str] = {row: "free" for row in alloc.free_pool_rows}
+    for r in obs.requests:
+        for page in r.owned_pages:
+            place(page, f"owned by r{r.rid}")
+        if r.req_pool_idx is not None:
+            if r.req_pool_idx in rows:
+                raise fail("KV7", obs, f"for pool row {r.req_pool_idx}: held by r{r.rid} "
+                           f"and {rows[r.req_pool_idx]}")
+            rows[r.req_pool_idx] = f"r{r.rid}"
+    if len(seen) != alloc.total_pages:
+        raise fail("KV7", obs, f"for the KV pool: {len(seen)} pages accounted for != "
+                   f"{alloc.total_pages} total (leak)")
+    if len(rows) != alloc.pool_rows:
+        raise fail("KV7", obs, f"for the request pool: {len(rows)} rows accounted for != "
+                   f"{alloc.pool_rows} (leak)")
+    return 1
+
+
+def check_kv8(config: ModelConfig, obs: Observation) -> int:
+    """KV8: each processed step settles exactly once: committed == settled truth + the
+    lead of unprocessed claimed steps (batch_result_processor.py)."""
+    if obs.point is not ObservationPoint.PROCESS_RESULT:
+        return 0
+    count = 0
+    for r in _settling(obs):
+        lead = compute_committed_lead(config.cell, r.ghost.inflight_steps)
+        if r.kv_committed_len != r.ghost.settled_len + lead:
+            raise fail("KV8", obs, f"for request r{r.rid}: kv_committed_len="
+                       f"{r.kv_committed_len} != settled true length {r.ghost.settled_len}"
+                       f" + in-flight lead {lead}")
+        count += 1
+    return count
+
+
+def check_kv9(config: ModelConfig, obs: Observation) -> int:
+    """KV9: committed KV matches the output: a live spec request has committed - lead ==
+    prompt + output - 1, and a finish caches exactly that (PR 24590, 22897, M2)."""
+    count = 0
+    if obs.point is ObservationPoint.PROCESS_RESULT and config.cell.is_spec:
+        for r in _settling(obs):
+            lead = compute_committed_lead(config.cell, r.ghost.inflight_steps)
+            expected = r.prompt_len + r.output_len - 1
+            if r.kv_committed_len - lead != expected:
+                raise fail("KV9", obs, f"for request r{r.rid}: kv_committed_len="
+                           f"{r.kv_committed_len} - lead {lead} != prompt + output - 1 = "
+                           f"{expected}")
+            count += 1
+    for r in obs.requests:
+        if r.cached_len is None or r.committed_at_release is None:
+            continue
+        expected = compute_cached_len(r.committed_at_release, r.prompt_len, r.output_len)
+        if r.cached_len != expected or expected != r.prompt_len + r.output_len - 1:
+            raise fail("KV9", obs, f"for request r{r.rid}: cached {r.cached_len} tokens at "
+                       f"finish, expected prompt + output - 1 = "
+                       f"{r.prompt_len + r.output_len - 1}")
+        count += 1
+    return count
+
+
+def check_kv10(config: ModelConfig, obs: Observation) -> int:
+    """KV10: with the bonus pre-claim, committed - settled truth == in-flight steps,
+    0 or 1 (eagle_info.py J2 era, PR 23456)."""
+    if obs.point is not ObservationPoint.PROCESS_RESULT:
+        return 0
+    count = 0
+    for r in _settling(obs):
+        inflation = r.kv_committed_len - r.ghost.settled_len
+        if inflation != r.ghost.inflight_steps:
+            raise fail("KV10", obs, f"for request r{r.rid}: kv_committed_len="
+                       f"{r.kv_committed_len} - settled {r.ghost.settled_len} = {inflation}"
+                       f" != in-flight steps {r.ghost.inflight_steps}")
+        if not 0 <= r.ghost.inflight_steps <= 1:
+            raise fail("KV10", obs, f"for request r{r.rid}: {r.ghost.inflight_steps} steps "
+                       "in flight, expected 0 or 1")
+        count += 1
+    return count
+
+
+# ---------------------------------------------------------------- FM / ST: streams
+def classify_race(race: Race) -> str:
+    """Which invariant an unsynchronised pair breaks, by buffer and streams."""
+    buffer = race.later.key[0]
+    if race.later.kind == "free":
+        return "ST4"
+    if buffer in ("new_seq_lens_buf", "new_seq_lens_cpu_pinned"):
+        return "FM1"
+    if buffer == "output_tokens_buf":
+        return "FM3"
+    if buffer == "result":
+        return "ST5"
+    if race.later.participant == FORWARD:
+        return "ST1"
+    return "ST2"
+
+
+def _check_races(invariant_id: str, obs: Observation) -> int:
+    mine = [race for race in obs.races if classify_race(race) == invariant_id]
+    if mine:
+        raise fail(invariant_id, obs, f"for buffer {mine[0].later.key[0]}"
+                   f"[{mine[0].later.key[1]}]: {mine[0].describe()}")
+    return 0
+
+
+def _count_accesses(obs: Observation, participants: tuple[str, ...]) -> int:
+    return 1 if obs.point is ObservationPoint.LAUNCH else 0
+
+
+def check_fm1(config: ModelConfig, obs: Observation) -> int:
+    """FM1: every schedule-side or D-side read of new_seq_lens_buf[p] happens after the
+    forward's latest publish of p (overlap_utils.py publish_ready)."""
+    _check_races("FM1", obs)
+    return len(obs.resolve.rows) if obs.resolve is not None else 0
+
+
+def check_fm2(config: ModelConfig, obs: Observation) -> int:
+    """FM2: the latest capture of publish_ready covers every publish whose row is read
+    (single capture point; PR 30435 / 35748)."""
+    resolve = obs.resolve
+    if resolve is None:
+        return 0
+    if resolve.uncovered_rows:
+        raise fail("FM2", obs, f"for new_seq_lens_buf rows {list(resolve.uncovered_rows)}: "
+                   "publish_ready was captured before their latest publish")
+    return len(resolve.rows)
+
+
+def check_fm3(config: ModelConfig, obs: Observation) -> int:
+    """FM3: forward-only relay rows read at forward entry were stashed by an earlier
+    forward on the same stream or by a seed ordered before it (overlap_utils.py stash)."""
+    _check_races("FM3", obs)
+    return len(obs.launch.relay_gathers) if obs.launch is not None else 0
+
+
+def check_fm4(config: ModelConfig, obs: Observation) -> int:
+    """FM4: between two gathers of output_tokens_buf[p] there is exactly one stash of p
+    (consume-once, PR 30471)."""
+    if obs.launch is None:
+        return 0
+    for g in obs.launch.relay_gathers:
+        if g.stashes_since_last_gather != 1:
+            raise fail("FM4", obs, f"for request r{g.rid}: output_tokens_buf[{g.row}] "
+                       f"gathered after {g.stashes_since_last_gather} stashes, expected 1")
+    return len(obs.launch.relay_gathers)
+
+
+def check_fm5(config: ModelConfig, obs: Observation) -> int:
+    """FM5: a relay row is read only after its current owner seeded it: a prefill publish
+    or stash (overlap_utils.py, req_pool_idx indexing)."""
+    if obs.launch is None:
+        return 0
+    for g in obs.launch.relay_gathers:
+        if not g.written_by_current_owner:
+            raise fail("FM5", obs, f"for request r{g.rid}: output_tokens_buf[{g.row}] was "
+                       "last written for a previous owner of the row")
+    for rid, row in obs.launch.unseeded_spec_rows:
+        raise fail("FM5", obs, f"for request r{rid}: new_seq_lens_buf[{row}] read before "
+                   "its owner published it")
+    return len(obs.launch.relay_gathers) + len(obs.launch.members)
+
+
+def check_st1(config: ModelConfig, obs: Observation) -> int:
+    """ST1: the forward reads schedule-produced tensors only after F.wait_stream(S)
+    (scheduler.py run_batch)."""
+    _check_races("ST1", obs)
+    return _count_accesses(obs, (FORWARD,))
+
+
+def check_st2(config: ModelConfig, obs: Observation) -> int:
+    """ST2: schedule-side writes to req_to_token after launching B_i are ordered after
+    F_i's reads (scheduler.py _apply_war_barrier, PR 26380 / 31687)."""
+    _check_races("ST2", obs)
+    return 1 if obs.point is ObservationPoint.PREPARE_FOR_DECODE else 0
+
+
+def check_st3(config: ModelConfig, obs: Observation) -> int:
+    """ST3: one iteration blocks the host at most on the private D2H and copy_done, never
+    on the schedule stream under overlap (PR 26380 / 26463)."""
+    if obs.host_syncs is None:
+        return 0
+    if config.cell.overlap and f"stream:{SCHEDULE}" in obs.host_syncs:
+        raise fail("ST3", obs, "for the iteration: a host sync on the schedule stream, which "
+                   f"the WAR fence chains to the whole forward (syncs: {list(obs.host_syncs)})")
+    budget = compute_host_sync_budget(config.cell)
+    if len(obs.host_syncs) > budget:
+        raise fail("ST3", obs, f"for the iteration: {len(obs.host_syncs)} host syncs > "
+                   f"budget {budget} ({list(obs.host_syncs)})")
+    return 1 if obs.launched_this_iteration else 0
+
+
+def check_st4(config: ModelConfig, obs: Observation) -> int:
+    """ST4: a schedule-produced tensor read by F_i stays referenced until F_i completed
+    (scheduler.py batch_record_buf two-slot ring)."""
+    _check_races("ST4", obs)
+    return 1 if obs.point is ObservationPoint.RUN_BATCH else 0
+
+
+def check_st5(config: ModelConfig, obs: Observation) -> int:
+    """ST5: results are processed in launch order, once, after copy_done, with at most
+    one pending under overlap (scheduler.py result_queue)."""
+    _check_races("ST5", obs)
+    result = obs.result
+    if result is None:
+        return 0
+    if result.previous_step is not None and result.step <= result.previous_step:
+        raise fail("ST5", obs, f"for result of step {result.step}: processed after step "
+                   f"{result.previous_step}")
+    limit = 1 if config.cell.overlap else 0
+    if result.pending_after > limit:
+        raise fail("ST5", obs, f"for the result queue: {result.pending_after} pending after "
+                   f"processing, limit {limit}")
+    return 1
+
+
+# ---------------------------------------------------------------- RP: results
+def check_rp1(config: ModelConfig, obs: Observation) -> int:
+    """RP1: a request finished or retracted when its late result is processed gets no
+    output and no committed change, except the pre-claim refund (PR 23456)."""
+    result = obs.result
+    if result is None:
+        return 0
+    count = 0
+    for e in result.entries:
+        if not e.stale:
+            continue
+        refund = 1 if (config.cell.is_spec and config.cell.preclaim and e.finished_before) else 0
+        if e.output_after != e.output_before or e.committed_after != e.committed_before - refund:
+            raise fail("RP1", obs, f"for stale request r{e.rid}: output {e.output_before}->"
+                       f"{e.output_after}, kv_committed_len {e.committed_before}->"
+                       f"{e.committed_after}, expected unchanged"
+                       + (" but for the -1 refund" if refund else ""))
+        count += 1
+    return count
+
+
+def check_rp2(config: ModelConfig, obs: Observation) -> int:
+    """RP2: 1 <= accept_len <= stride and the kept run is no longer than accept_len
+    (batch_result_processor.py _resolve_spec_v2_tokens)."""
+    result = obs.result
+    if result is None:
+        return 0
+    for e in result.entries:
+        if not 1 <= e.accept_len <= min(e.stride, config.max_accept_len):
+            raise fail("RP2", obs, f"for request r{e.rid}: accept_len={e.accept_len} outside "
+                       f"[1, {min(e.stride, config.max_accept_len)}]")
+        if not 0 <= e.run_len <= e.accept_len:
+            raise fail("RP2", obs, f"for request r{e.rid}: run of {e.run_len} tokens > "
+                       f"accept_len={e.accept_len}")
+    return len(result.entries)
+
+
+def check_rp3(config: ModelConfig, obs: Observation) -> int:
+    """RP3: global accept counters count only requests live at processing time
+    (PR 18848, 23456 review; upstream still counts all: mutant B4)."""
+    result = obs.result
+    if result is None:
+        return 0
+    live = [e for e in result.entries if not e.stale]
+    expected_correct = sum(e.accept_len - 1 for e in live)
+    if result.num_correct_drafts != expected_correct or result.metrics_batch_size != len(live):
+        raise fail("RP3", obs, f"for the result of step {result.step}: num_correct_drafts="
+                   f"{result.num_correct_drafts}, batch size {result.metrics_batch_size}; "
+                   f"live requests give {expected_correct} and {len(live)}")
+    return len(result.entries)
+
+
+def _spec_overlap(cell: Cell) -> bool:
+    return cell.is_spec and cell.overlap
+
+
+def _spec_overlap_no_mirror(cell: Cell) -> bool:
+    return cell.is_spec and cell.overlap and not cell.needs_cpu_seq_lens
+
+
+def _preclaim(cell: Cell) -> bool:
+    return cell.is_spec and cell.preclaim
+
+
+def _overlap(cell: Cell) -> bool:
+    return cell.overlap
+
+
+_ = (COPY, D2H, HOST)  # stream names used in messages by classify_race's callers
+
+INVARIANTS: Final[tuple[Invariant, ...]] = (
+    Invariant("SL1", "init_new sum matches seq_lens_cpu", "forward_batch_info.py", _always,
+              check_sl1),
+    Invariant("SL2", "GPU seq_lens mirrors seq_lens_cpu", "schedule_batch.py #26020", _always,
+              check_sl2),
+    Invariant("SL3", "seq_lens_sum is None or the sum", "schedule_batch.py #25818", _always,
+              check_sl3),
+    Invariant("SL4", "batch fields share one length", "schedule_batch.py", _always, check_sl4),
+    Invariant("SL5", "no sentinel seq_lens", "#25962 / #26020", _always, check_sl5),
+    Invariant("SL6", "spec seq_lens at launch is the truth", "overlap_utils.py", _spec,
+              check_sl6),
+    Invariant("SL7", "non-spec decode seq_lens arithmetic", "schedule_batch.py", _non_spec,
+              check_sl7),
+    Invariant("SL8", "verify publishes s + accept_len", "eagle worker v2", _spec, check_sl8),
+    Invariant("SL9", "run_batch isolation restores SB", "scheduler.py", _spec, check_sl9),
+    Invariant("SL10", "draft-extend mutation stays on FB", "eagle_info_v2.py #26020", _spec,
+              check_sl10),
+    Invariant("SL11", "seq_len_cpu_ub bounds seq_lens", "overlap_utils.py #26128",
+              _spec_overlap_no_mirror, check_sl11),
+    Invariant("KV1", "committed <= allocated <= width", "schedule_batch.py #23456", _always,
+              check_kv1),
+    Invariant("KV2", "non-spec committed == allocated", "mem_cache/common.py", _non_spec,
+              check_kv2),
+    Invariant("KV3", "2x reserve covers draft+verify", "eagle_info_v2.py", _spec, check_kv3),
+    Invariant("KV4", "req_to_token rows own their slots", "memory_pool.py", _always, check_kv4),
+    Invariant("KV5", "retracted requests hold nothing", "reset_for_retract", _always,
+              check_kv5),
+    Invariant("KV6", "released once, no change after", "release_kv_cache", _always, check_kv6),
+    Invariant("KV7", "pages and rows conserved", "invariant_checker", _always, check_kv7),
+    Invariant("KV8", "each step settles once", "batch_result_processor.py", _always,
+              check_kv8),
+    Invariant("KV9", "committed matches output", "#24590 / #22897 / M2", _always, check_kv9),
+    Invariant("KV10", "pre-claim inflation is the in-flight count", "#23456 (J2 era)",
+              _preclaim, check_kv10),
+    Invariant("FM1", "publish before read", "overlap_utils.py publish_ready", _spec_overlap,
+              check_fm1),
+    Invariant("FM2", "publish_ready single capture covers publishes", "#30435 / #35748",
+              _spec_overlap, check_fm2),
+    Invariant("FM3", "stash before gather", "overlap_utils.py stash", _overlap, check_fm3),
+    Invariant("FM4", "consume-once relay rows", "#30471", _overlap, check_fm4),
+    Invariant("FM5", "relay row belongs to its owner", "overlap_utils.py", _overlap,
+              check_fm5),
+    Invariant("ST1", "RAW: F waits for S at launch", "scheduler.py run_batch", _overlap,
+              check_st1),
+    Invariant("ST2", "WAR: S writes after F reads", "_apply_war_barrier #31687", _overlap,
+              check_st2),
+    Invariant("ST3", "host blocks only on D2H and copy_done", "#26380 / #26463", _always,
+              check_st3),
+    Invariant("ST4", "tensors live until F completes", "batch_record_buf", _overlap, check_st4),
+    Invariant("ST5", "results FIFO, once, after copy_done", "result_queue", _always, check_st5),
+    Invariant("RP1", "stale results change nothing", "#23456", _overlap, check_rp1),
+    Invariant("RP2", "accept length in range", "batch_result_processor.py", _spec, check_rp2),
+    Invariant("RP3", "metrics count live requests only", "#18848 / #23456 review", _spec,
+              check_rp3),
+)
+
+INVARIANT_IDS: Final = tuple(inv.id for inv in INVARIANTS)
+
+
+def get_invariant(invariant_id: str) -> Invariant:
+    for inv in INVARIANTS:
+        if inv.id == invariant_id:
+            return inv
+    raise KeyError(f"unknown invariant {invariant_id!r}; known: {', '.join(INVARIANT_IDS)}")

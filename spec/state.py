@@ -1,0 +1,270 @@
+"""The abstract state the invariants are stated over.
+
+An implementation (``reference/`` or ``gpu_impl/``) does not keep these objects;
+its refinement function builds an :class:`Observation` at every observation
+point of digest section 4 ("after any prepare_*, filter_batch, merge_batch,
+resolve_seq_lens_cpu, or at FB.init_new entry"), plus the launch, the end of
+``run_batch``, result processing and the end of an event-loop iteration.
+
+Everything here is a frozen value. Lengths are token counts, rows are
+``req_to_token`` / FutureMap rows (``req_pool_idx``), slots are KV slot ids.
+
+Ghost state (:class:`GhostView`) is the truth the scheduler does not keep: what
+the forward really wrote and what the environment really emitted. It is
+maintained outside the scheduler logic, so a scheduler bug cannot corrupt it.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+from spec.happens_before import Race
+from spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
+
+
+class ObservationPoint(enum.Enum):
+    PREPARE_FOR_EXTEND = "prepare_for_extend"
+    PREPARE_FOR_DECODE = "prepare_for_decode"
+    FILTER_BATCH = "filter_batch"
+    MERGE_BATCH = "merge_batch"
+    RETRACT_DECODE = "retract_decode"
+    RESOLVE_SEQ_LENS_CPU = "resolve_seq_lens_cpu"
+    LAUNCH = "launch"  # after resolve_forward_inputs, before the worker runs
+    INIT_NEW = "init_new"  # ForwardBatch.init_new entry (several per spec decode)
+    DRAFT_EXTEND = "draft_extend"  # after the +D_tok mutation of the draft-extend FB
+    RUN_BATCH = "run_batch"  # after isolation exit, run_batch returned
+    PROCESS_RESULT = "process_result"
+    ABORT = "abort"
+    ITERATION_END = "iteration_end"
+
+
+SCHEDULE_SIDE_POINTS = frozenset(
+    {
+        ObservationPoint.PREPARE_FOR_EXTEND,
+        ObservationPoint.PREPARE_FOR_DECODE,
+        ObservationPoint.FILTER_BATCH,
+        ObservationPoint.MERGE_BATCH,
+        ObservationPoint.RETRACT_DECODE,
+        ObservationPoint.RESOLVE_SEQ_LENS_CPU,
+        ObservationPoint.RUN_BATCH,
+    }
+)
+
+
+@dataclass(frozen=True)
+class GhostView:
+    """Truth per request, kept beside the scheduler and never written by it."""
+
+    epoch: int  # bumps when a request is (re)admitted after a retraction
+    kv_len_true: TokenCount  # positions whose KV the forward has really written and settled
+    settled_len: TokenCount  # kv_len_true as of the last step processed while live
+    inflight_steps: int  # steps launched in this epoch whose result is not yet processed
+    extend_inflight: bool  # the prefill of this epoch is launched, its result not processed
+    output_len_true: TokenCount  # output tokens the environment emitted to live processing
+    finished: bool  # the environment's own view: EOS emitted or max_new_tokens reached
+
+
+@dataclass(frozen=True)
+class RequestView:
+    rid: RequestId
+    prompt_len: TokenCount
+    output_len: TokenCount
+    max_new_tokens: TokenCount
+    kv_committed_len: int  # int, not TokenCount: a bug can make it negative
+    kv_allocated_len: int
+    req_pool_idx: PoolRow | None
+    finished: bool
+    is_retracted: bool
+    waiting: bool  # in the waiting queue
+    holds_kv: bool  # has a pool row and KV not yet released
+    row_slots: tuple[SlotId, ...]  # req_to_token[req_pool_idx, 0:kv_allocated_len]
+    owned_pages: tuple[PageId, ...]
+    release_count: int  # releases in the current epoch
+    cached_len: int | None  # length handed to the tree cache at its finish release
+    committed_at_release: int | None
+    inflight_at_release: int  # launched, unprocessed steps when the finish release ran
+    ghost: GhostView
+
+    @property
+    def is_live(self) -> bool:
+        return self.holds_kv and not self.finished and not self.is_retracted
+
+
+@dataclass(frozen=True)
+class BatchView:
+    """The running ``ScheduleBatch`` as the schedule side sees it."""
+
+    forward_mode: str  # "extend" | "decode" | "idle"
+    rids: tuple[RequestId, ...]
+    seq_lens: tuple[int, ...]  # device seq_lens
+    seq_lens_cpu: tuple[int, ...] | None
+    seq_lens_sum: int | None
+    req_pool_indices: tuple[PoolRow, ...]
+    req_pool_indices_cpu: tuple[PoolRow, ...]
+    future_indices: tuple[PoolRow, ...] | None  # spec_info.future_indices (spec overlap)
+    seq_len_cpu_ub: int | None
+
+
+@dataclass(frozen=True)
+class ForwardView:
+    """A ``ForwardBatch`` at ``init_new`` (or after the draft-extend mutation)."""
+
+    purpose: str  # "extend" | "decode" | "draft" | "verify" | "draft_extend"
+    batch_size: int
+    seq_lens: tuple[int, ...]
+    seq_lens_cpu: tuple[int, ...] | None
+    seq_lens_sum: int | None
+    schedule_batch: BatchView  # the SB at the same moment
+
+
+@dataclass(frozen=True)
+class LaunchMember:
+    """One request of a launched batch, after ``resolve_seq_lens_cpu``."""
+
+    rid: RequestId
+    seq_len: int  # SB.seq_lens[j] the forward will use
+    published_seq_len: int | None  # new_seq_lens_buf[pool_j] (spec), None if never published
+    kv_allocated_len: int
+    ghost_kv_len: TokenCount
+    write_width: TokenCount  # positions this forward writes from seq_len on
+
+
+@dataclass(frozen=True)
+class KvWrite:
+    """A KV write the forward made outside what the request owns (KV3 / KV4 evidence)."""
+
+    rid: RequestId
+    position: int
+    slot: int | None  # None: req_to_token had no slot there
+    reason: str
+
+
+@dataclass(frozen=True)
+class RelayGather:
+    """A forward-side gather of a relay row (``output_tokens_buf``) at forward entry."""
+
+    row: PoolRow
+    rid: RequestId
+    stashes_since_last_gather: int
+    written_by_current_owner: bool
+
+
+@dataclass(frozen=True)
+class PublishRecord:
+    rid: RequestId
+    row: PoolRow
+    seq_len_in: int
+    accept_len: int | None  # None for an extend publish
+    value: int
+
+
+@dataclass(frozen=True)
+class LaunchView:
+    step: StepId
+    forward_mode: str
+    members: tuple[LaunchMember, ...]
+    kv_write_faults: tuple[KvWrite, ...]
+    relay_gathers: tuple[RelayGather, ...]
+    unseeded_spec_rows: tuple[tuple[RequestId, PoolRow], ...]  # resolve read a never-published row
+    publishes: tuple[PublishRecord, ...]
+
+
+@dataclass(frozen=True)
+class IsolationView:
+    """SB at ``_forward_isolation`` entry and after ``run_batch`` returned."""
+
+    entry: BatchView
+    exit: BatchView
+    reapplied_seq_lens: tuple[int, ...] | None  # non-overlap spec: R.new_seq_lens
+
+
+@dataclass(frozen=True)
+class ResolveView:
+    """``resolve_seq_lens_cpu``: which rows were read and whether publish_ready covered them."""
+
+    rows: tuple[PoolRow, ...]
+    uncovered_rows: tuple[PoolRow, ...]  # last publish of the row not captured by publish_ready
+
+
+@dataclass(frozen=True)
+class ProcessedEntry:
+    rid: RequestId
+    stale: bool  # finished or retracted when the result was processed
+    finished_before: bool
+    accept_len: int
+    run_len: int
+    stride: int
+    output_before: int
+    output_after: int
+    committed_before: int
+    committed_after: int
+
+
+@dataclass(frozen=True)
+class ResultView:
+    step: StepId
+    entries: tuple[ProcessedEntry, ...]
+    num_correct_drafts: int  # the global counter as the processor computed it
+    metrics_batch_size: int
+    previous_step: StepId | None  # the step processed before this one
+    pending_after: int  # results still queued after this one
+
+
+@dataclass(frozen=True)
+class AllocatorView:
+    total_pages: int
+    page_size: int
+    free_pages: tuple[PageId, ...]
+    tree_pages: tuple[PageId, ...]
+    free_pool_rows: tuple[PoolRow, ...]
+    pool_rows: int
+
+
+@dataclass(frozen=True)
+class Observation:
+    """Everything one observation point shows. Parts that do not apply are None."""
+
+    point: ObservationPoint
+    step_index: int  # index of the operation in the script that produced it
+    requests: tuple[RequestView, ...]
+    batch: BatchView | None
+    allocator: AllocatorView
+    races: tuple[Race, ...]  # races found since the previous observation
+    forward: ForwardView | None = None
+    launch: LaunchView | None = None
+    isolation: IsolationView | None = None
+    resolve: ResolveView | None = None
+    result: ResultView | None = None
+    host_syncs: tuple[str, ...] | None = None  # at ITERATION_END: syncs of this iteration
+    launched_this_iteration: bool = False
+
+    def get_request(self, rid: RequestId) -> RequestView:
+        for request in self.requests:
+            if request.rid == rid:
+                return request
+        raise KeyError(rid)
+
+
+@dataclass(frozen=True)
+class IterationChoices:
+    """The environment's choices for one event-loop iteration.
+
+    ``accept_lens[j]`` and ``j in eos_positions`` apply to the request at position j
+    of the batch launched this iteration (values wrap around the tuple; accept
+    lengths are clamped into [1, max_accept_len]). ``allow_prefill`` lets the
+    scheduler admit waiting requests; ``retract`` asks it to retract that many
+    running requests before preparing a decode (a memory-pressure decision).
+    """
+
+    allow_prefill: bool = True
+    retract: int = 0
+    accept_lens: tuple[int, ...] = (1,)
+    eos_positions: frozenset[int] = frozenset()
+
+    def get_accept_len(self, position: int, max_accept_len: int) -> int:
+        raw = self.accept_lens[position % len(self.accept_lens)] if self.accept_lens else 1
+        return min(max(raw, 1), max_accept_len)
+
+    def is_eos(self, position: int) -> bool:
+        return position in self.eos_positions

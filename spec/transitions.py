@@ -1,0 +1,170 @@
+"""The arithmetic of every scheduler transition, as pure functions over ints.
+
+These are the rules the design promises; ``reference/`` calls them at the
+places upstream does the same arithmetic, and ``proofs/`` will interpret the
+same definitions over Z3 terms. Each function states which state variable it
+computes; the transition that uses it changes only that variable (frame).
+
+Timeline of one overlapped iteration i (digest section 3)::
+
+    host : prepare(B_i) ── run_batch(B_i) ── WAR fence ── process(R_{i-1}) ──▶
+    S    :  alloc rows      resolve gather     wait F_i     frees
+    F    :  ...F_{i-1}...  | F.wait(S) → inputs → verify → publish → draft_extend → stash
+    D    :                   wait publish_ready_{i-1} → copy → (host blocks)
+    C    :                                               copy R_i → copy_done_i
+
+Meaning of ``seq_lens`` (digest 0.3): non-spec decode counts the token being
+processed; spec-v2 counts the KV-ready committed prefix without the pending
+bonus token.
+"""
+
+from __future__ import annotations
+
+from spec.config import Cell, ModelConfig
+from spec.units import TokenCount
+
+
+def compute_ceil_div(value: int, divisor: int) -> int:
+    return -(-value // divisor)
+
+
+def compute_page_align_up(length: int, page_size: int) -> int:
+    return compute_ceil_div(length, page_size) * page_size
+
+
+def compute_pages_for_len(length: int, page_size: int) -> int:
+    """Pages a row needs to hold ``length`` positions."""
+    return compute_ceil_div(length, page_size)
+
+
+# --- prepare_for_extend ------------------------------------------------------
+def compute_fill_len(prompt_len: int, output_len: int) -> TokenCount:
+    """Prefill length: the prompt plus every output token (re-prefill after retraction).
+
+    Changes: seq_lens[j], kv_committed_len, kv_allocated_len (all = fill_len).
+    Leaves: output_ids, finished state.
+    """
+    return TokenCount(prompt_len + output_len)
+
+
+# --- prepare_for_decode --------------------------------------------------------
+def compute_decode_seq_len_ns(seq_len: int) -> int:
+    """Non-spec decode: seq_lens' = seq_lens + 1; the pre-claimed slot is at column seq_lens."""
+    return seq_len + 1
+
+
+def compute_v2_alloc_target(committed: int, allocated: int, reserve: int, page_size: int) -> int:
+    """Spec-v2 ``prepare_for_decode``: nxt = page_align(max(cur, committed + 2A)).
+
+    The clamp keeps the allocation monotone after an adaptive down-switch and the
+    page rounding leaves no stranded tail (B12). Changes kv_allocated_len only;
+    seq_lens, seq_lens_cpu and seq_lens_sum are untouched (they are one verify stale
+    under overlap and are fixed by resolve_seq_lens_cpu).
+    """
+    return compute_page_align_up(max(allocated, committed + reserve), page_size)
+
+
+def compute_v2_decode_pages_needed(
+    committed: int, allocated: int, reserve: int, page_size: int
+) -> int:
+    """``_new_tokens_required_next_decode_spec_v2`` in pages, for ``check_decode_mem``."""
+    target = compute_v2_alloc_target(committed, allocated, reserve, page_size)
+    return compute_pages_for_len(target, page_size) - compute_pages_for_len(allocated, page_size)
+
+
+def compute_ns_decode_pages_needed(seq_len: int, page_size: int) -> int:
+    """A non-spec decode needs a new page when the new column starts one."""
+    return 1 if seq_len % page_size == 0 else 0
+
+
+# --- the forward ---------------------------------------------------------------
+def compute_verify_new_seq_len(seq_len: int, accept_len: int) -> int:
+    """SL8: verify of a request at seq_lens=s publishes s + accept_len."""
+    return seq_len + accept_len
+
+
+def compute_forward_write_width(config: ModelConfig, forward_mode: str) -> TokenCount:
+    """Positions a decode forward writes from seq_lens on.
+
+    Non-spec: one (the token being processed). Spec-v2: W = max(topk*steps, D_tok),
+    the draft and verify positions (KV3).
+    """
+    if forward_mode != "decode":
+        return TokenCount(0)
+    return config.alloc_len_per_decode
+
+
+def compute_draft_extend_seq_lens(seq_lens: tuple[int, ...], draft_tokens: int) -> tuple[int, ...]:
+    """SL10: the draft-extend forward sees seq_lens + D_tok, on its ForwardBatch only."""
+    return tuple(s + draft_tokens for s in seq_lens)
+
+
+# --- result processing ---------------------------------------------------------
+def compute_run_len(accept_len: int, remaining_budget: int, eos_at: int | None) -> int:
+    """Tokens of the accepted run that are kept: cut at EOS and at max_new_tokens.
+
+    The cut happens before committing (PR 28682), so the finishing round never
+    commits tokens past the finish (B11).
+    """
+    run = min(accept_len, max(remaining_budget, 0))
+    if eos_at is not None:
+        run = min(run, eos_at + 1)
+    return run
+
+
+def compute_committed_after_result(cell: Cell, committed: int, run_len: int, stale: bool,
+                                   finished: bool) -> int:
+    """kv_committed_len after one decode result (digest 2.12), the settle-once rule (KV8).
+
+    - non-spec: unchanged (claimed at prepare time);
+    - spec, pre-claim off (PR 28754): live += run_len; stale: unchanged;
+    - spec, pre-claim on (PR 23456): live += run_len - 1; finished: -1 (refund);
+      retracted: unchanged (reset_for_retract zeroed it).
+    """
+    if not cell.is_spec:
+        return committed
+    if not cell.preclaim:
+        return committed if stale else committed + run_len
+    if stale:
+        return committed - 1 if finished else committed
+    return committed + run_len - 1
+
+
+def compute_cached_len(committed: int, prompt_len: int, output_len: int) -> int:
+    """``effective_kv_committed_len`` at a finish release: never past the last token with KV.
+
+    The newest output token has no KV, so at most prompt + output - 1 positions are
+    cached; an overshoot tick (non-spec, PR 24590) or a finishing-round overshoot
+    (spec, PR 22897) may have committed more.
+    """
+    return min(committed, prompt_len + output_len - 1)
+
+
+def compute_committed_lead(cell: Cell, inflight_steps: int) -> int:
+    """How far kv_committed_len runs ahead of the settled truth (KV8, KV10).
+
+    Non-spec decode claims its slot at prepare time and the J2-era spec pre-claim
+    claims the bonus at prepare time: one position per launched, unprocessed step.
+    Spec with the pre-claim off (PR 28754) is honest: no lead.
+    """
+    if cell.is_spec and not cell.preclaim:
+        return 0
+    return inflight_steps
+
+
+def compute_ns_expected_seq_len(prompt_len: int, output_len: int, inflight_steps: int) -> int:
+    """SL7: after a non-spec prepare_for_decode, seq_lens = prompt + output + k.
+
+    k counts the request's launched steps whose token is not yet in output_ids: 1 under
+    overlap in the steady state (the previous batch is in flight), 0 without overlap.
+    """
+    return prompt_len + output_len + inflight_steps
+
+
+def compute_host_sync_budget(cell: Cell) -> int:
+    """ST3: host-blocking syncs one iteration may make (digest section 6 table)."""
+    if not cell.is_spec:
+        return 1
+    if cell.overlap and not cell.needs_cpu_seq_lens:
+        return 1
+    return 2

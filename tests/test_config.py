@@ -1,0 +1,49 @@
+from __future__ import annotations
+
+import pytest
+
+from spec.config import MINIMAL, REALISTIC, Cell, ModelConfig, SpecMode, enumerate_cells, get_cell
+
+
+def test_every_cell_is_valid_named_once_and_covers_each_switch() -> None:
+    cells = enumerate_cells()
+    names = [c.name for c in cells]
+    assert len(names) == len(set(names)) == 22
+    assert {c.spec_mode for c in cells} == set(SpecMode)
+    assert {c.overlap for c in cells} == {True, False}
+    assert {c.page_size for c in cells} == {1, 4}
+    assert any(not c.needs_cpu_seq_lens for c in cells)
+    assert any(c.preclaim for c in cells)
+
+
+def test_tree_mode_only_with_page_size_one() -> None:
+    assert all(c.page_size == 1 for c in enumerate_cells() if c.spec_mode is SpecMode.V2_TREE)
+
+
+def test_irrelevant_switches_take_the_canonical_value() -> None:
+    for cell in enumerate_cells():
+        if not cell.is_spec:
+            assert not cell.preclaim
+        if not (cell.is_spec and cell.overlap):
+            assert cell.needs_cpu_seq_lens
+
+
+def test_get_cell_names_the_valid_cells_on_error() -> None:
+    with pytest.raises(KeyError, match="valid cells"):
+        get_cell("ov-p3-none")
+    assert get_cell("ov-p1-none") == Cell(True, 1, SpecMode.NONE, True, False)
+
+
+@pytest.mark.parametrize("preset", [MINIMAL, REALISTIC])
+def test_reserve_and_row_width_follow_the_digest(preset: object) -> None:
+    for cell in enumerate_cells():
+        cfg = ModelConfig(cell, preset)  # type: ignore[arg-type]
+        a = max(cfg.spec_steps * cfg.topk, cfg.draft_tokens) if cell.is_spec else 1
+        assert cfg.alloc_len_per_decode == a
+        assert cfg.alloc_reserve_per_decode == 2 * a
+        assert cfg.row_width == cfg.preset.max_context_len + 4 + cfg.draft_tokens
+        if cell.spec_mode is SpecMode.V2_CHAIN:
+            assert cfg.draft_tokens == cfg.spec_steps + 1 and cfg.topk == 1
+        # one request alone always fits: the retraction loop may keep one
+        worst = cfg.preset.max_prompt_len + cfg.preset.max_new_tokens + 2 * a + cfg.page_size
+        assert worst <= cfg.row_width and worst <= cfg.preset.kv_tokens

@@ -1,0 +1,56 @@
+"""A guard switched off by hand makes the stateful check fail with the right invariant.
+
+The systematic matrix over B1-B15 belongs to the mutant runner; these are the
+spot checks that the checkers can fail at all, each with the ID the digest names.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from harness.script import load_script, run_script
+from harness.stateful import check_cell, get_profile
+from spec.config import MINIMAL, ModelConfig, get_cell
+
+CASES = [
+    # (fault, cell, an invariant the digest says it breaks)
+    ("B3", "ov-p1-v2chain-cpu-honest", "RP1"),  # stale-result skip removed
+    ("B3", "ov-p1-none", "RP1"),
+    ("B4", "ov-p4-v2chain-nocpu-preclaim", "RP3"),  # counters over stale rows
+    ("B5", "ov-p1-v2tree-cpu-honest", "FM1"),  # read new_seq_lens without publish_ready
+    ("B7", "nov-p4-v2chain-cpu-honest", "SL10"),  # draft-extend +D_tok written to SB
+    ("B8", "ov-p1-none", "ST2"),  # no WAR fence after launch
+    ("B15", "ov-p1-v2chain-nocpu-honest", "ST4"),  # keep-alive ring of one slot
+    ("B2", "nov-p1-none", "SL1"),  # init_new without the sum backfill
+    ("B11", "ov-p4-none", "KV9"),  # cache kv_committed_len, not the effective length
+]
+
+
+@pytest.mark.parametrize(("fault", "cell", "invariant"), CASES,
+                         ids=[f"{f}-{c}" for f, c, _ in CASES])
+def test_fault_is_caught_with_its_invariant(fault: str, cell: str, invariant: str) -> None:
+    config = ModelConfig(get_cell(cell), MINIMAL)
+    result = check_cell(config, get_profile("ci"), 1, frozenset({fault}))
+    assert result.violation is not None, f"{fault} survived in {cell}"
+    assert invariant in result.violation.all_ids, str(result.violation)
+    # The counterexample was saved and replays to the same violation.
+    assert result.script_path is not None and result.script_path.exists()
+    saved = json.loads(result.script_path.read_text())
+    assert saved["faults"] == [fault] and saved["seed"] == 1
+    replay = run_script(load_script(result.script_path))
+    assert replay.violation is not None
+    assert replay.violation.invariant_id == result.violation.invariant_id
+
+
+def test_failure_message_names_id_request_values_and_replay() -> None:
+    config = ModelConfig(get_cell("ov-p1-v2chain-cpu-honest"), MINIMAL)
+    result = check_cell(config, get_profile("ci"), 1, frozenset({"B3"}))
+    assert result.violation is not None
+    text = str(result.violation)
+    assert text.startswith("RP1 violated for stale request r")
+    assert "->" in text and "script step" in text
+    from harness.stateful import describe_failure
+    described = describe_failure(result)
+    assert "seed 1" in described and "overlap-spec replay" in described

@@ -1,0 +1,134 @@
+"""Scripts round-trip, malformed input is rejected with a clear message, the CLI exits right."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.script import (
+    Abort,
+    Admit,
+    Iterate,
+    Script,
+    ScriptError,
+    load_script,
+    run_script,
+    save_script,
+    script_from_json,
+    script_to_json,
+)
+from spec.invariants import INVARIANT_IDS
+from spec.state import IterationChoices
+
+DIGEST_IDS = (
+    [f"SL{i}" for i in range(1, 12)] + [f"KV{i}" for i in range(1, 11)]
+    + [f"FM{i}" for i in range(1, 6)] + [f"ST{i}" for i in range(1, 6)]
+    + [f"RP{i}" for i in range(1, 4)]
+)
+
+
+def _script(faults: tuple[str, ...] = ()) -> Script:
+    ops = [
+        Admit(3, 4),
+        Iterate(IterationChoices(True, 0, (2, 1, 1), frozenset())),
+        Iterate(IterationChoices(True, 0, (3, 1, 1), frozenset({0}))),
+        Iterate(IterationChoices(False, 0, (1, 1, 1), frozenset())),
+        Abort(0),
+        Iterate(IterationChoices(True, 0, (1, 1, 1), frozenset())),
+    ]
+    return Script("ov-p1-v2chain-cpu-honest", "minimal", ops, faults, seed=7)
+
+
+def test_script_round_trips_through_json(tmp_path: Path) -> None:
+    script = _script(("B3",))
+    assert script_to_json(script_from_json(script_to_json(script))) == script_to_json(script)
+    path = save_script(script, tmp_path / "s.json")
+    assert script_to_json(load_script(path)) == script_to_json(script)
+
+
+def test_a_clean_script_runs_clean() -> None:
+    assert run_script(_script()).violation is None
+
+
+@pytest.mark.parametrize(("mutate", "message"), [
+    (lambda d: d.pop("ops"), "missing field 'ops'"),
+    (lambda d: d.update(version=9), "unsupported version 9"),
+    (lambda d: d.update(cell="ov-p9-none"), "unknown cell"),
+    (lambda d: d.update(preset="huge"), "unknown preset"),
+    (lambda d: d.update(faults=["B99"]), "unknown fault IDs"),
+    (lambda d: d["ops"].append({"op": "teleport"}), "unknown op 'teleport'"),
+    (lambda d: d["ops"][0].pop("prompt_len"), "ops[0]: missing field 'prompt_len'"),
+    (lambda d: d["ops"][1].update(accept_lens=["x"]), "must be a list of integers"),
+    (lambda d: d["ops"][0].update(prompt_len=True), "must be an integer"),
+])
+def test_malformed_scripts_are_rejected_with_the_field(mutate: object, message: str) -> None:
+    raw = script_to_json(_script())
+    mutate(raw)  # type: ignore[operator]
+    with pytest.raises(ScriptError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        script_from_json(raw)
+
+
+def test_replay_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    clean = save_script(_script(), tmp_path / "clean.json")
+    assert main(["replay", str(clean)]) == 0
+    assert "no violation" in capsys.readouterr().out
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    assert main(["replay", str(bad)]) == 2
+    assert "not JSON" in capsys.readouterr().err
+    assert main(["replay", str(tmp_path / "missing.json")]) == 2
+
+
+def test_replay_of_a_failing_script_exits_one(tmp_path: Path,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    ops = [Admit(2, 3), Iterate(IterationChoices(True, 0, (1,), frozenset())),
+           Iterate(IterationChoices(True, 0, (1,), frozenset()))]
+    path = save_script(Script("ov-p1-none", "minimal", ops, ("B8",)), tmp_path / "f.json")
+    assert main(["replay", str(path)]) == 1
+    assert "ST2 violated" in capsys.readouterr().out
+
+
+def test_check_json_has_every_id_in_every_cell(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    code = main(["check", "-q", "--cells", "ov-p1-none,nov-p4-v2chain-cpu-preclaim",
+                 "--json", str(out)])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["version"] == 1 and doc["ok"] is True and isinstance(doc["elapsed_s"], float)
+    assert doc["cells"] == ["ov-p1-none@minimal", "nov-p4-v2chain-cpu-preclaim@minimal"]
+    assert sorted(doc["invariants"]) == sorted(DIGEST_IDS) == sorted(INVARIANT_IDS)
+    for verdicts in doc["invariants"].values():
+        assert set(verdicts) == set(doc["cells"])
+        assert set(verdicts.values()) <= {"pass", "n/a"}
+    assert doc["invariants"]["FM1"]["ov-p1-none@minimal"] == "n/a"
+    assert doc["invariants"]["KV10"]["nov-p4-v2chain-cpu-preclaim@minimal"] == "pass"
+    assert doc["mutants"] == {}
+
+
+def test_check_with_a_fault_fails_and_reports_fail(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    code = main(["check", "-q", "--cells", "ov-p1-none", "--faults", "B8", "--json", str(out),
+                 "--out", str(tmp_path)])
+    assert code == 1
+    doc = json.loads(out.read_text())
+    assert doc["ok"] is False
+    assert doc["invariants"]["ST2"]["ov-p1-none@minimal"] == "fail"
+    assert "overlap-spec replay" in doc["details"]["ov-p1-none@minimal"]["replay"]
+
+
+def test_usage_errors_exit_two(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["check", "--faults", "B99"]) == 2
+    with pytest.raises(SystemExit) as info:
+        main(["check", "--cells", "nothing-matches"])
+    assert "no cell matches" in str(info.value)
+
+
+def test_help_documents_the_commands(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    text = capsys.readouterr().out
+    for word in ("check", "replay", "cells", "invariants", "Exit codes"):
+        assert word in text

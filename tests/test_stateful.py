@@ -1,0 +1,28 @@
+"""The Hypothesis stateful check in every configuration cell (ci profile by default)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from harness.stateful import check_cell, describe_failure, get_profile
+from spec.config import MINIMAL, REALISTIC, ModelConfig, enumerate_cells
+
+SEED = int(os.environ.get("OVERLAP_SPEC_SEED", "20261122"))
+
+
+@pytest.mark.parametrize("cell", enumerate_cells(), ids=lambda c: c.name)
+def test_reference_holds_every_invariant(cell: object) -> None:
+    config = ModelConfig(cell, MINIMAL)  # type: ignore[arg-type]
+    result = check_cell(config, get_profile(), SEED)
+    assert result.ok, describe_failure(result)
+    assert result.exercised["__runs__"] > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", enumerate_cells(), ids=lambda c: c.name)
+def test_reference_holds_every_invariant_at_realistic_sizes(cell: object) -> None:
+    config = ModelConfig(cell, REALISTIC)  # type: ignore[arg-type]
+    result = check_cell(config, get_profile(), SEED)
+    assert result.ok, describe_failure(result)
