@@ -12,10 +12,20 @@ import sys
 import time
 from pathlib import Path
 
-from harness.report import build_json, render_table, write_json
+from harness.mutants import (
+    KILLED,
+    NOT_APPLICABLE,
+    CellKill,
+    MutantResult,
+    build_mutants_json,
+    render_mutants,
+    run_mutants,
+)
+from harness.report import build_json, is_clean, render_table, write_json
 from harness.script import ScriptError, load_script, run_script
 from harness.stateful import PROFILES, CellResult, check_cell, get_profile
 from reference.scheduler import SUPPORTED_FAULTS
+from spec.bugs import BUG_IDS, Bug
 from spec.config import PRESETS, ModelConfig, enumerate_cells
 from spec.invariants import INVARIANTS
 
@@ -26,12 +36,16 @@ Executable model and checkers for the seq_lens / KV-accounting state of SGLang's
 overlap scheduler with speculative decoding v2.
 
 commands:
-  check        run every checker tier on every configuration cell (default job)
+  check        run every checker tier on every configuration cell (default job):
+               the Hypothesis state machine per cell, then the mutant matrix
+  mutants      switch each historical bug B1-B16 on alone and print the kill matrix
   replay FILE  re-run a saved counterexample script and report the first violation
   cells        list the configuration cells
   invariants   list the invariant IDs with their claims and sources
 
 Invariant IDs follow the digest: SL1-SL11, KV1-KV10, FM1-FM5, ST1-ST5, RP1-RP3.
+A check passes only if no invariant fails, every applicable invariant had a
+witness in every cell (else "vacuous"), and every mutant is killed.
 Exit codes: 0 all checks passed, 1 a check failed or was inconclusive, 2 usage error.
 """
 
@@ -69,13 +83,59 @@ def cmd_check(args: argparse.Namespace) -> int:
         if not args.quiet:
             status = "ok" if result.ok else "FAIL " + ",".join(result.failed_ids or ("crash",))
             print(f" {status} ({result.seconds:.2f}s)", file=sys.stderr, flush=True)
-    elapsed = time.perf_counter() - started
     print(render_table(results))
-    ok = all(r.ok for r in results)
+    mutant_results: list[MutantResult] = []
+    if not args.no_mutants and not faults:
+        where = "the selected cells" if args.cells else "representative cells"
+        print(f"\nmutant matrix (each bug alone, {where}):")
+        subset = tuple(c.cell for c in configs) if args.cells else None
+        mutant_results = run_mutants(profile, args.seed, cells=subset, preset=args.preset,
+                                     progress=None if args.quiet else _mutant_progress)
+        print(render_mutants(mutant_results))
+    elapsed = time.perf_counter() - started
+    cells_ok = is_clean(results)
+    mutants_ok = all(m.verdict in (KILLED, NOT_APPLICABLE) for m in mutant_results)
+    ok = cells_ok and mutants_ok
+    killed = sum(m.verdict == KILLED for m in mutant_results)
+    mutant_note = (f", {killed}/{len(mutant_results)} mutants killed" if mutant_results
+                   else ", mutants skipped")
     print(f"\n{'OK' if ok else 'FAILED'}: {sum(r.ok for r in results)}/{len(results)} cells "
-          f"clean, seed {args.seed}, profile {profile.name}, {elapsed:.1f}s")
+          f"clean{'' if cells_ok else ' (or an invariant was vacuous)'}{mutant_note}, "
+          f"seed {args.seed}, profile {profile.name}, {elapsed:.1f}s")
     if args.json:
-        write_json(build_json(results, elapsed), Path(args.json))
+        document = build_json(results, elapsed, build_mutants_json(mutant_results), mutants_ok)
+        write_json(document, Path(args.json))
+    return 0 if ok else 1
+
+
+def _mutant_progress(bug: Bug, kill: CellKill) -> None:
+    print(f"  mutant {bug.id:<4} {kill.cell:<40} {kill.verdict} "
+          f"{kill.invariant or ''} ({kill.seconds:.2f}s)", file=sys.stderr, flush=True)
+
+
+def cmd_mutants(args: argparse.Namespace) -> int:
+    profile = get_profile(args.profile)
+    bug_ids = {b.strip() for b in args.bugs.split(",")} if args.bugs else None
+    if bug_ids is not None and bug_ids - set(BUG_IDS):
+        print(f"overlap-spec: unknown bug IDs {sorted(bug_ids - set(BUG_IDS))}; known: "
+              f"{', '.join(BUG_IDS)}", file=sys.stderr)
+        return 2
+    cells = None
+    if args.cells:
+        cells = tuple(c.cell for c in _select_configs(args.cells, "minimal"))
+    started = time.perf_counter()
+    results = run_mutants(profile, args.seed, bug_ids, cells, preset=args.preset,
+                          progress=None if args.quiet else _mutant_progress,
+                          all_cells=args.all_cells)
+    print(render_mutants(results))
+    ok = all(m.verdict in (KILLED, NOT_APPLICABLE) for m in results)
+    elapsed = time.perf_counter() - started
+    print(f"\n{'OK' if ok else 'FAILED'}: {sum(m.verdict == KILLED for m in results)}/"
+          f"{len(results)} mutants killed, seed {args.seed}, profile {profile.name}, "
+          f"{elapsed:.1f}s")
+    if args.json:
+        write_json({"version": 1, "ok": ok, "elapsed_s": round(elapsed, 3),
+                    "mutants": build_mutants_json(results)}, Path(args.json))
     return 0 if ok else 1
 
 
@@ -129,8 +189,21 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--json", metavar="PATH", help="write the JSON report here")
     check.add_argument("--out", metavar="DIR",
                        help="where failing scripts are saved (default: .overlap-spec)")
+    check.add_argument("--no-mutants", action="store_true",
+                       help="skip the mutant matrix (it is skipped anyway with --faults)")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     check.set_defaults(func=cmd_check)
+    mutants = sub.add_parser("mutants", help="the B1-B16 kill matrix")
+    mutants.add_argument("--bugs", help="comma-separated bug IDs (default: all)")
+    mutants.add_argument("--all-cells", action="store_true",
+                         help="every applicable cell instead of the representative ones")
+    mutants.add_argument("--cells", default=None, help="restrict to these cells (names or globs)")
+    mutants.add_argument("--profile", choices=sorted(PROFILES), default=None)
+    mutants.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    mutants.add_argument("--preset", choices=sorted(PRESETS), default="minimal")
+    mutants.add_argument("--json", metavar="PATH", help="write the kill matrix as JSON")
+    mutants.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    mutants.set_defaults(func=cmd_mutants)
     replay = sub.add_parser("replay", help="re-run a saved counterexample script")
     replay.add_argument("file")
     replay.set_defaults(func=cmd_replay)

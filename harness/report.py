@@ -10,12 +10,16 @@ from harness.stateful import CellResult, describe_failure
 from spec.invariants import INVARIANTS
 
 REPORT_VERSION = 1
-PASS, FAIL, NOT_APPLICABLE = "pass", "fail", "n/a"
-SYMBOLS = {PASS: ".", FAIL: "X", NOT_APPLICABLE: "-"}
+PASS, FAIL, NOT_APPLICABLE, VACUOUS = "pass", "fail", "n/a", "vacuous"
+SYMBOLS = {PASS: ".", FAIL: "X", NOT_APPLICABLE: "-", VACUOUS: "0"}
 
 
 def get_verdicts(results: list[CellResult]) -> dict[str, dict[str, str]]:
-    """invariant ID -> cell name -> pass / fail / n/a."""
+    """invariant ID -> cell name -> pass / fail / n/a / vacuous.
+
+    Vacuous: the invariant applies to the cell but no observation of the run gave
+    it anything to check (no witness). That is a failure, never a pass.
+    """
     verdicts: dict[str, dict[str, str]] = {inv.id: {} for inv in INVARIANTS}
     for result in results:
         cell = result.config.name
@@ -25,6 +29,8 @@ def get_verdicts(results: list[CellResult]) -> dict[str, dict[str, str]]:
                 verdict = NOT_APPLICABLE
             elif inv.id in failed or result.error is not None:
                 verdict = FAIL
+            elif result.ok and result.exercised.get(inv.id, 0) == 0:
+                verdict = VACUOUS
             else:
                 verdict = PASS
             verdicts[inv.id][cell] = verdict
@@ -38,7 +44,8 @@ def render_table(results: list[CellResult]) -> str:
         status = "ok" if result.ok else "FAILED"
         lines.append(f"  c{k:02d} {result.config.name:<40} {result.seconds:6.2f}s  {status}")
     header = "ID    " + "".join(f"{k:>3d}" for k in range(1, len(results) + 1))
-    lines += ["", "invariant x cell ('.' pass, 'X' fail, '-' n/a):", header]
+    lines += ["", "invariant x cell ('.' pass, 'X' fail, '-' n/a, '0' vacuous: no witness):",
+              header]
     for inv in INVARIANTS:
         row = "".join(f"{SYMBOLS[verdicts[inv.id][r.config.name]]:>3}" for r in results)
         lines.append(f"{inv.id:<6}{row}   {inv.claim}")
@@ -50,9 +57,17 @@ def render_table(results: list[CellResult]) -> str:
     return "\n".join(lines)
 
 
-def build_json(results: list[CellResult], elapsed: float) -> dict[str, Any]:
+def is_clean(results: list[CellResult]) -> bool:
+    """Every cell ran clean and every applicable invariant had a witness."""
     verdicts = get_verdicts(results)
-    ok = all(r.ok for r in results)
+    return all(r.ok for r in results) and not any(
+        v in (FAIL, VACUOUS) for per_cell in verdicts.values() for v in per_cell.values())
+
+
+def build_json(results: list[CellResult], elapsed: float,
+               mutants: dict[str, Any] | None = None, mutants_ok: bool = True) -> dict[str, Any]:
+    verdicts = get_verdicts(results)
+    ok = is_clean(results) and mutants_ok
     details: dict[str, Any] = {}
     for result in results:
         entry: dict[str, Any] = {
@@ -81,7 +96,7 @@ def build_json(results: list[CellResult], elapsed: float) -> dict[str, Any]:
         "elapsed_s": round(elapsed, 3),
         "cells": [r.config.name for r in results],
         "invariants": verdicts,
-        "mutants": {},
+        "mutants": mutants or {},
         "details": details,
     }
 

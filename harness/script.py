@@ -42,6 +42,12 @@ class Admit:
 
 
 @dataclass(frozen=True)
+class AdmitPrebuilt:
+    prompt_len: int
+    max_new_tokens: int
+
+
+@dataclass(frozen=True)
 class Iterate:
     choices: IterationChoices
 
@@ -51,7 +57,7 @@ class Abort:
     request: int  # index into the admitted requests, in admission order
 
 
-Op = Admit | Iterate | Abort
+Op = Admit | AdmitPrebuilt | Iterate | Abort
 
 
 @dataclass
@@ -67,17 +73,21 @@ class Script:
         return ModelConfig(get_cell(self.cell), PRESETS[self.preset])
 
     def count_requests(self) -> int:
-        return sum(1 for op in self.ops if isinstance(op, Admit))
+        return sum(1 for op in self.ops if isinstance(op, Admit | AdmitPrebuilt))
 
 
 def op_to_json(op: Op) -> dict[str, Any]:
     if isinstance(op, Admit):
         return {"op": "admit", "prompt_len": op.prompt_len, "max_new_tokens": op.max_new_tokens}
+    if isinstance(op, AdmitPrebuilt):
+        return {"op": "admit_prebuilt", "prompt_len": op.prompt_len,
+                "max_new_tokens": op.max_new_tokens}
     if isinstance(op, Abort):
         return {"op": "abort", "request": op.request}
     c = op.choices
     return {"op": "iterate", "allow_prefill": c.allow_prefill, "retract": c.retract,
-            "accept_lens": list(c.accept_lens), "eos_positions": sorted(c.eos_positions)}
+            "accept_lens": list(c.accept_lens), "eos_positions": sorted(c.eos_positions),
+            "disable_overlap": c.disable_overlap, "spec_steps": c.spec_steps}
 
 
 def _field(raw: dict[str, Any], name: str, kind: type, where: str) -> Any:
@@ -99,6 +109,9 @@ def op_from_json(raw: Any, index: int) -> Op:
     if kind == "admit":
         return Admit(_field(raw, "prompt_len", int, where),
                      _field(raw, "max_new_tokens", int, where))
+    if kind == "admit_prebuilt":
+        return AdmitPrebuilt(_field(raw, "prompt_len", int, where),
+                             _field(raw, "max_new_tokens", int, where))
     if kind == "abort":
         return Abort(_field(raw, "request", int, where))
     if kind == "iterate":
@@ -112,8 +125,12 @@ def op_from_json(raw: Any, index: int) -> Op:
             retract=_field(raw, "retract", int, where),
             accept_lens=tuple(int(a) for a in accept),
             eos_positions=frozenset(int(e) for e in eos),
+            disable_overlap=_field(raw, "disable_overlap", bool, where)
+            if "disable_overlap" in raw else False,
+            spec_steps=_field(raw, "spec_steps", int, where) if "spec_steps" in raw else 0,
         ))
-    raise ScriptError(f"{where}: unknown op {kind!r} (expected admit, iterate or abort)")
+    raise ScriptError(f"{where}: unknown op {kind!r} "
+                      "(expected admit, admit_prebuilt, iterate or abort)")
 
 
 def script_to_json(script: Script) -> dict[str, Any]:
@@ -178,6 +195,8 @@ def get_factory(implementation: str) -> Factory:
 def apply_op(model: SchedulerModel, op: Op, admitted: list[RequestId]) -> None:
     if isinstance(op, Admit):
         admitted.append(model.admit(op.prompt_len, op.max_new_tokens))
+    elif isinstance(op, AdmitPrebuilt):
+        admitted.append(model.admit_prebuilt(op.prompt_len, op.max_new_tokens))
     elif isinstance(op, Abort):
         if admitted:
             model.abort(admitted[op.request % len(admitted)])

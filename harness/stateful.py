@@ -28,8 +28,18 @@ from hypothesis.stateful import (
 )
 
 from harness.checker import InvariantChecker
-from harness.script import Abort, Admit, Iterate, Op, Script, apply_op, get_factory, save_script
-from spec.config import ModelConfig
+from harness.script import (
+    Abort,
+    Admit,
+    AdmitPrebuilt,
+    Iterate,
+    Op,
+    Script,
+    apply_op,
+    get_factory,
+    save_script,
+)
+from spec.config import ModelConfig, SpecMode
 from spec.invariants import InvariantViolation
 from spec.state import IterationChoices
 from spec.units import RequestId
@@ -40,12 +50,13 @@ class Profile:
     name: str
     max_examples: int
     step_count: int
+    mutant_examples: int  # per mutant and cell; a kill usually stops far earlier
 
 
 PROFILES = {
-    "ci": Profile("ci", max_examples=150, step_count=40),
-    "dev": Profile("dev", max_examples=1000, step_count=60),
-    "thorough": Profile("thorough", max_examples=5000, step_count=100),
+    "ci": Profile("ci", max_examples=150, step_count=40, mutant_examples=500),
+    "dev": Profile("dev", max_examples=1000, step_count=60, mutant_examples=2000),
+    "thorough": Profile("thorough", max_examples=5000, step_count=100, mutant_examples=10000),
 }
 
 MAX_REQUESTS = 6
@@ -67,6 +78,14 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
     """A state machine class bound to one configuration and fault set."""
     width = config.preset.max_running_requests
     max_accept = config.max_accept_len
+    max_steps = config.preset.chain_steps if config.cell.spec_mode is SpecMode.V2_CHAIN else 0
+    # Full acceptance and the extreme rungs are where the reserve arithmetic is tight, so
+    # they are drawn more often than a uniform draw would (shrinking still goes to 1 / 0).
+    accept_len = st.one_of(st.integers(1, max_accept), st.just(max_accept))
+    # Early result processing removes the lag that overlap bugs need; keep it occasional.
+    rarely = st.sampled_from([False, False, False, True])
+    spec_steps = st.one_of(st.just(0), st.sampled_from(sorted({1, max_steps})),
+                           st.integers(0, max_steps))
     factory = get_factory(implementation)
 
     class SchedulerMachine(RuleBasedStateMachine):
@@ -93,14 +112,24 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
         def admit(self, prompt_len: int, max_new_tokens: int) -> None:
             self._apply(Admit(prompt_len, max_new_tokens))
 
+        @precondition(lambda self: len(self.admitted) < MAX_REQUESTS)
+        @rule(prompt_len=st.integers(1, config.preset.max_prompt_len),
+              max_new_tokens=st.integers(2, config.preset.max_new_tokens))
+        def admit_prebuilt(self, prompt_len: int, max_new_tokens: int) -> None:
+            self._apply(AdmitPrebuilt(prompt_len, max_new_tokens))
+
         @rule(allow_prefill=st.booleans(),
               retract=st.integers(0, 1),
-              accept_lens=st.lists(st.integers(1, max_accept), min_size=width, max_size=width),
-              eos_positions=st.frozensets(st.integers(0, width - 1), max_size=1))
+              accept_lens=st.lists(accept_len, min_size=width, max_size=width),
+              eos_positions=st.one_of(st.just(frozenset()), st.frozensets(
+                  st.integers(0, width - 1), min_size=1, max_size=1)),
+              disable_overlap=rarely,
+              spec_steps=spec_steps)
         def iterate(self, allow_prefill: bool, retract: int, accept_lens: list[int],
-                    eos_positions: frozenset[int]) -> None:
+                    eos_positions: frozenset[int], disable_overlap: bool,
+                    spec_steps: int) -> None:
             self._apply(Iterate(IterationChoices(allow_prefill, retract, tuple(accept_lens),
-                                                 eos_positions)))
+                                                 eos_positions, disable_overlap, spec_steps)))
 
         @precondition(lambda self: bool(self.admitted))
         @rule(request=st.integers(0, MAX_REQUESTS - 1))
@@ -141,18 +170,22 @@ class CellResult:
 
 def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
                faults: frozenset[str] = frozenset(), implementation: str = "reference",
-               save_dir: Path | None = None) -> CellResult:
-    """Run the stateful check in one cell; never raises for a violation, returns it."""
+               save_dir: Path | None = None, shrink: bool = True) -> CellResult:
+    """Run the stateful check in one cell; never raises for a violation, returns it.
+
+    ``shrink=False`` skips Hypothesis's shrinker (the mutant runner minimises the
+    script itself, which is much cheaper for these short operation scripts).
+    """
     stats: Counter[str] = Counter()
     machine = make_machine(config, faults, implementation, stats)
     test: Any = get_state_machine_test(
         machine,
         settings=settings(
-            max_examples=profile.max_examples,
+            max_examples=profile.max_examples if shrink else profile.mutant_examples,
             stateful_step_count=profile.step_count,
             deadline=None,
             database=None,
-            phases=(Phase.generate, Phase.shrink),
+            phases=(Phase.generate, Phase.shrink) if shrink else (Phase.generate,),
             suppress_health_check=list(HealthCheck),
             print_blob=False,
             report_multiple_bugs=False,

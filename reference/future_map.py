@@ -57,9 +57,11 @@ class FutureMap:
         self.stashes_since_gather[req.req_pool_idx] = 0
 
     # -- forward side ---------------------------------------------------------------
-    def publish(self, reqs: list[Req], rows: list[PoolRow], values: list[int]) -> None:
+    def publish(self, reqs: list[Req], rows: list[PoolRow], values: list[int],
+                stream: str | None = None) -> None:
+        """On the current stream (normally F); records publish_ready there (spec only)."""
         rt = self.rt
-        stream = rt.forward_stream
+        stream = stream or rt.forward_stream
         for req, row, value in zip(reqs, rows, values, strict=True):
             self.new_seq_lens_buf[row] = value
             self.publisher[row] = get_owner(req)
@@ -67,13 +69,15 @@ class FutureMap:
         if rt.config.cell.is_spec and rows:
             rt.hb.record(PUBLISH_READY, stream)
 
-    def stash(self, reqs: list[Req], rows: list[PoolRow], tokens: list[int]) -> None:
+    def stash(self, reqs: list[Req], rows: list[PoolRow], tokens: list[int],
+              stream: str | None = None) -> None:
         rt = self.rt
+        stream = stream or rt.forward_stream
         for req, row, token in zip(reqs, rows, tokens, strict=True):
             self.output_tokens_buf[row] = token
             self.stasher[row] = get_owner(req)
             self.stashes_since_gather[row] = self.stashes_since_gather.get(row, 0) + 1
-            rt.hb.write(rt.forward_stream, ("output_tokens_buf", row), "FutureMap.stash")
+            rt.hb.write(stream, ("output_tokens_buf", row), "FutureMap.stash")
 
     def resolve_forward_inputs(self, reqs: list[Req], rows: list[PoolRow]) -> list[RelayGather]:
         """Decode: gather output_tokens_buf[rows] on F (tokens or spec bonus); consume once."""

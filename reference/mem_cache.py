@@ -63,9 +63,13 @@ def alloc_for_extend(rt: Runtime, req: Req, fill_len: int) -> None:
 
 
 def alloc_for_decode(rt: Runtime, req: Req, seq_len: int) -> None:
-    """Non-spec decode: one slot at column ``seq_len``; committed and allocated += 1."""
+    """Non-spec decode: one slot at column ``seq_len``; committed and allocated += 1.
+
+    B10 moves the committed claim to result time (settle-at-result, #27971).
+    """
     grow_to(rt, req, seq_len + 1, "alloc_for_decode")
-    req.kv_committed_len += 1
+    if not rt.has_fault("B10"):
+        req.kv_committed_len += 1
 
 
 def get_decode_pages_needed(rt: Runtime, req: Req, seq_len: int) -> int:
@@ -74,7 +78,7 @@ def get_decode_pages_needed(rt: Runtime, req: Req, seq_len: int) -> int:
     if not cfg.cell.is_spec:
         return compute_ns_decode_pages_needed(seq_len, cfg.page_size)
     target = compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len,
-                                     cfg.alloc_reserve_per_decode, cfg.page_size)
+                                     rt.get_decode_reserve(), cfg.page_size)
     return compute_pages_for_len(target, cfg.page_size) - len(req.pages)
 
 

@@ -22,7 +22,7 @@ from spec.state import (
     ObservationPoint,
     RequestView,
 )
-from spec.units import PageId, PoolRow, SlotId, TokenCount
+from spec.units import PageId, PoolRow, RequestId, SlotId, TokenCount
 
 if TYPE_CHECKING:
     from reference.req import Req
@@ -36,6 +36,7 @@ class Refinement:
         self.rt = rt
         self.observer = observer
         self.races_seen = 0
+        self.awaiting_launch: frozenset[RequestId] = frozenset()
 
     def get_request_view(self, req: Req) -> RequestView:
         g = req.ghost
@@ -88,6 +89,7 @@ class Refinement:
     def get_forward_view(self, fb: ForwardBatch, batch: ScheduleBatch) -> ForwardView:
         return ForwardView(
             purpose=fb.purpose,
+            draft_tokens=fb.draft_tokens,
             batch_size=fb.batch_size,
             seq_lens=tuple(fb.seq_lens),
             seq_lens_cpu=None if fb.seq_lens_cpu is None else tuple(fb.seq_lens_cpu),
@@ -119,6 +121,7 @@ class Refinement:
             batch=None if batch is None else self.get_batch_view(batch),
             allocator=self.get_allocator_view(),
             races=tuple(races),
+            awaiting_launch=self.awaiting_launch,
             **parts,
         )
         self.observer(obs)

@@ -45,6 +45,7 @@ class Req:
     finished_reason: str | None = None
     to_finish: str | None = None  # deferred abort, promoted by update_finish_state
     is_retracted: bool = False
+    prebuilt: bool = False  # PD decode: KV and the first token arrive without a prefill
     waiting: bool = True
     holds_kv: bool = False
     release_count: int = 0
@@ -71,6 +72,7 @@ class Req:
     def reset_for_retract(self) -> None:
         """Frame: zeroes KV lengths and the pool row; keeps output_ids."""
         self.is_retracted = True
+        self.prebuilt = False  # a retracted request is re-prefilled here
         self.kv_committed_len = 0
         self.kv_allocated_len = 0
         self.req_pool_idx = None
@@ -134,6 +136,12 @@ class GhostBook:
         hit_eos = eos_at is not None and eos_at < run_len
         if hit_eos or g.abort_requested or g.output_len_true >= req.max_new_tokens:
             g.finished = True
+
+    def on_prebuilt(self, req: Req) -> None:
+        """The prefill ran elsewhere: its KV and first output token arrive settled."""
+        g = req.ghost
+        g.kv_len_true = g.settled_len = req.prompt_len
+        g.output_len_true = 1
 
     def on_abort(self, req: Req, waiting: bool) -> None:
         req.ghost.abort_requested = True

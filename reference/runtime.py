@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from reference.memory import ReqToTokenPool, TokenToKVPoolAllocator, TreeCache
 from reference.req import GhostBook
-from spec.config import ModelConfig
+from spec.config import ModelConfig, SpecShape
 from spec.happens_before import FORWARD, SCHEDULE, HappensBefore
 
 
@@ -38,6 +38,7 @@ class Runtime:
         self.allocator = TokenToKVPoolAllocator(cfg.page_size, cfg.kv_pages)
         self.tree = TreeCache()
         self.req_to_token = ReqToTokenPool(cfg.preset.max_running_requests, cfg.row_width)
+        self.shape: SpecShape = cfg.get_shape()  # the adaptive rung of this iteration
 
     @property
     def forward_stream(self) -> str:
@@ -45,6 +46,12 @@ class Runtime:
 
     def has_fault(self, bug_id: str) -> bool:
         return bug_id in self.faults
+
+    def get_decode_reserve(self) -> int:
+        """The v2 reserve ahead of kv_committed_len for this iteration's rung."""
+        if self.has_fault("B16"):
+            return 2 * self.shape.alloc_len_per_decode  # the J2 formula: 2A of this rung
+        return self.config.get_decode_reserve(self.shape)
 
     def new_tensor(self, values: Sequence[int], operation: str,
                    stream: str = SCHEDULE) -> DeviceTensor:

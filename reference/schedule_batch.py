@@ -13,7 +13,7 @@ from reference.mem_cache import alloc_for_decode, alloc_for_extend, grow_to
 from reference.req import Req
 from reference.runtime import DeviceTensor, Runtime
 from spec.happens_before import SCHEDULE
-from spec.transitions import compute_fill_len, compute_v2_alloc_target
+from spec.transitions import compute_fill_len, compute_page_align_up, compute_v2_alloc_target
 from spec.units import PoolRow
 
 
@@ -92,9 +92,14 @@ class ScheduleBatch:
         """Frame: kv_allocated_len (and kv_committed_len + 1 with the pre-claim) only."""
         rt = self.rt
         cfg = rt.config
+        reserve = rt.get_decode_reserve()
         for req in self.reqs:
-            target = compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len,
-                                             cfg.alloc_reserve_per_decode, cfg.page_size)
+            if rt.has_fault("B12"):
+                # No max(cur, ...) clamp: a down-switch can shrink the allocation.
+                target = compute_page_align_up(req.kv_committed_len + reserve, cfg.page_size)
+            else:
+                target = compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len,
+                                                 reserve, cfg.page_size)
             grow_to(rt, req, target, "prepare_for_decode")
             if cfg.cell.preclaim:
                 req.kv_committed_len += 1
@@ -117,7 +122,13 @@ class ScheduleBatch:
             self.seq_lens_cpu = [self.seq_lens_cpu[j] for j in keep_indices]
         if self.future_indices is not None:
             self.future_indices = [self.future_indices[j] for j in keep_indices]
-        self.seq_lens_sum = None
+        forward_state = self.extra.get("accept_lens")
+        if isinstance(forward_state, DeviceTensor):  # B13: forward-produced spec state
+            values = rt.read_tensor(SCHEDULE, forward_state, "spec_info.filter_batch")
+            self.extra["accept_lens"] = rt.new_tensor([values[j] for j in keep_indices],
+                                                      "spec_info.filter_batch")
+        if not rt.has_fault("B1"):
+            self.seq_lens_sum = None
 
     def merge_batch(self, other: ScheduleBatch) -> None:
         """Concatenate; seq_lens_cpu is None if either side's is; sum = None."""
@@ -137,7 +148,8 @@ class ScheduleBatch:
             self.future_indices = self.future_indices + other.future_indices
         else:
             self.future_indices = None
-        self.seq_lens_sum = None
+        if not rt.has_fault("B1"):
+            self.seq_lens_sum = None
         self.reqs = self.reqs + other.reqs
 
     # -- snapshot -----------------------------------------------------------------
@@ -146,4 +158,6 @@ class ScheduleBatch:
         return replace(self, reqs=list(self.reqs), extra={})
 
     def get_referenced_tensors(self) -> set[int]:
-        return {self.seq_lens.tensor_id, self.req_pool_indices.tensor_id}
+        held = {self.seq_lens.tensor_id, self.req_pool_indices.tensor_id}
+        held |= {t.tensor_id for t in self.extra.values() if isinstance(t, DeviceTensor)}
+        return held

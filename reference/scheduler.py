@@ -27,7 +27,8 @@ from reference.refinement import Refinement
 from reference.req import Req
 from reference.runtime import Runtime
 from reference.schedule_batch import ScheduleBatch
-from reference.worker import ForwardResult, ModelWorker
+from reference.worker import READ_DONE, ForwardResult, ModelWorker, token_for
+from spec.bugs import BUG_IDS
 from spec.config import ModelConfig
 from spec.happens_before import COPY, FORWARD, HOST, SCHEDULE
 from spec.interface import Observer
@@ -51,10 +52,8 @@ from spec.transitions import (
 )
 from spec.units import PoolRow, RequestId, StepId, TokenCount
 
-READ_DONE = "shared_read_done"
-
 # Historical bugs (digest section 5) this reference can re-introduce, by ID.
-SUPPORTED_FAULTS = frozenset({"B2", "B3", "B4", "B5", "B7", "B8", "B11", "B15"})
+SUPPORTED_FAULTS = frozenset(BUG_IDS)
 
 
 class ConfigurationError(Exception):
@@ -103,6 +102,12 @@ class Scheduler:
         self.waiting_queue.append(req)
         return rid
 
+    def admit_prebuilt(self, prompt_len: int, max_new_tokens: int) -> RequestId:
+        """A PD-decode request whose prefill ran elsewhere: KV and first token arrive ready."""
+        rid = self.admit(prompt_len, max(max_new_tokens, 2))
+        self.requests[rid].prebuilt = True
+        return rid
+
     def abort(self, rid: RequestId) -> None:
         """Waiting: leave the queue finished. Running: deferred until its next result."""
         req = self.requests.get(rid)
@@ -122,19 +127,33 @@ class Scheduler:
     def run_iteration(self, choices: IterationChoices) -> None:
         hb = self.rt.hb
         syncs_before = len(hb.host_syncs)
+        self.rt.shape = self.config.get_shape(choices.spec_steps)
         batch = self.get_next_batch_to_run(choices)
-        launched = batch is not None
         if self.config.cell.overlap:
+            early = choices.disable_overlap and self.last_batch is not None and bool(
+                self.result_queue)
+            if early:
+                # is_disable_overlap_for_batch: the pending result is processed before launch.
+                if batch is not None:
+                    self.refinement.awaiting_launch = frozenset(r.rid for r in batch.reqs)
+                self.pop_and_process()
+                self.refinement.awaiting_launch = frozenset()
+                if batch is not None and not self.rt.has_fault("B14"):
+                    batch.filter_batch()  # drop what that result finished and released
+                    self._observe_batch(ObservationPoint.FILTER_BATCH, batch)
+                    if batch.is_empty():
+                        batch = None
             if batch is not None:
                 result = self.run_batch(batch, choices)
                 self.apply_war_barrier()
                 self.result_queue.append(QueuedResult(batch.copy(), result))
-            if self.last_batch is not None and self.result_queue:
+            if self.last_batch is not None and self.result_queue and not early:
                 self.pop_and_process()
         elif batch is not None:
             result = self.run_batch(batch, choices)
             self.result_queue.append(QueuedResult(batch.copy(), result))
             self.pop_and_process()
+        launched = batch is not None
         self.last_batch = batch
         # "event:copy_done:7" -> "event:copy_done": the step number is not part of the kind.
         syncs = tuple(":".join(s.split(":")[:2]) for s in hb.host_syncs[syncs_before:])
@@ -149,6 +168,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def get_next_batch_to_run(self, choices: IterationChoices) -> ScheduleBatch | None:
+        self.process_prebuilt()
         last = self.last_batch
         if last is not None and last.forward_mode == "extend":
             last.filter_batch()
@@ -169,13 +189,15 @@ class Scheduler:
                 return self.running_batch
         return None
 
-    def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        """Admit waiting requests in order while a row and their pages are free."""
+    def _choose_admissions(self, prebuilt: bool) -> list[Req]:
+        """Waiting requests, in order, while a row and their pages are free."""
         rt = self.rt
         running = 0 if self.running_batch is None else len(self.running_batch.reqs)
         chosen: list[Req] = []
         pages = 0
         for req in self.waiting_queue:
+            if req.prebuilt != prebuilt:
+                continue
             if running + len(chosen) >= self.config.preset.max_running_requests:
                 break
             if len(rt.req_to_token.free_slots) <= len(chosen):
@@ -186,10 +208,48 @@ class Scheduler:
                 break
             chosen.append(req)
             pages += need
-        if not chosen:
-            return None
         for req in chosen:
             self.waiting_queue.remove(req)
+        return chosen
+
+    def process_prebuilt(self) -> None:
+        """PD decode: seed the relay on S for requests whose prefill ran elsewhere.
+
+        There is no forward, so ``publish`` runs on the schedule stream and records
+        ``publish_ready`` there. The caller fence ``S.wait_stream(F)`` (#35748) keeps that
+        capture after the in-flight forward's publishes; B9 drops it.
+        """
+        rt = self.rt
+        chosen = self._choose_admissions(prebuilt=True)
+        if not chosen:
+            return
+        if not rt.has_fault("B9"):
+            rt.hb.wait_stream(SCHEDULE, rt.forward_stream)
+        batch = ScheduleBatch.prepare_for_extend(rt, chosen)
+        rows = list(batch.req_pool_indices_cpu)
+        tokens = []
+        for req in chosen:
+            self.future_map.on_row_acquired(req)
+            tokens.append(token_for(req, 0))
+            req.output_ids.append(tokens[-1])
+            rt.ghost.on_prebuilt(req)
+        if self.config.cell.is_spec:
+            self.future_map.publish(chosen, rows, list(batch.seq_lens.values), stream=SCHEDULE)
+        self.future_map.stash(chosen, rows, tokens, stream=SCHEDULE)
+        if self.config.cell.is_spec and self.config.cell.overlap:
+            batch.future_indices = rows
+        self._observe_batch(ObservationPoint.PREPARE_FOR_EXTEND, batch)
+        if self.running_batch is None or self.running_batch.is_empty():
+            self.running_batch = batch
+        else:
+            self.running_batch.merge_batch(batch)
+            self._observe_batch(ObservationPoint.MERGE_BATCH, self.running_batch)
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        chosen = self._choose_admissions(prebuilt=False)
+        if not chosen:
+            return None
+        rt = self.rt
         batch = ScheduleBatch.prepare_for_extend(rt, chosen)
         for req in chosen:
             self.future_map.on_row_acquired(req)
@@ -273,10 +333,11 @@ class Scheduler:
         gathers = []
         if cfg.cell.overlap and batch.forward_mode == "decode":
             gathers = self.future_map.resolve_forward_inputs(batch.reqs, rows)
-        width = compute_forward_write_width(cfg, batch.forward_mode)
+        width = compute_forward_write_width(rt.shape, batch.forward_mode)
         members = tuple(
             LaunchMember(
                 rid=req.rid,
+                holds_kv=req.holds_kv,
                 seq_len=s,
                 published_seq_len=(self.future_map.new_seq_lens_buf[row]
                                    if cfg.cell.is_spec and cfg.cell.overlap else None),
@@ -293,7 +354,7 @@ class Scheduler:
             self.record_batch_in_overlap(batch)
         future_indices = list(rows)
         publishes: list[PublishRecord] = []
-        accept_lens = [choices.get_accept_len(j, cfg.max_accept_len)
+        accept_lens = [choices.get_accept_len(j, rt.shape.max_accept_len)
                        for j in range(len(batch.reqs))]
 
         def on_publish(values: list[int]) -> None:
@@ -308,8 +369,6 @@ class Scheduler:
         if not cfg.cell.is_spec and cfg.cell.overlap:
             # Non-spec publish of seq_lens + 1: written, never read by the schedule side.
             self.future_map.publish(batch.reqs, future_indices, result.new_seq_lens)
-        if cfg.cell.overlap and not cfg.cell.is_spec:
-            hb.record(READ_DONE, rt.forward_stream)
         result.publishes = publishes
         # Relay the sampled / bonus token for the next forward (stash on F).
         last_tokens = [
@@ -317,6 +376,10 @@ class Scheduler:
             for j in range(len(batch.reqs))
         ]
         self.future_map.stash(batch.reqs, future_indices, last_tokens)
+        if rt.has_fault("B13") and cfg.cell.is_spec and cfg.cell.overlap:
+            # ngram kept forward-written accept state on spec_info for filter_batch.
+            batch.extra["accept_lens"] = rt.new_tensor(result.accept_lens, "verify accept_lens",
+                                                       stream=rt.forward_stream)
         # Result D2H on the copy stream, then copy_done.
         result.copy_done = f"copy_done:{step}"
         hb.wait_stream(COPY, rt.forward_stream)
@@ -336,6 +399,10 @@ class Scheduler:
                     hb.synchronize_stream(SCHEDULE)  # new_seq_lens.to("cpu")
                     batch.seq_lens_cpu = list(result.new_seq_lens)
                     batch.seq_lens_sum = sum(batch.seq_lens_cpu)
+            elif rt.has_fault("B6"):
+                # #25879: a negative sentinel until the next resolve replaces it.
+                batch.seq_lens = rt.new_tensor([-row for row in future_indices],
+                                               "run_batch sentinel")
         launch = LaunchView(
             step=step,
             forward_mode=batch.forward_mode,
@@ -384,10 +451,9 @@ class Scheduler:
         """Right after launch (PR 31687): S waits for F_i's reads before writing again."""
         if self.rt.has_fault("B8"):
             return
-        if self.config.cell.is_spec:
-            self.rt.hb.wait_stream(SCHEDULE, FORWARD)  # spec keeps the coarse fence
-        else:
-            self.rt.hb.wait_event(SCHEDULE, READ_DONE)
+        # The fine fence (read-done event, #28363) for every path: a coarse wait_stream
+        # would also order the publishes and mask relay races from the checkers.
+        self.rt.hb.wait_event(SCHEDULE, READ_DONE)
 
     # ------------------------------------------------------------------ results
     def pop_and_process(self) -> None:
@@ -423,8 +489,11 @@ class Scheduler:
                 start = j * result.stride
                 run = result.next_token_ids[start:start + run_len]
                 if result.forward_mode == "decode":
+                    settled = accept if rt.has_fault("B11") else run_len
                     req.kv_committed_len = compute_committed_after_result(
-                        cfg.cell, req.kv_committed_len, run_len, False, False)
+                        cfg.cell, req.kv_committed_len, settled, False, False)
+                    if rt.has_fault("B10") and not cfg.cell.is_spec:
+                        req.kv_committed_len += 1  # settle at result time
                 req.output_ids.extend(run)
                 if cfg.cell.is_spec and result.forward_mode == "decode":
                     req.spec_verify_ct += 1

@@ -29,10 +29,13 @@ from spec.transitions import (
 )
 from spec.units import StepId
 
+READ_DONE = "shared_read_done"
+
 
 @dataclass
 class ForwardBatch:
     purpose: str
+    draft_tokens: int
     batch_size: int
     seq_lens: list[int]
     seq_lens_cpu: list[int] | None
@@ -50,7 +53,7 @@ def init_new(rt: Runtime, batch: ScheduleBatch, purpose: str,
     cpu = seq_lens_cpu_cache if seq_lens_cpu_cache is not None else batch.seq_lens_cpu
     if batch.seq_lens_sum is None and cpu is not None and not rt.has_fault("B2"):
         batch.seq_lens_sum = sum(cpu)
-    return ForwardBatch(purpose, len(seq_lens), seq_lens,
+    return ForwardBatch(purpose, rt.shape.draft_tokens, len(seq_lens), seq_lens,
                         None if cpu is None else list(cpu), batch.seq_lens_sum)
 
 
@@ -82,6 +85,14 @@ class ModelWorker:
     def __init__(self, rt: Runtime, emit: Emit) -> None:
         self.rt = rt
         self.emit = emit
+
+    def _record_reads_done(self) -> None:
+        """The forward's last read of req_to_token: the fine-grained WAR fence point.
+
+        Recorded before the publish and the stash, so the fence orders the schedule
+        stream's row writes and nothing else (#28363 read-done event).
+        """
+        self.rt.hb.record(READ_DONE, self.rt.forward_stream)
 
     def _write_kv(self, req: Req, start: int, end: int, faults: list[KvWrite]) -> None:
         """The forward writes KV for positions [start, end) through req_to_token."""
@@ -131,6 +142,7 @@ class ModelWorker:
             run, eos_at = self._sample(req, j, 1, choices, 1)
             tokens += run
             eos.append(eos_at)
+        self._record_reads_done()
         if rt.config.cell.is_spec:
             on_publish(list(fb.seq_lens))  # spec extend publishes s (the prompt length)
         return ForwardResult(step, "extend", list(batch.reqs), 1, tokens,
@@ -150,6 +162,7 @@ class ModelWorker:
             run, eos_at = self._sample(req, j, 1, choices, 1)
             tokens += run
             eos.append(eos_at)
+        self._record_reads_done()
         return ForwardResult(step, "decode", list(batch.reqs), 1, tokens,
                              [1] * len(batch.reqs), eos, [s + 1 for s in fb.seq_lens],
                              kv_write_faults=faults)
@@ -157,8 +170,8 @@ class ModelWorker:
     def _forward_decode_spec_v2(self, batch: ScheduleBatch, step: StepId,
                                 choices: IterationChoices, on_publish: OnPublish) -> ForwardResult:
         rt = self.rt
-        cfg = rt.config
-        width = compute_forward_write_width(cfg, "decode")
+        shape = rt.shape
+        width = compute_forward_write_width(shape, "decode")
         draft = init_new(rt, batch, "draft")
         self.emit("init_new", forward=draft, batch=batch)
         # Verify copies seq_lens_cpu / seq_lens_sum from SB (TBO reads them).
@@ -169,16 +182,17 @@ class ModelWorker:
         accept_lens: list[int] = []
         eos: list[int | None] = []
         new_seq_lens: list[int] = []
-        stride = cfg.draft_tokens
+        stride = shape.draft_tokens
         for j, (req, seq_len) in enumerate(zip(batch.reqs, verify.seq_lens, strict=True)):
             self._write_kv(req, seq_len, seq_len + width, faults)  # draft + verify positions
-            accept = choices.get_accept_len(j, cfg.max_accept_len)
+            accept = choices.get_accept_len(j, shape.max_accept_len)
             rt.ghost.on_forward_decode(step, req, accept)
             run, eos_at = self._sample(req, j, accept, choices, stride)
             tokens += run
             accept_lens.append(accept)
             eos.append(eos_at)
             new_seq_lens.append(compute_verify_new_seq_len(seq_len, accept))
+        self._record_reads_done()
         on_publish(new_seq_lens)  # between verify and draft_extend
         self._draft_extend(batch)
         return ForwardResult(step, "decode", list(batch.reqs), stride, tokens, accept_lens, eos,
@@ -188,7 +202,7 @@ class ModelWorker:
         """prepare_for_extend_to_fill_draft_kvcache: +D_tok on the ForwardBatch only."""
         rt = self.rt
         fb = init_new(rt, batch, "draft_extend")
-        d_tok = rt.config.draft_tokens
+        d_tok = rt.shape.draft_tokens
         fb.seq_lens = list(compute_draft_extend_seq_lens(tuple(fb.seq_lens), d_tok))
         if rt.has_fault("B7"):
             batch.seq_lens = DeviceTensor(batch.seq_lens.tensor_id, list(fb.seq_lens))

@@ -86,7 +86,7 @@ MINIMAL: Final = Preset(
     max_context_len=TokenCount(24),
     max_prompt_len=TokenCount(5),
     max_new_tokens=TokenCount(8),
-    chain_steps=2,
+    chain_steps=3,
     tree_topk=2,
     tree_steps=2,
     tree_draft_tokens=4,
@@ -106,6 +106,21 @@ REALISTIC: Final = Preset(
 )
 
 PRESETS: Final = {p.name: p for p in (MINIMAL, REALISTIC)}
+
+
+@dataclass(frozen=True)
+class SpecShape:
+    """The speculative shape of one decode step (the adaptive controller's current rung)."""
+
+    steps: int
+    topk: int
+    draft_tokens: int  # D_tok, also the verify output stride
+    alloc_len_per_decode: TokenCount  # A = max(steps * topk, D_tok)
+
+    @property
+    def max_accept_len(self) -> int:
+        """Largest accept_len (bonus included): a chain or tree path is at most steps+1 deep."""
+        return self.steps + 1 if self.steps else 1
 
 
 @dataclass(frozen=True)
@@ -159,9 +174,19 @@ class ModelConfig:
         return TokenCount(max(self.spec_steps * self.topk, self.draft_tokens))
 
     @property
-    def alloc_reserve_per_decode(self) -> TokenCount:
-        """Reserve = 2A: one in-flight verify of lag plus this launch's writes (digest 2.2)."""
-        return TokenCount(2 * self.alloc_len_per_decode)
+    def lag_bound(self) -> TokenCount:
+        """How far kv_committed_len can lag the truth at prepare time: one in-flight verify
+        of the widest rung under overlap (max_speculative_num_draft_tokens), 0 without."""
+        return TokenCount(self.draft_tokens if self.cell.overlap and self.cell.is_spec else 0)
+
+    def get_decode_reserve(self, shape: SpecShape) -> TokenCount:
+        """Reserve ahead of kv_committed_len: lag bound + this step's write width W.
+
+        For a fixed shape this is the digest's 2A. Under an adaptive down-switch the
+        in-flight verify may be wider than this step, so 2A of the new rung is too
+        little (found by this model; upstream's derivation, task #486, agrees): B16.
+        """
+        return TokenCount(self.lag_bound + shape.alloc_len_per_decode)
 
     @property
     def row_width(self) -> TokenCount:
@@ -171,6 +196,18 @@ class ModelConfig:
     @property
     def name(self) -> str:
         return f"{self.cell.name}@{self.preset.name}"
+
+    def get_shape(self, steps: int = 0) -> SpecShape:
+        """The shape at rung ``steps`` (0: the configured maximum).
+
+        Only the chain adapts its step count (adaptive candidate steps, digest 6); the
+        tree keeps its configured shape.
+        """
+        if self.cell.spec_mode is not SpecMode.V2_CHAIN or steps <= 0:
+            return SpecShape(self.spec_steps, self.topk, self.draft_tokens,
+                             self.alloc_len_per_decode)
+        rung = min(steps, self.preset.chain_steps)
+        return SpecShape(rung, 1, rung + 1, TokenCount(rung + 1))
 
 
 def is_valid_cell(cell: Cell) -> bool:

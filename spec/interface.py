@@ -23,6 +23,10 @@ class SchedulerModel(Protocol):
         """A new request joins the waiting queue."""
         ...
 
+    def admit_prebuilt(self, prompt_len: int, max_new_tokens: int) -> RequestId:
+        """A PD-decode request whose KV and first token were produced elsewhere."""
+        ...
+
     def abort(self, rid: RequestId) -> None:
         """Abort: immediate if waiting, deferred to its next result if running."""
         ...

@@ -111,6 +111,7 @@ class ForwardView:
     """A ``ForwardBatch`` at ``init_new`` (or after the draft-extend mutation)."""
 
     purpose: str  # "extend" | "decode" | "draft" | "verify" | "draft_extend"
+    draft_tokens: int  # D_tok of this step's shape (1 without speculation)
     batch_size: int
     seq_lens: tuple[int, ...]
     seq_lens_cpu: tuple[int, ...] | None
@@ -123,6 +124,7 @@ class LaunchMember:
     """One request of a launched batch, after ``resolve_seq_lens_cpu``."""
 
     rid: RequestId
+    holds_kv: bool  # False: the request was released before this launch (B14)
     seq_len: int  # SB.seq_lens[j] the forward will use
     published_seq_len: int | None  # new_seq_lens_buf[pool_j] (spec), None if never published
     kv_allocated_len: int
@@ -238,6 +240,9 @@ class Observation:
     result: ResultView | None = None
     host_syncs: tuple[str, ...] | None = None  # at ITERATION_END: syncs of this iteration
     launched_this_iteration: bool = False
+    # Requests of a batch already prepared (claims made) but not yet launched: a result
+    # processed early (overlap disabled for the batch) sees their claims without a step.
+    awaiting_launch: frozenset[RequestId] = frozenset()
 
     def get_request(self, rid: RequestId) -> RequestView:
         for request in self.requests:
@@ -255,12 +260,16 @@ class IterationChoices:
     lengths are clamped into [1, max_accept_len]). ``allow_prefill`` lets the
     scheduler admit waiting requests; ``retract`` asks it to retract that many
     running requests before preparing a decode (a memory-pressure decision).
+    ``disable_overlap`` is upstream's ``is_disable_overlap_for_batch`` (consecutive
+    prefills, grammar with spec); ``spec_steps`` is the adaptive controller's rung.
     """
 
     allow_prefill: bool = True
     retract: int = 0
     accept_lens: tuple[int, ...] = (1,)
     eos_positions: frozenset[int] = frozenset()
+    disable_overlap: bool = False  # process the pending result before launching (grammar sync)
+    spec_steps: int = 0  # adaptive rung for this iteration's decode; 0 = configured maximum
 
     def get_accept_len(self, position: int, max_accept_len: int) -> int:
         raw = self.accept_lens[position % len(self.accept_lens)] if self.accept_lens else 1

@@ -20,7 +20,7 @@ bonus token.
 
 from __future__ import annotations
 
-from spec.config import Cell, ModelConfig
+from spec.config import Cell, SpecShape
 from spec.units import TokenCount
 
 
@@ -83,7 +83,7 @@ def compute_verify_new_seq_len(seq_len: int, accept_len: int) -> int:
     return seq_len + accept_len
 
 
-def compute_forward_write_width(config: ModelConfig, forward_mode: str) -> TokenCount:
+def compute_forward_write_width(shape: SpecShape, forward_mode: str) -> TokenCount:
     """Positions a decode forward writes from seq_lens on.
 
     Non-spec: one (the token being processed). Spec-v2: W = max(topk*steps, D_tok),
@@ -91,7 +91,7 @@ def compute_forward_write_width(config: ModelConfig, forward_mode: str) -> Token
     """
     if forward_mode != "decode":
         return TokenCount(0)
-    return config.alloc_len_per_decode
+    return shape.alloc_len_per_decode
 
 
 def compute_draft_extend_seq_lens(seq_lens: tuple[int, ...], draft_tokens: int) -> tuple[int, ...]:

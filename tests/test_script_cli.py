@@ -20,6 +20,7 @@ from harness.script import (
     script_from_json,
     script_to_json,
 )
+from spec.bugs import BUG_IDS
 from spec.invariants import INVARIANT_IDS
 from spec.state import IterationChoices
 
@@ -93,19 +94,25 @@ def test_replay_of_a_failing_script_exits_one(tmp_path: Path,
 
 def test_check_json_has_every_id_in_every_cell(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    code = main(["check", "-q", "--cells", "ov-p1-none,nov-p4-v2chain-cpu-preclaim",
+    code = main(["check", "-q", "--cells", "ov-p1-none,nov-p1-v2chain-cpu-preclaim",
                  "--json", str(out)])
     assert code == 0
     doc = json.loads(out.read_text())
     assert doc["version"] == 1 and doc["ok"] is True and isinstance(doc["elapsed_s"], float)
-    assert doc["cells"] == ["ov-p1-none@minimal", "nov-p4-v2chain-cpu-preclaim@minimal"]
+    assert doc["cells"] == ["ov-p1-none@minimal", "nov-p1-v2chain-cpu-preclaim@minimal"]
     assert sorted(doc["invariants"]) == sorted(DIGEST_IDS) == sorted(INVARIANT_IDS)
     for verdicts in doc["invariants"].values():
         assert set(verdicts) == set(doc["cells"])
         assert set(verdicts.values()) <= {"pass", "n/a"}
     assert doc["invariants"]["FM1"]["ov-p1-none@minimal"] == "n/a"
-    assert doc["invariants"]["KV10"]["nov-p4-v2chain-cpu-preclaim@minimal"] == "pass"
-    assert doc["mutants"] == {}
+    assert doc["invariants"]["KV10"]["nov-p1-v2chain-cpu-preclaim@minimal"] == "pass"
+    # The mutant matrix ran over the selected cells: every bug has an entry.
+    assert sorted(doc["mutants"], key=lambda b: int(b[1:])) == list(BUG_IDS)
+    verdicts = {b: m["hypothesis"]["verdict"] for b, m in doc["mutants"].items()}
+    assert set(verdicts.values()) <= {"killed", "n/a"}
+    assert verdicts["B8"] == "killed" and verdicts["B5"] == "n/a"
+    for entry in doc["details"].values():
+        assert all(n > 0 for n in entry["exercised"].values())
 
 
 def test_check_with_a_fault_fails_and_reports_fail(tmp_path: Path) -> None:

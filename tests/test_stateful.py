@@ -8,6 +8,7 @@ import pytest
 
 from harness.stateful import check_cell, describe_failure, get_profile
 from spec.config import MINIMAL, REALISTIC, ModelConfig, enumerate_cells
+from spec.invariants import INVARIANTS
 
 SEED = int(os.environ.get("OVERLAP_SPEC_SEED", "20261122"))
 
@@ -18,6 +19,10 @@ def test_reference_holds_every_invariant(cell: object) -> None:
     result = check_cell(config, get_profile(), SEED)
     assert result.ok, describe_failure(result)
     assert result.exercised["__runs__"] > 0
+    # Non-vacuity: every invariant that applies here had something to check.
+    vacuous = [inv.id for inv in INVARIANTS
+               if inv.applies(config.cell) and result.exercised[inv.id] == 0]
+    assert not vacuous, f"no witness in {config.name} for {vacuous}"
 
 
 @pytest.mark.slow

@@ -1,0 +1,232 @@
+"""The mutant matrix: every historical bug switched on alone, run through every checker.
+
+A mutant is *killed* by a checker when the checker reports a violation in every
+cell where the bug applies (``spec.bugs.Bug.applies``); it *survives* if any
+such cell stays clean; a checker that has no code path for the bug reports n/a.
+Each kill's counterexample is shrunk by Hypothesis and then minimised further by
+:func:`minimize_script` (drop operations, then simplify choices, keeping the
+same invariant), saved, and reported with its number of steps and requests.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+from harness.script import Abort, Admit, AdmitPrebuilt, Iterate, Op, Script, run_script, save_script
+from harness.stateful import Profile, check_cell, get_failure_dir
+from spec.bugs import BUGS, Bug
+from spec.config import PRESETS, Cell, ModelConfig, enumerate_cells
+from spec.state import IterationChoices
+
+KILLED, SURVIVED, NOT_APPLICABLE = "killed", "survived", "n/a"
+CHECKERS = ("hypothesis",)
+
+
+def _still_fails(script: Script, invariant_id: str) -> bool:
+    outcome = run_script(script)
+    return outcome.violation is not None and invariant_id in outcome.violation.all_ids
+
+
+def _simpler_ops(op: Op) -> list[Op]:
+    """Candidate simplifications of one operation, simplest first."""
+    if isinstance(op, Iterate):
+        c = op.choices
+        plain = IterationChoices(c.allow_prefill, 0, (1,), frozenset(), False, 0)
+        candidates = [
+            replace(c, retract=0), replace(c, eos_positions=frozenset()),
+            replace(c, accept_lens=(1,)), replace(c, disable_overlap=False),
+            replace(c, spec_steps=0), replace(c, allow_prefill=True), plain,
+        ]
+        return [Iterate(x) for x in candidates if x != c]
+    if isinstance(op, Admit | AdmitPrebuilt):
+        return [type(op)(1, op.max_new_tokens), type(op)(op.prompt_len, 2)]
+    if isinstance(op, Abort):
+        return [Abort(0)] if op.request else []
+    return []
+
+
+def minimize_script(script: Script, invariant_id: str, budget: int = 400) -> Script:
+    """Greedy delta debugging: drop operations, then simplify the rest; same invariant."""
+    best = replace(script, ops=list(script.ops))
+    runs = 0
+    changed = True
+    while changed and runs < budget:
+        changed = False
+        for index in range(len(best.ops) - 1, -1, -1):
+            if index >= len(best.ops):
+                continue
+            trial = replace(best, ops=best.ops[:index] + best.ops[index + 1:])
+            runs += 1
+            if _still_fails(trial, invariant_id):
+                best, changed = trial, True
+        for index, op in enumerate(list(best.ops)):
+            for simpler in _simpler_ops(op):
+                trial = replace(best, ops=best.ops[:index] + [simpler] + best.ops[index + 1:])
+                runs += 1
+                if _still_fails(trial, invariant_id):
+                    best, changed = trial, True
+                    break
+    return best
+
+
+@dataclass
+class CellKill:
+    cell: str
+    verdict: str
+    invariant: str | None = None
+    all_invariants: tuple[str, ...] = ()
+    steps: int | None = None
+    requests: int | None = None
+    seconds: float = 0.0
+    replay: str | None = None
+    detail: str | None = None
+
+
+@dataclass
+class MutantResult:
+    bug: Bug
+    checker: str
+    cells: list[CellKill] = field(default_factory=list)
+
+    @property
+    def verdict(self) -> str:
+        if not self.cells:
+            return NOT_APPLICABLE
+        if all(c.verdict == KILLED for c in self.cells):
+            return KILLED
+        return SURVIVED
+
+    @property
+    def seconds(self) -> float:
+        return sum(c.seconds for c in self.cells)
+
+    def get_representative(self) -> CellKill | None:
+        """The smallest counterexample over the cells (what a reader should open first)."""
+        kills = [c for c in self.cells if c.verdict == KILLED and c.steps is not None]
+        return min(kills, key=lambda c: (c.requests or 0, c.steps or 0), default=None)
+
+    @property
+    def invariant(self) -> str | None:
+        counts = Counter(c.invariant for c in self.cells if c.invariant)
+        return counts.most_common(1)[0][0] if counts else None
+
+
+def run_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed: int,
+                       save_dir: Path) -> CellKill:
+    started = time.perf_counter()
+    result = check_cell(config, profile, seed, frozenset({bug.id}), save_dir=save_dir,
+                        shrink=False)
+    kill = CellKill(config.name, SURVIVED)
+    if result.error is not None:
+        kill.detail = f"crash: {type(result.error).__name__}: {result.error}"
+    elif result.violation is not None and result.script is not None:
+        # Report the invariant the catalogue expects when it tripped; else the first one.
+        tripped = result.violation.all_ids
+        invariant = next((i for i in tripped if i in bug.invariants), tripped[0])
+        small = minimize_script(result.script, invariant)
+        replayed = run_script(small)
+        assert replayed.violation is not None
+        tripped = replayed.violation.all_ids
+        invariant = next((i for i in tripped if i in bug.invariants), invariant)
+        name = "-".join([config.name.replace("@", "-"), bug.id])
+        path = save_script(small, save_dir / f"{name}.json")
+        kill = CellKill(config.name, KILLED, invariant, tripped,
+                        len(small.ops), small.count_requests(), 0.0,
+                        f"overlap-spec replay {path}")
+    kill.seconds = time.perf_counter() - started
+    return kill
+
+
+def get_applicable_cells(bug: Bug, cells: tuple[Cell, ...] | None = None) -> list[Cell]:
+    return [c for c in (cells or enumerate_cells()) if bug.applies(c)]
+
+
+def get_representative_cells(bug: Bug, cells: tuple[Cell, ...] | None = None) -> list[Cell]:
+    """The catalogue's representative cells (among ``cells``), else the first applicable
+    cell per spec mode."""
+    applicable = get_applicable_cells(bug, cells)
+    named = [c for c in applicable if c.name in bug.representative_cells]
+    if named:
+        return named
+    chosen: dict[object, Cell] = {}
+    for cell in applicable:
+        chosen.setdefault(cell.spec_mode, cell)
+    return list(chosen.values())
+
+
+def run_mutants(profile: Profile, seed: int, bug_ids: set[str] | None = None,
+                cells: tuple[Cell, ...] | None = None, preset: str = "minimal",
+                save_dir: Path | None = None, progress: Any = None,
+                all_cells: bool = False) -> list[MutantResult]:
+    """The kill matrix. Default: the representative cells of each bug (among ``cells``
+    when given); ``all_cells``: every applicable cell (among ``cells``)."""
+    directory = save_dir or get_failure_dir().parent / "mutants"
+    results: list[MutantResult] = []
+    for bug in BUGS:
+        if bug_ids is not None and bug.id not in bug_ids:
+            continue
+        result = MutantResult(bug, "hypothesis")
+        if all_cells:
+            targets = get_applicable_cells(bug, cells)
+        else:
+            targets = get_representative_cells(bug, cells)
+        for cell in targets:
+            kill = run_mutant_in_cell(bug, ModelConfig(cell, PRESETS[preset]), profile, seed,
+                                      directory)
+            result.cells.append(kill)
+            if progress is not None:
+                progress(bug, kill)
+        results.append(result)
+    return results
+
+
+def build_mutants_json(results: list[MutantResult]) -> dict[str, Any]:
+    document: dict[str, Any] = {}
+    for result in results:
+        rep = result.get_representative()
+        document[result.bug.id] = {
+            result.checker: {
+                "verdict": result.verdict,
+                "invariant": result.invariant,
+                "steps": rep.steps if rep else None,
+                "requests": rep.requests if rep else None,
+                "seconds": round(result.seconds, 3),
+                "expected": list(result.bug.invariants),
+                "replay": rep.replay if rep else None,
+                "cells": {
+                    c.cell: {"verdict": c.verdict, "invariant": c.invariant,
+                             "all": list(c.all_invariants), "steps": c.steps,
+                             "requests": c.requests, "seconds": round(c.seconds, 3),
+                             **({"detail": c.detail} if c.detail else {})}
+                    for c in result.cells
+                },
+            }
+        }
+    return document
+
+
+def render_mutants(results: list[MutantResult]) -> str:
+    lines = [f"{'bug':<5} {'checker':<11} {'verdict':<9} {'invariant':<9} {'steps':>5} "
+             f"{'reqs':>4} {'cells':>6} {'seconds':>8}  title"]
+    for result in results:
+        rep = result.get_representative()
+        killed = sum(c.verdict == KILLED for c in result.cells)
+        lines.append(
+            f"{result.bug.id:<5} {result.checker:<11} {result.verdict:<9} "
+            f"{result.invariant or '-':<9} {rep.steps if rep else '-':>5} "
+            f"{rep.requests if rep else '-':>4} {killed:>3}/{len(result.cells):<2} "
+            f"{result.seconds:8.2f}  {result.bug.title}")
+        for cell in result.cells:
+            if cell.verdict != KILLED:
+                lines.append(f"      survived in {cell.cell}" +
+                             (f" ({cell.detail})" if cell.detail else ""))
+    small = [r for r in results if (rep := r.get_representative()) is not None
+             and (rep.requests or 0) <= 2 and (rep.steps or 0) <= 8]
+    if results:
+        lines.append(f"counterexamples with <= 2 requests and <= 8 steps: {len(small)}/"
+                     f"{len(results)}")
+    return "\n".join(lines)

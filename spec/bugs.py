@@ -1,0 +1,145 @@
+"""The historical bugs B1-B15 (digest section 5), each a mutant the checkers must kill.
+
+Each entry names the upstream PRs, the trigger, the invariants the digest says it
+breaks and the cells where the trigger can occur. An implementation re-introduces
+a bug when its ``faults`` set holds the ID; with no fault it is the intended design.
+A mutant is *killed* by a checker when the checker reports a violation in every
+cell where the bug applies.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from spec.config import Cell, SpecMode
+
+
+@dataclass(frozen=True)
+class Bug:
+    id: str
+    title: str
+    upstream: str  # PRs / issues
+    trigger: str
+    mutant: str  # how the fault re-introduces it
+    invariants: tuple[str, ...]  # what the digest says it breaks
+    applies: Callable[[Cell], bool]
+    stream_level: bool = False  # lives in the stream / event structure
+    # Cells where the trigger is reachable in a few steps; the default matrix must kill
+    # the mutant in each. Empty: the first applicable cell of each speculative mode.
+    representative_cells: tuple[str, ...] = ()
+
+
+def _any(cell: Cell) -> bool:
+    return True
+
+
+def _overlap(cell: Cell) -> bool:
+    return cell.overlap
+
+
+def _spec(cell: Cell) -> bool:
+    return cell.is_spec
+
+
+def _spec_overlap(cell: Cell) -> bool:
+    return cell.is_spec and cell.overlap
+
+
+def _spec_overlap_mirror(cell: Cell) -> bool:
+    return cell.is_spec and cell.overlap and cell.needs_cpu_seq_lens
+
+
+def _lazy_sum(cell: Cell) -> bool:
+    return not (cell.is_spec and cell.overlap)
+
+
+def _non_spec(cell: Cell) -> bool:
+    return not cell.is_spec
+
+
+def _finish_overshoot(cell: Cell) -> bool:
+    return cell.is_spec or cell.overlap
+
+
+def _adaptive_chain(cell: Cell) -> bool:
+    return cell.spec_mode is SpecMode.V2_CHAIN
+
+
+def _adaptive_chain_overlap(cell: Cell) -> bool:
+    return cell.spec_mode is SpecMode.V2_CHAIN and cell.overlap
+
+
+BUGS: Final[tuple[Bug, ...]] = (
+    Bug("B1", "stale seq_lens_sum kept across filter/merge", "#25818",
+        "filter_batch / merge_batch keep the old integer sum instead of resetting it to None",
+        "filter and merge leave seq_lens_sum as it was", ("SL3", "SL1"), _any),
+    Bug("B2", "a None seq_lens_sum consumed without refresh", "#25818, #32532",
+        "init_new no longer backfills the lazily-None sum; a consumer gets None",
+        "init_new skips the backfill", ("SL1",), _lazy_sum),
+    Bug("B3", "accept_lens applied to finished or retracted requests", "#23456, #18848",
+        "a late result of an overshoot tick or of a retracted request is processed as live",
+        "result processing drops the stale-request skip", ("RP1", "KV1", "KV5", "KV8"),
+        _overlap),
+    Bug("B4", "global accept counters count stale rows", "#23456 review, #18848",
+        "num_correct_drafts and the metrics batch size sum over every request of the copy",
+        "counters sum over all requests (today's upstream behaviour)", ("RP3",), _spec_overlap),
+    Bug("B5", "schedule side reads new_seq_lens without the publish_ready fence",
+        "#25465, #25879",
+        "resolve_seq_lens_cpu gathers / copies new_seq_lens_buf without waiting on publish_ready",
+        "S and D skip their publish_ready waits", ("FM1",), _spec_overlap_mirror,
+        stream_level=True),
+    Bug("B6", "seq_lens sentinel between forwards", "#25879, #25944, #26020",
+        "run_batch leaves SB.seq_lens = -future_indices until the next resolve",
+        "the sentinel is re-introduced after launch", ("SL5", "SL2"), _spec_overlap),
+    Bug("B7", "spec draft-extend mutations pollute the ScheduleBatch", "#26020",
+        "draft-extend adds D_tok to SB.seq_lens / seq_lens_cpu instead of the ForwardBatch",
+        "the +D_tok is written to the ScheduleBatch", ("SL10", "SL2", "SL6"), _spec),
+    Bug("B8", "no WAR fence after launch", "#26376, #26380, #28363, #31687",
+        "S rewrites req_to_token rows while F_i still reads them",
+        "_apply_war_barrier does nothing", ("ST2",), _overlap, stream_level=True),
+    Bug("B9", "publish_ready re-recorded on the schedule stream", "#30435, #35748",
+        "the PD prebuilt path publishes on S with no caller fence; the event leaves F",
+        "process_prebuilt publishes on S without S.wait_stream(F)", ("FM2", "FM1"),
+        _spec_overlap, stream_level=True),
+    Bug("B10", "non-spec committed settled at result time", "#24590, #27971",
+        "non-spec decode claims its slot in allocated at prepare but commits at result",
+        "committed += 1 moves from prepare_for_decode to result processing", ("KV2", "KV8"),
+        _non_spec),
+    Bug("B11", "finishing-round overshoot cached", "#22897, #28682, M2",
+        "the accepted run is committed uncut and the release caches kv_committed_len",
+        "commit the full accept run; cache kv_committed_len, not the effective length",
+        ("KV9",), _finish_overshoot),
+    Bug("B12", "v2 reserve without the max clamp", "A1 -> J2",
+        "after an adaptive step down-switch committed + 2A < allocated",
+        "nxt = page_align(committed + 2A) without max(cur, ...)", ("KV1", "KV4", "KV7"),
+        _adaptive_chain,
+        representative_cells=("ov-p1-v2chain-cpu-honest", "nov-p1-v2chain-cpu-honest")),
+    Bug("B13", "schedule stream reads forward-produced spec state", "#35198",
+        "spec_info carries a forward-written accept_lens tensor that filter_batch gathers on S",
+        "filter_batch slices the forward-produced accept_lens", ("FM1",), _spec_overlap,
+        stream_level=True),
+    Bug("B14", "a released request launched again", "#28986, #28682",
+        "overlap disabled for a batch processes the pending result between prepare and launch"
+        " and a request it finished and released stays in the batch",
+        "no re-filter after the early result processing", ("RP1", "KV4"), _overlap),
+    Bug("B15", "tensor lifetime across streams", "#11210, #36661",
+        "tensors read by F_i are dropped before F_i completes and their memory reused",
+        "the batch_record_buf ring has one slot", ("ST4",), _overlap, stream_level=True),
+    Bug("B16", "2A reserve under an adaptive down-switch", "found by this model; task #486",
+        "the in-flight verify ran a wider rung than the one being prepared, so the lag can "
+        "exceed A of the new rung and 2A does not cover lag + W",
+        "reserve = 2 * A(current rung) instead of lag bound + W", ("KV3",),
+        _adaptive_chain_overlap,
+        representative_cells=("ov-p1-v2chain-cpu-honest", "ov-p1-v2chain-nocpu-preclaim")),
+)
+
+BUG_IDS: Final = tuple(bug.id for bug in BUGS)
+
+
+def get_bug(bug_id: str) -> Bug:
+    for bug in BUGS:
+        if bug.id == bug_id:
+            return bug
+    raise KeyError(f"unknown bug {bug_id!r}; known: {', '.join(BUG_IDS)}")

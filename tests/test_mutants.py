@@ -1,0 +1,111 @@
+"""Every historical bug, switched on alone, is killed by the Hypothesis checker.
+
+A checker that stops catching a bug fails here. The matrix runs once per session
+(representative cells, ci budget) and each test reads its part.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.cli import main
+from harness.mutants import (
+    KILLED,
+    MutantResult,
+    get_representative_cells,
+    minimize_script,
+    run_mutants,
+)
+from harness.script import Admit, Iterate, Script, load_script, run_script
+from harness.stateful import get_profile
+from spec.bugs import BUG_IDS, BUGS, get_bug
+from spec.config import enumerate_cells
+from spec.invariants import INVARIANT_IDS
+from spec.state import IterationChoices
+
+SEED = 20261122
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, MutantResult]:
+    out = tmp_path_factory.mktemp("mutants")
+    return {r.bug.id: r for r in run_mutants(get_profile("ci"), SEED, save_dir=out)}
+
+
+def test_catalogue_is_complete_and_consistent() -> None:
+    assert BUG_IDS == tuple(f"B{i}" for i in range(1, 17))
+    for bug in BUGS:
+        assert set(bug.invariants) <= set(INVARIANT_IDS), bug.id
+        assert any(bug.applies(c) for c in enumerate_cells()), bug.id
+        assert get_representative_cells(bug), bug.id
+        for name in bug.representative_cells:
+            assert any(c.name == name and bug.applies(c) for c in enumerate_cells()), name
+    stream = {b.id for b in BUGS if b.stream_level}
+    assert {"B5", "B8", "B9", "B13", "B15"} <= stream
+
+
+@pytest.mark.parametrize("bug_id", BUG_IDS)
+def test_bug_is_killed_by_an_invariant_it_breaks(bug_id: str,
+                                                 matrix: dict[str, MutantResult]) -> None:
+    result = matrix[bug_id]
+    assert result.verdict == KILLED, [(c.cell, c.verdict, c.detail) for c in result.cells]
+    bug = get_bug(bug_id)
+    for cell in result.cells:
+        assert set(cell.all_invariants) & set(bug.invariants), (
+            f"{bug_id} in {cell.cell} tripped {cell.all_invariants}, expected one of "
+            f"{bug.invariants}")
+        assert cell.steps is not None and cell.requests is not None and cell.replay
+        path = Path(cell.replay.split()[-1])
+        replayed = run_script(load_script(path))
+        assert replayed.violation is not None and cell.invariant in replayed.violation.all_ids
+
+
+def test_counterexamples_are_small(matrix: dict[str, MutantResult]) -> None:
+    small = 0
+    for result in matrix.values():
+        rep = result.get_representative()
+        assert rep is not None
+        small += (rep.requests or 0) <= 2 and (rep.steps or 0) <= 8
+    assert small >= 0.9 * len(matrix), f"only {small}/{len(matrix)} are <= 2 requests, 8 steps"
+
+
+def test_correct_design_passes_the_mutant_witness_scripts() -> None:
+    """The B16 finding: 2A of a narrower rung does not cover a wider in-flight verify."""
+    ops = [Admit(1, 8), Iterate(IterationChoices(True, 0, (1,), frozenset())),
+           Iterate(IterationChoices(False, 0, (4,), frozenset(), False, 3)),
+           Iterate(IterationChoices(False, 0, (4,), frozenset(), False, 3)),
+           Iterate(IterationChoices(False, 0, (1,), frozenset(), False, 1))]
+    cell = "ov-p1-v2chain-cpu-honest"
+    assert run_script(Script(cell, "minimal", ops)).violation is None
+    broken = run_script(Script(cell, "minimal", ops, ("B16",))).violation
+    assert broken is not None and broken.invariant_id == "KV3"
+    assert "beyond kv_allocated_len" in str(broken)
+
+
+def test_minimizer_keeps_the_invariant_and_never_grows() -> None:
+    ops = [Admit(3, 5), Admit(2, 4),
+           Iterate(IterationChoices(True, 0, (2, 1, 1), frozenset())),
+           Iterate(IterationChoices(True, 1, (1, 2, 1), frozenset({1}))),
+           Iterate(IterationChoices(True, 0, (1, 1, 1), frozenset()))]
+    script = Script("ov-p1-none", "minimal", ops, ("B8",))
+    first = run_script(script).violation
+    assert first is not None
+    small = minimize_script(script, first.invariant_id)
+    assert len(small.ops) <= len(script.ops)
+    again = run_script(small).violation
+    assert again is not None and first.invariant_id in again.all_ids
+
+
+def test_mutants_cli_json(tmp_path: Path) -> None:
+    out = tmp_path / "m.json"
+    assert main(["mutants", "-q", "--bugs", "B8,B2", "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["version"] == 1 and doc["ok"] is True
+    assert set(doc["mutants"]) == {"B2", "B8"}
+    entry = doc["mutants"]["B8"]["hypothesis"]
+    assert entry["verdict"] == "killed" and entry["invariant"] == "ST2"
+    assert isinstance(entry["steps"], int) and isinstance(entry["seconds"], float)
+    assert main(["mutants", "--bugs", "B99"]) == 2
