@@ -22,7 +22,7 @@ from spec.state import (
     ObservationPoint,
     RequestView,
 )
-from spec.units import PageId, PoolRow, RequestId, SlotId, TokenCount
+from spec.units import PageId, PoolRow, SlotId, TokenCount
 
 if TYPE_CHECKING:
     from reference.req import Req
@@ -36,7 +36,6 @@ class Refinement:
         self.rt = rt
         self.observer = observer
         self.races_seen = 0
-        self.awaiting_launch: frozenset[RequestId] = frozenset()
 
     def get_request_view(self, req: Req) -> RequestView:
         g = req.ghost
@@ -62,11 +61,12 @@ class Refinement:
             cached_len=req.cached_len,
             committed_at_release=req.committed_at_release,
             inflight_at_release=g.inflight_at_release,
+            claimed_at_release=g.claimed_at_release,
             ghost=GhostView(
                 epoch=g.epoch,
                 kv_len_true=TokenCount(g.kv_len_true),
                 settled_len=TokenCount(g.settled_len),
-                inflight_steps=g.inflight_steps,
+                inflight_steps=g.inflight_steps + g.prepared_steps,
                 extend_inflight=g.extend_inflight,
                 output_len_true=TokenCount(g.output_len_true),
                 finished=g.finished,
@@ -121,7 +121,6 @@ class Refinement:
             batch=None if batch is None else self.get_batch_view(batch),
             allocator=self.get_allocator_view(),
             races=tuple(races),
-            awaiting_launch=self.awaiting_launch,
             **parts,
         )
         self.observer(obs)

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spec.transitions import compute_run_len
 from spec.units import PageId, PoolRow, RequestId, StepId, TokenCount
 
 EOS_TOKEN = 0
@@ -22,11 +21,13 @@ class Ghost:
     kv_len_true: int = 0
     settled_len: int = 0
     inflight_steps: int = 0
+    prepared_steps: int = 0  # decode steps prepared (claims made) but not yet launched
     extend_inflight: bool = False
     output_len_true: int = 0
     finished: bool = False
     abort_requested: bool = False
-    inflight_at_release: int = 0
+    inflight_at_release: int = 0  # launched, unprocessed steps at the finish release
+    claimed_at_release: int = 0  # the same plus a prepared, never-launched step
     step_epoch: dict[StepId, int] = field(default_factory=dict)
     step_kv_len: dict[StepId, int] = field(default_factory=dict)
     step_kind: dict[StepId, str] = field(default_factory=dict)
@@ -96,12 +97,19 @@ class GhostBook:
         g.kv_len_true = 0
         g.settled_len = 0
         g.inflight_steps = 0
+        g.prepared_steps = 0
         g.extend_inflight = False
+
+    def on_prepare_decode(self, req: Req) -> None:
+        req.ghost.prepared_steps = 1
+
+    def on_prepare_extend(self, req: Req) -> None:
+        """A prefill claims its whole fill length at prepare time; nothing is settled yet."""
+        req.ghost.extend_inflight = True
 
     def on_launch(self, step: StepId, req: Req, is_extend: bool) -> None:
         req.ghost.inflight_steps += 1
-        if is_extend:
-            req.ghost.extend_inflight = True
+        req.ghost.prepared_steps = 0
         req.ghost.step_epoch[step] = req.ghost.epoch
 
     def on_forward_extend(self, step: StepId, req: Req) -> None:
@@ -129,8 +137,13 @@ class GhostBook:
             g.extend_inflight = False
         if g.finished:
             return
-        remaining = req.max_new_tokens - g.output_len_true
-        run_len = compute_run_len(accept_len, remaining, eos_at)
+        # The environment's own cut, written out here rather than shared with the
+        # scheduler so that a wrong cut in one cannot hide in the other.
+        run_len = accept_len
+        if g.output_len_true + run_len > req.max_new_tokens:
+            run_len = max(req.max_new_tokens - g.output_len_true, 0)
+        if eos_at is not None and eos_at + 1 < run_len:
+            run_len = eos_at + 1
         g.settled_len = kv_len if kv_len is not None else g.settled_len
         g.output_len_true += run_len
         hit_eos = eos_at is not None and eos_at < run_len
@@ -142,6 +155,7 @@ class GhostBook:
         g = req.ghost
         g.kv_len_true = g.settled_len = req.prompt_len
         g.output_len_true = 1
+        g.extend_inflight = False
 
     def on_abort(self, req: Req, waiting: bool) -> None:
         req.ghost.abort_requested = True
@@ -149,4 +163,6 @@ class GhostBook:
             req.ghost.finished = True
 
     def on_release(self, req: Req) -> None:
-        req.ghost.inflight_at_release = req.ghost.inflight_steps
+        g = req.ghost
+        g.inflight_at_release = g.inflight_steps
+        g.claimed_at_release = g.inflight_steps + g.prepared_steps

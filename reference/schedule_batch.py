@@ -45,6 +45,7 @@ class ScheduleBatch:
         for req in reqs:
             fill_len = compute_fill_len(req.prompt_len, len(req.output_ids))
             alloc_for_extend(rt, req, fill_len)
+            rt.ghost.on_prepare_extend(req)
             req.is_retracted = False
             req.waiting = False
             lens.append(fill_len)
@@ -71,6 +72,8 @@ class ScheduleBatch:
         Spec-v2: reserve up to max(cur, committed + 2A), page aligned; seq_lens untouched."""
         rt = self.rt
         self.forward_mode = "decode"
+        for req in self.reqs:
+            rt.ghost.on_prepare_decode(req)
         if rt.config.cell.is_spec:
             self._prepare_for_decode_spec_v2()
             return

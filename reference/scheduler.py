@@ -84,6 +84,7 @@ class Scheduler:
         self.waiting_queue: list[Req] = []
         self.running_batch: ScheduleBatch | None = None
         self.last_batch: ScheduleBatch | None = None
+        self.cur_batch: ScheduleBatch | None = None
         self.result_queue: deque[QueuedResult] = deque()
         self.batch_record_buf: list[set[int]] = [set(), set()]
         self.batch_record_ct = 0
@@ -129,15 +130,13 @@ class Scheduler:
         syncs_before = len(hb.host_syncs)
         self.rt.shape = self.config.get_shape(choices.spec_steps)
         batch = self.get_next_batch_to_run(choices)
+        self.cur_batch = batch  # the loop's local variable keeps its tensors alive
         if self.config.cell.overlap:
             early = choices.disable_overlap and self.last_batch is not None and bool(
                 self.result_queue)
             if early:
                 # is_disable_overlap_for_batch: the pending result is processed before launch.
-                if batch is not None:
-                    self.refinement.awaiting_launch = frozenset(r.rid for r in batch.reqs)
                 self.pop_and_process()
-                self.refinement.awaiting_launch = frozenset()
                 if batch is not None and not self.rt.has_fault("B14"):
                     batch.filter_batch()  # drop what that result finished and released
                     self._observe_batch(ObservationPoint.FILTER_BATCH, batch)
@@ -155,6 +154,7 @@ class Scheduler:
             self.pop_and_process()
         launched = batch is not None
         self.last_batch = batch
+        self.cur_batch = None
         # "event:copy_done:7" -> "event:copy_done": the step number is not part of the kind.
         syncs = tuple(":".join(s.split(":")[:2]) for s in hb.host_syncs[syncs_before:])
         self.refinement.observe(ObservationPoint.ITERATION_END, self, host_syncs=syncs,
@@ -274,7 +274,8 @@ class Scheduler:
     def retract_decode(self, batch: ScheduleBatch, forced: int) -> None:
         """Retract until the next decode fits, plus ``forced`` more; keep at least one.
 
-        Spec retracts from the back only; non-spec picks the longest outputs first.
+        Spec retracts from the back only; non-spec sorts by (len(output_ids),
+        -len(origin)) descending and pops the last: fewest outputs, longest prompt.
         """
         fits = self._decode_pages_needed(batch) <= get_available_pages(self.rt)
         if forced == 0 and fits:
@@ -282,7 +283,8 @@ class Scheduler:
         retracted: list[Req] = []
         order = list(range(len(batch.reqs)))
         if not self.config.cell.is_spec:
-            order.sort(key=lambda j: (len(batch.reqs[j].output_ids), -batch.reqs[j].prompt_len))
+            order.sort(key=lambda j: (len(batch.reqs[j].output_ids), -batch.reqs[j].prompt_len),
+                       reverse=True)
         keep = set(order)
         while len(keep) > 1 and (
             forced > len(retracted)
@@ -440,7 +442,7 @@ class Scheduler:
 
     def _collect_tensors(self, operation: str) -> None:
         referenced: set[int] = set().union(*self.batch_record_buf)
-        for batch in (self.running_batch, self.last_batch):
+        for batch in (self.running_batch, self.last_batch, self.cur_batch):
             if batch is not None:
                 referenced |= batch.get_referenced_tensors()
         for queued in self.result_queue:

@@ -22,11 +22,7 @@ from reference.req import EOS_TOKEN, Req
 from reference.runtime import DeviceTensor, Runtime
 from reference.schedule_batch import ScheduleBatch
 from spec.state import IterationChoices, KvWrite, PublishRecord
-from spec.transitions import (
-    compute_draft_extend_seq_lens,
-    compute_forward_write_width,
-    compute_verify_new_seq_len,
-)
+from spec.transitions import compute_draft_extend_seq_lens, compute_verify_new_seq_len
 from spec.units import StepId
 
 READ_DONE = "shared_read_done"
@@ -171,7 +167,6 @@ class ModelWorker:
                                 choices: IterationChoices, on_publish: OnPublish) -> ForwardResult:
         rt = self.rt
         shape = rt.shape
-        width = compute_forward_write_width(shape, "decode")
         draft = init_new(rt, batch, "draft")
         self.emit("init_new", forward=draft, batch=batch)
         # Verify copies seq_lens_cpu / seq_lens_sum from SB (TBO reads them).
@@ -184,7 +179,8 @@ class ModelWorker:
         new_seq_lens: list[int] = []
         stride = shape.draft_tokens
         for j, (req, seq_len) in enumerate(zip(batch.reqs, verify.seq_lens, strict=True)):
-            self._write_kv(req, seq_len, seq_len + width, faults)  # draft + verify positions
+            self._write_kv(req, seq_len, seq_len + shape.topk * shape.steps, faults)  # draft
+            self._write_kv(req, seq_len, seq_len + shape.draft_tokens, faults)  # verify
             accept = choices.get_accept_len(j, shape.max_accept_len)
             rt.ghost.on_forward_decode(step, req, accept)
             run, eos_at = self._sample(req, j, accept, choices, stride)

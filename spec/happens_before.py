@@ -84,6 +84,7 @@ class HappensBefore:
     last_write: dict[BufferKey, Access] = field(default_factory=dict)
     reads_since_write: dict[BufferKey, list[Access]] = field(default_factory=dict)
     races: list[Race] = field(default_factory=list)
+    freed: dict[BufferKey, Access] = field(default_factory=dict)  # use after free is ST4
     host_syncs: list[str] = field(default_factory=list)  # what the host blocked on
 
     # -- clock helpers ------------------------------------------------------
@@ -159,6 +160,8 @@ class HappensBefore:
         seq = self._tick(participant)
         now = Access(participant, seq, kind, key, operation)
         found: list[Race] = []
+        if key in self.freed:
+            found.append(Race(self.freed[key], now))  # the memory may hold something else
         previous = self.last_write.get(key)
         if previous is not None and not self.is_ordered_before(previous, participant):
             found.append(Race(previous, now))
@@ -197,6 +200,7 @@ class HappensBefore:
             for a in earlier
             if a.participant != owner and not self.is_ordered_before(a, HOST)
         ]
+        self.freed[key] = now
         self.races.extend(found)
         return found
 

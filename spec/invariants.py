@@ -27,7 +27,6 @@ from spec.state import (
     RequestView,
 )
 from spec.transitions import (
-    compute_cached_len,
     compute_committed_lead,
     compute_draft_extend_seq_lens,
     compute_host_sync_budget,
@@ -85,8 +84,7 @@ def _live(obs: Observation) -> Iterable[RequestView]:
 
 def _settling(obs: Observation) -> Iterable[RequestView]:
     """Live requests whose prefill result is processed: they have settled something."""
-    return (r for r in obs.requests if r.is_live and not r.ghost.extend_inflight
-            and r.rid not in obs.awaiting_launch)
+    return (r for r in obs.requests if r.is_live and not r.ghost.extend_inflight)
 
 
 def _schedule_batches(obs: Observation) -> list[BatchView]:
@@ -426,6 +424,9 @@ def check_kv6(config: ModelConfig, obs: Observation) -> int:
             raise fail("KV6", obs, f"for request r{r.rid}: released {r.release_count} times")
         if not r.finished or r.committed_at_release is None:
             continue
+        if obs.point is ObservationPoint.PROCESS_RESULT and r.holds_kv:
+            raise fail("KV6", obs, f"for request r{r.rid}: finished but its KV was not "
+                       "released after its result was processed")
         # Only the J2-era spec pre-claim is refunded by late results (PR 23456).
         refund = r.inflight_at_release if (config.cell.is_spec and config.cell.preclaim) else 0
         settled = r.committed_at_release - refund
@@ -506,12 +507,33 @@ def check_kv9(config: ModelConfig, obs: Observation) -> int:
     for r in obs.requests:
         if r.cached_len is None or r.committed_at_release is None:
             continue
-        expected = compute_cached_len(r.committed_at_release, r.prompt_len, r.output_len)
-        if r.cached_len != expected or expected != r.prompt_len + r.output_len - 1:
+        with_kv = r.prompt_len + r.output_len - 1  # the newest token has no KV yet
+        lead = compute_committed_lead(config.cell, r.claimed_at_release)
+        if r.committed_at_release - lead != with_kv:
+            raise fail("KV9", obs, f"for request r{r.rid}: kv_committed_len="
+                       f"{r.committed_at_release} - claimed lead {lead} at finish != prompt"
+                       f" + output - 1 = {with_kv}")
+        if r.cached_len != with_kv:
             raise fail("KV9", obs, f"for request r{r.rid}: cached {r.cached_len} tokens at "
-                       f"finish, expected prompt + output - 1 = "
-                       f"{r.prompt_len + r.output_len - 1}")
+                       f"finish, expected prompt + output - 1 = {with_kv}")
         count += 1
+    return count
+
+
+def check_rp_output(config: ModelConfig, obs: Observation) -> int:
+    """Shared by RP2: output_ids agrees with what the environment emitted, within budget."""
+    count = 0
+    for r in obs.requests:
+        if r.output_len > r.max_new_tokens:
+            raise fail("RP2", obs, f"for request r{r.rid}: {r.output_len} output tokens > "
+                       f"max_new_tokens={r.max_new_tokens}")
+        if r.is_live and r.output_len != r.ghost.output_len_true:
+            raise fail("RP2", obs, f"for request r{r.rid}: output_ids has {r.output_len} "
+                       f"tokens, the environment emitted {r.ghost.output_len_true}")
+        if r.finished and r.committed_at_release is not None and not r.ghost.finished:
+            raise fail("RP2", obs, f"for request r{r.rid}: finished with {r.output_len} "
+                       "tokens before EOS, max_new_tokens or an abort")
+        count += 1 if r.output_len else 0
     return count
 
 
@@ -538,7 +560,7 @@ def check_kv10(config: ModelConfig, obs: Observation) -> int:
 def classify_race(race: Race) -> str:
     """Which invariant an unsynchronised pair breaks, by buffer and streams."""
     buffer = race.later.key[0]
-    if race.later.kind == "free":
+    if race.later.kind == "free" or race.earlier.kind == "free":
         return "ST4"
     if buffer in ("new_seq_lens_buf", "new_seq_lens_cpu_pinned"):
         return "FM1"
@@ -700,11 +722,13 @@ def check_rp1(config: ModelConfig, obs: Observation) -> int:
 
 
 def check_rp2(config: ModelConfig, obs: Observation) -> int:
-    """RP2: 1 <= accept_len <= stride and the kept run is no longer than accept_len
+    """RP2: 1 <= accept_len <= stride, the kept run is no longer than accept_len, and
+    output_ids is what the environment emitted, within max_new_tokens
     (batch_result_processor.py _resolve_spec_v2_tokens)."""
+    count = check_rp_output(config, obs)
     result = obs.result
     if result is None:
-        return 0
+        return count
     for e in result.entries:
         if not 1 <= e.accept_len <= min(e.stride, config.max_accept_len):
             raise fail("RP2", obs, f"for request r{e.rid}: accept_len={e.accept_len} outside "
@@ -712,7 +736,7 @@ def check_rp2(config: ModelConfig, obs: Observation) -> int:
         if not 0 <= e.run_len <= e.accept_len:
             raise fail("RP2", obs, f"for request r{e.rid}: run of {e.run_len} tokens > "
                        f"accept_len={e.accept_len}")
-    return len(result.entries)
+    return count + len(result.entries)
 
 
 def check_rp3(config: ModelConfig, obs: Observation) -> int:
@@ -799,7 +823,8 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
     Invariant("ST4", "tensors live until F completes", "batch_record_buf", _overlap, check_st4),
     Invariant("ST5", "results FIFO, once, after copy_done", "result_queue", _always, check_st5),
     Invariant("RP1", "stale results change nothing", "#23456", _overlap, check_rp1),
-    Invariant("RP2", "accept length in range", "batch_result_processor.py", _spec, check_rp2),
+    Invariant("RP2", "accept length and output in range", "batch_result_processor.py",
+              _always, check_rp2),
     Invariant("RP3", "metrics count live requests only", "#18848 / #23456 review", _spec,
               check_rp3),
 )

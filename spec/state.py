@@ -59,7 +59,7 @@ class GhostView:
     epoch: int  # bumps when a request is (re)admitted after a retraction
     kv_len_true: TokenCount  # positions whose KV the forward has really written and settled
     settled_len: TokenCount  # kv_len_true as of the last step processed while live
-    inflight_steps: int  # steps launched in this epoch whose result is not yet processed
+    inflight_steps: int  # steps prepared or launched in this epoch, result not yet processed
     extend_inflight: bool  # the prefill of this epoch is launched, its result not processed
     output_len_true: TokenCount  # output tokens the environment emitted to live processing
     finished: bool  # the environment's own view: EOS emitted or max_new_tokens reached
@@ -84,6 +84,7 @@ class RequestView:
     cached_len: int | None  # length handed to the tree cache at its finish release
     committed_at_release: int | None
     inflight_at_release: int  # launched, unprocessed steps when the finish release ran
+    claimed_at_release: int  # the same plus a prepared step that was never launched
     ghost: GhostView
 
     @property
@@ -240,9 +241,6 @@ class Observation:
     result: ResultView | None = None
     host_syncs: tuple[str, ...] | None = None  # at ITERATION_END: syncs of this iteration
     launched_this_iteration: bool = False
-    # Requests of a batch already prepared (claims made) but not yet launched: a result
-    # processed early (overlap disabled for the batch) sees their claims without a step.
-    awaiting_launch: frozenset[RequestId] = frozenset()
 
     def get_request(self, rid: RequestId) -> RequestView:
         for request in self.requests:

@@ -84,14 +84,18 @@ def compute_verify_new_seq_len(seq_len: int, accept_len: int) -> int:
 
 
 def compute_forward_write_width(shape: SpecShape, forward_mode: str) -> TokenCount:
-    """Positions a decode forward writes from seq_lens on.
+    """Positions a decode forward writes from seq_lens on (KV3).
 
-    Non-spec: one (the token being processed). Spec-v2: W = max(topk*steps, D_tok),
-    the draft and verify positions (KV3).
+    Non-spec: one (the token being processed). Spec-v2: the draft writes topk*steps
+    positions and the verify D_tok, so W = max(topk*steps, D_tok). Computed from the
+    shape's primitive fields, not from ``alloc_len_per_decode``, so a wrong reserve
+    formula cannot hide behind the same wrong number here.
     """
     if forward_mode != "decode":
         return TokenCount(0)
-    return shape.alloc_len_per_decode
+    if shape.steps == 0:
+        return TokenCount(1)
+    return TokenCount(max(shape.topk * shape.steps, shape.draft_tokens))
 
 
 def compute_draft_extend_seq_lens(seq_lens: tuple[int, ...], draft_tokens: int) -> tuple[int, ...]:
@@ -152,13 +156,14 @@ def compute_committed_lead(cell: Cell, inflight_steps: int) -> int:
     return inflight_steps
 
 
-def compute_ns_expected_seq_len(prompt_len: int, output_len: int, inflight_steps: int) -> int:
+def compute_ns_expected_seq_len(prompt_len: int, output_len: int, claimed_steps: int) -> int:
     """SL7: after a non-spec prepare_for_decode, seq_lens = prompt + output + k.
 
-    k counts the request's launched steps whose token is not yet in output_ids: 1 under
-    overlap in the steady state (the previous batch is in flight), 0 without overlap.
+    ``claimed_steps`` counts the step just prepared and the launched ones whose token
+    is not yet in output_ids; k = claimed_steps - 1: 1 under overlap in the steady
+    state (the previous batch is in flight), 0 without overlap.
     """
-    return prompt_len + output_len + inflight_steps
+    return prompt_len + output_len + claimed_steps - 1
 
 
 def compute_host_sync_budget(cell: Cell) -> int:
