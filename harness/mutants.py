@@ -35,11 +35,12 @@ def _simpler_ops(op: Op) -> list[Op]:
     """Candidate simplifications of one operation, simplest first."""
     if isinstance(op, Iterate):
         c = op.choices
-        plain = IterationChoices(c.allow_prefill, 0, (1,), frozenset(), False, 0)
+        plain = IterationChoices(c.allow_prefill, 0, (1,), frozenset(), False, 0, 0)
         candidates = [
             replace(c, retract=0), replace(c, eos_positions=frozenset()),
             replace(c, accept_lens=(1,)), replace(c, disable_overlap=False),
-            replace(c, spec_steps=0), replace(c, allow_prefill=True), plain,
+            replace(c, spec_steps=0), replace(c, eos_offset=0),
+            replace(c, allow_prefill=True), plain,
         ]
         return [Iterate(x) for x in candidates if x != c]
     if isinstance(op, Admit | AdmitPrebuilt):

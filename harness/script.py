@@ -87,7 +87,8 @@ def op_to_json(op: Op) -> dict[str, Any]:
     c = op.choices
     return {"op": "iterate", "allow_prefill": c.allow_prefill, "retract": c.retract,
             "accept_lens": list(c.accept_lens), "eos_positions": sorted(c.eos_positions),
-            "disable_overlap": c.disable_overlap, "spec_steps": c.spec_steps}
+            "disable_overlap": c.disable_overlap, "spec_steps": c.spec_steps,
+            "eos_offset": c.eos_offset}
 
 
 def _field(raw: dict[str, Any], name: str, kind: type, where: str) -> Any:
@@ -128,6 +129,7 @@ def op_from_json(raw: Any, index: int) -> Op:
             disable_overlap=_field(raw, "disable_overlap", bool, where)
             if "disable_overlap" in raw else False,
             spec_steps=_field(raw, "spec_steps", int, where) if "spec_steps" in raw else 0,
+            eos_offset=_field(raw, "eos_offset", int, where) if "eos_offset" in raw else 0,
         ))
     raise ScriptError(f"{where}: unknown op {kind!r} "
                       "(expected admit, admit_prebuilt, iterate or abort)")

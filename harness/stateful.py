@@ -54,7 +54,7 @@ class Profile:
 
 
 PROFILES = {
-    "ci": Profile("ci", max_examples=150, step_count=40, mutant_examples=500),
+    "ci": Profile("ci", max_examples=150, step_count=40, mutant_examples=1000),
     "dev": Profile("dev", max_examples=1000, step_count=60, mutant_examples=2000),
     "thorough": Profile("thorough", max_examples=5000, step_count=100, mutant_examples=10000),
 }
@@ -124,12 +124,14 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
               eos_positions=st.one_of(st.just(frozenset()), st.frozensets(
                   st.integers(0, width - 1), min_size=1, max_size=1)),
               disable_overlap=rarely,
-              spec_steps=spec_steps)
+              spec_steps=spec_steps,
+              eos_offset=st.integers(0, max_accept - 1))
         def iterate(self, allow_prefill: bool, retract: int, accept_lens: list[int],
                     eos_positions: frozenset[int], disable_overlap: bool,
-                    spec_steps: int) -> None:
+                    spec_steps: int, eos_offset: int) -> None:
             self._apply(Iterate(IterationChoices(allow_prefill, retract, tuple(accept_lens),
-                                                 eos_positions, disable_overlap, spec_steps)))
+                                                 eos_positions, disable_overlap, spec_steps,
+                                                 eos_offset)))
 
         @precondition(lambda self: bool(self.admitted))
         @rule(request=st.integers(0, MAX_REQUESTS - 1))

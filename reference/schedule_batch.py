@@ -153,6 +153,14 @@ class ScheduleBatch:
             self.future_indices = None
         if not rt.has_fault("B1"):
             self.seq_lens_sum = None
+        mine, theirs = self.extra.get("accept_lens"), other.extra.get("accept_lens")
+        if isinstance(mine, DeviceTensor) or isinstance(theirs, DeviceTensor):
+            # B13: spec_info.merge_batch concatenates the forward-produced state on S.
+            values = [rt.read_tensor(SCHEDULE, t, "spec_info.merge_batch") if
+                      isinstance(t, DeviceTensor) else [0] * len(b.reqs)
+                      for t, b in ((mine, self), (theirs, other))]
+            self.extra["accept_lens"] = rt.new_tensor(values[0] + values[1],
+                                                      "spec_info.merge_batch")
         self.reqs = self.reqs + other.reqs
 
     # -- snapshot -----------------------------------------------------------------

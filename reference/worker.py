@@ -119,7 +119,7 @@ class ModelWorker:
                 stride: int) -> tuple[list[int], int | None]:
         base = len(req.output_ids)
         tokens = [token_for(req, base + k) for k in range(stride)]
-        eos_at = run_len - 1 if choices.is_eos(position) else None
+        eos_at = choices.get_eos_index(position, run_len)
         if eos_at is not None:
             tokens[eos_at] = EOS_TOKEN
         return tokens, eos_at

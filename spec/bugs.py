@@ -132,7 +132,7 @@ BUGS: Final[tuple[Bug, ...]] = (
         "exceed A of the new rung and 2A does not cover lag + W",
         "reserve = 2 * A(current rung) instead of lag bound + W", ("KV3",),
         _adaptive_chain_overlap,
-        representative_cells=("ov-p1-v2chain-cpu-honest", "ov-p1-v2chain-nocpu-preclaim")),
+        representative_cells=("ov-p1-v2chain-cpu-honest", "ov-p1-v2chain-nocpu-honest")),
 )
 
 BUG_IDS: Final = tuple(bug.id for bug in BUGS)

@@ -259,7 +259,8 @@ class IterationChoices:
     scheduler admit waiting requests; ``retract`` asks it to retract that many
     running requests before preparing a decode (a memory-pressure decision).
     ``disable_overlap`` is upstream's ``is_disable_overlap_for_batch`` (consecutive
-    prefills, grammar with spec); ``spec_steps`` is the adaptive controller's rung.
+    prefills, grammar with spec); ``spec_steps`` is the adaptive controller's rung;
+    ``eos_offset`` puts EOS inside an accepted run (a stop before its end, #22897).
     """
 
     allow_prefill: bool = True
@@ -268,6 +269,7 @@ class IterationChoices:
     eos_positions: frozenset[int] = frozenset()
     disable_overlap: bool = False  # process the pending result before launching (grammar sync)
     spec_steps: int = 0  # adaptive rung for this iteration's decode; 0 = configured maximum
+    eos_offset: int = 0  # EOS sits this many tokens before the end of the accepted run
 
     def get_accept_len(self, position: int, max_accept_len: int) -> int:
         raw = self.accept_lens[position % len(self.accept_lens)] if self.accept_lens else 1
@@ -275,3 +277,9 @@ class IterationChoices:
 
     def is_eos(self, position: int) -> bool:
         return position in self.eos_positions
+
+    def get_eos_index(self, position: int, accept_len: int) -> int | None:
+        """Where EOS falls inside the request's accepted run, or None."""
+        if not self.is_eos(position):
+            return None
+        return max(accept_len - 1 - self.eos_offset, 0)

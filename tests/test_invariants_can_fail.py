@@ -1,0 +1,174 @@
+"""Every invariant predicate can fail: a real observation, perturbed to break one claim,
+is rejected with that ID (GUIDE: a check that cannot fail is a defect).
+
+The mutant matrix shows the checker as a whole failing on each historical bug; this
+shows each predicate individually rejecting a state that breaks its claim. The
+observations come from clean reference runs, so every perturbation starts from a
+state that passed.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from dataclasses import replace
+
+import pytest
+
+from harness.script import Abort, Admit, AdmitPrebuilt, Iterate, Script, apply_op, get_factory
+from spec.config import ModelConfig
+from spec.happens_before import FORWARD, HOST, SCHEDULE, Access, Race
+from spec.invariants import INVARIANT_IDS, InvariantViolation, get_invariant
+from spec.state import SCHEDULE_SIDE_POINTS, IterationChoices, Observation
+from spec.units import RequestId
+
+CELLS = ("ov-p1-none", "nov-p4-none", "ov-p4-v2chain-cpu-preclaim", "ov-p1-v2chain-nocpu-honest",
+         "nov-p1-v2tree-cpu-honest")
+
+
+def _collect(cell: str) -> tuple[ModelConfig, list[Observation]]:
+    observations: list[Observation] = []
+    config = Script(cell, "minimal").get_config()
+    model = get_factory("reference")(config, frozenset(), observations.append)
+    rng = random.Random(7)
+    admitted: list[RequestId] = []
+    for index in range(160):
+        model.set_step_index(index)
+        x = rng.random()
+        if x < 0.15:
+            op: Admit | AdmitPrebuilt | Iterate | Abort = Admit(rng.randint(1, 5), rng.randint(2, 8))
+        elif x < 0.2:
+            op = AdmitPrebuilt(rng.randint(1, 5), rng.randint(2, 8))
+        elif x < 0.23:
+            op = Abort(rng.randint(0, 9))
+        else:
+            op = Iterate(IterationChoices(
+                rng.random() < 0.6, int(rng.random() < 0.2),
+                tuple(rng.randint(1, 4) for _ in range(3)),
+                frozenset({rng.randint(0, 2)}) if rng.random() < 0.15 else frozenset(),
+                rng.random() < 0.1, rng.randint(0, 3)))
+        apply_op(model, op, admitted)
+    return config, observations
+
+
+_RUNS = {cell: _collect(cell) for cell in CELLS}
+
+
+def _race(buffer: str, earlier: tuple[str, str], later: tuple[str, str]) -> Race:
+    return Race(Access(earlier[0], 1, earlier[1], (buffer, 1), "earlier"),
+                Access(later[0], 1, later[1], (buffer, 1), "later"))
+
+
+def _first_request(obs: Observation, test: Callable[..., bool]) -> int:
+    return next(i for i, r in enumerate(obs.requests) if test(r))
+
+
+def _with_request(obs: Observation, test: Callable[..., bool], **changes: object) -> Observation:
+    i = _first_request(obs, test)
+    requests = list(obs.requests)
+    requests[i] = replace(requests[i], **changes)  # type: ignore[arg-type]
+    return replace(obs, requests=tuple(requests))
+
+
+def _bump(values: tuple[int, ...], by: int = 1) -> tuple[int, ...]:
+    return (values[0] + by, *values[1:])
+
+
+def _with_member(obs: Observation, **changes: object) -> Observation:
+    assert obs.launch is not None
+    members = (replace(obs.launch.members[0], **changes), *obs.launch.members[1:])  # type: ignore[arg-type]
+    return replace(obs, launch=replace(obs.launch, members=members))
+
+
+def _settling(r: object) -> bool:
+    return bool(r.is_live and not r.ghost.extend_inflight)  # type: ignore[attr-defined]
+
+
+PERTURB: dict[str, Callable[[Observation], Observation]] = {
+    "SL1": lambda o: replace(o, forward=replace(o.forward, seq_lens_sum=(o.forward.seq_lens_sum or 0) + 1)),
+    "SL2": lambda o: replace(o, batch=replace(o.batch, seq_lens=_bump(o.batch.seq_lens))),
+    "SL3": lambda o: replace(o, batch=replace(o.batch, seq_lens_sum=(o.batch.seq_lens_sum or 0) + 1)),
+    "SL4": lambda o: replace(o, batch=replace(o.batch, req_pool_indices_cpu=o.batch.req_pool_indices_cpu[1:])),
+    "SL5": lambda o: replace(o, batch=replace(o.batch, seq_lens=(-1, *o.batch.seq_lens[1:]))),
+    "SL6": lambda o: _with_member(o, seq_len=o.launch.members[0].seq_len + 1),
+    "SL7": lambda o: replace(o, batch=replace(o.batch, seq_lens=_bump(o.batch.seq_lens))),
+    "SL8": lambda o: replace(o, launch=replace(o.launch, publishes=(
+        replace(o.launch.publishes[0], value=o.launch.publishes[0].value + 1),
+        *o.launch.publishes[1:]))),
+    "SL9": lambda o: replace(o, isolation=replace(o.isolation, exit=replace(
+        o.isolation.exit, seq_lens_cpu=None if o.isolation.exit.seq_lens_cpu else (1,),
+        seq_lens=_bump(o.isolation.exit.seq_lens)))),
+    "SL10": lambda o: replace(o, forward=replace(o.forward, seq_lens=_bump(o.forward.seq_lens))),
+    "SL11": lambda o: replace(o, batch=replace(o.batch, seq_len_cpu_ub=max(o.batch.seq_lens) - 1)),
+    "KV1": lambda o: _with_request(o, lambda r: r.holds_kv,
+                                   kv_committed_len=-1),
+    "KV2": lambda o: _with_request(o, lambda r: r.holds_kv,
+                                   kv_committed_len=o.requests[_first_request(o, lambda r: r.holds_kv)].kv_allocated_len - 1),
+    "KV3": lambda o: _with_member(o, kv_allocated_len=o.launch.members[0].ghost_kv_len),
+    "KV4": lambda o: _with_request(o, lambda r: r.holds_kv and r.owned_pages, owned_pages=()),
+    "KV5": lambda o: _with_request(o, lambda r: r.is_retracted, kv_committed_len=1),
+    "KV6": lambda o: _with_request(o, lambda r: r.finished, release_count=2),
+    "KV7": lambda o: replace(o, allocator=replace(o.allocator, free_pages=o.allocator.free_pages[1:] or (999,))),
+    "KV8": lambda o: _with_request(o, _settling, kv_committed_len=o.requests[_first_request(o, _settling)].kv_committed_len + 1),
+    "KV9": lambda o: _with_request(o, lambda r: r.cached_len is not None,
+                                   cached_len=o.requests[_first_request(o, lambda r: r.cached_len is not None)].cached_len + 1),
+    "KV10": lambda o: _with_request(o, _settling, kv_committed_len=o.requests[_first_request(o, _settling)].kv_committed_len + 2),
+    "FM1": lambda o: replace(o, races=(_race("new_seq_lens_buf", (FORWARD, "write"), (SCHEDULE, "read")),)),
+    "FM2": lambda o: replace(o, resolve=replace(o.resolve, uncovered_rows=o.resolve.rows[:1])),
+    "FM3": lambda o: replace(o, races=(_race("output_tokens_buf", (SCHEDULE, "write"), (FORWARD, "read")),)),
+    "FM4": lambda o: replace(o, launch=replace(o.launch, relay_gathers=(
+        replace(o.launch.relay_gathers[0], stashes_since_last_gather=0), *o.launch.relay_gathers[1:]))),
+    "FM5": lambda o: replace(o, launch=replace(o.launch, relay_gathers=(
+        replace(o.launch.relay_gathers[0], written_by_current_owner=False), *o.launch.relay_gathers[1:]))),
+    "ST1": lambda o: replace(o, races=(_race("req_to_token", (SCHEDULE, "write"), (FORWARD, "read")),)),
+    "ST2": lambda o: replace(o, races=(_race("req_to_token", (FORWARD, "read"), (SCHEDULE, "write")),)),
+    "ST3": lambda o: replace(o, host_syncs=(*o.host_syncs, "stream:schedule", "stream:schedule")),
+    "ST4": lambda o: replace(o, races=(_race("tensor", (FORWARD, "read"), (HOST, "free")),)),
+    "ST5": lambda o: replace(o, result=replace(o.result, previous_step=o.result.step)),
+    "RP1": lambda o: replace(o, result=replace(o.result, entries=tuple(
+        replace(e, output_after=e.output_before + 1) if e.stale else e for e in o.result.entries))),
+    "RP2": lambda o: replace(o, result=replace(o.result, entries=(
+        replace(o.result.entries[0], accept_len=o.result.entries[0].stride + 1), *o.result.entries[1:]))),
+    "RP3": lambda o: replace(o, result=replace(o.result, num_correct_drafts=o.result.num_correct_drafts + 1)),
+}
+
+
+def test_every_invariant_has_a_perturbation() -> None:
+    assert sorted(PERTURB) == sorted(INVARIANT_IDS)
+
+
+# Perturbations of ``obs.batch`` need a point where the schedule-side batch is checked.
+ON_SCHEDULE_BATCH = {"SL2", "SL3", "SL4", "SL5"}
+
+
+def _targets(invariant_id: str) -> list[tuple[ModelConfig, Observation]]:
+    inv = get_invariant(invariant_id)
+    found = []
+    for config, observations in _RUNS.values():
+        if not inv.applies(config.cell):
+            continue
+        for obs in observations:
+            if invariant_id in ON_SCHEDULE_BATCH and obs.point not in SCHEDULE_SIDE_POINTS:
+                continue
+            if inv.check(config, obs) > 0:
+                found.append((config, obs))
+    return found
+
+
+@pytest.mark.parametrize("invariant_id", INVARIANT_IDS)
+def test_predicate_rejects_a_state_that_breaks_its_claim(invariant_id: str) -> None:
+    inv = get_invariant(invariant_id)
+    targets = _targets(invariant_id)
+    assert targets, f"{invariant_id}: no exercised observation in {CELLS}"
+    rejected = 0
+    for config, obs in targets[:25]:
+        try:
+            broken = PERTURB[invariant_id](obs)
+        except (StopIteration, AttributeError, IndexError, TypeError, ValueError):
+            continue  # this observation lacks what the perturbation needs
+        with pytest.raises(InvariantViolation) as info:
+            inv.check(config, broken)
+        assert info.value.invariant_id == invariant_id
+        assert str(info.value).startswith(f"{invariant_id} violated ")
+        rejected += 1
+    assert rejected, f"{invariant_id}: no observation could be perturbed"
