@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Final
 
 from spec.config import Cell, ModelConfig
-from spec.happens_before import COPY, D2H, FORWARD, HOST, SCHEDULE, Race
+from spec.happens_before import FORWARD, SCHEDULE, Race
 from spec.state import (
     SCHEDULE_SIDE_POINTS,
     BatchView,
@@ -584,10 +584,6 @@ def _check_races(invariant_id: str, obs: Observation) -> int:
     return 0
 
 
-def _count_accesses(obs: Observation, participants: tuple[str, ...]) -> int:
-    return 1 if obs.point is ObservationPoint.LAUNCH else 0
-
-
 def check_fm1(config: ModelConfig, obs: Observation) -> int:
     """FM1: every schedule-side or D-side read of new_seq_lens_buf[p] happens after the
     forward's latest publish of p (overlap_utils.py publish_ready)."""
@@ -645,7 +641,7 @@ def check_st1(config: ModelConfig, obs: Observation) -> int:
     """ST1: the forward reads schedule-produced tensors only after F.wait_stream(S)
     (scheduler.py run_batch)."""
     _check_races("ST1", obs)
-    return _count_accesses(obs, (FORWARD,))
+    return 1 if obs.point is ObservationPoint.LAUNCH else 0  # every launch reads S data
 
 
 def check_st2(config: ModelConfig, obs: Observation) -> int:
@@ -769,8 +765,6 @@ def _preclaim(cell: Cell) -> bool:
 def _overlap(cell: Cell) -> bool:
     return cell.overlap
 
-
-_ = (COPY, D2H, HOST)  # stream names used in messages by classify_race's callers
 
 INVARIANTS: Final[tuple[Invariant, ...]] = (
     Invariant("SL1", "init_new sum matches seq_lens_cpu", "forward_batch_info.py", _always,
