@@ -89,7 +89,11 @@ def cmd_check(args: argparse.Namespace) -> int:
         where = "the selected cells" if args.cells else "representative cells"
         print(f"\nmutant matrix (each bug alone, {where}):")
         subset = tuple(c.cell for c in configs) if args.cells else None
-        mutant_results = run_mutants(profile, args.seed, cells=subset, preset=args.preset,
+        # The matrix runs at minimal sizes when several presets were asked for.
+        preset = "minimal" if args.preset == "all" else args.preset
+        mutant_dir = Path(args.out) / "mutants" if args.out else None
+        mutant_results = run_mutants(profile, args.seed, cells=subset, preset=preset,
+                                     save_dir=mutant_dir,
                                      progress=None if args.quiet else _mutant_progress)
         print(render_mutants(mutant_results))
     elapsed = time.perf_counter() - started
@@ -97,8 +101,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     mutants_ok = all(m.verdict in (KILLED, NOT_APPLICABLE) for m in mutant_results)
     ok = cells_ok and mutants_ok
     killed = sum(m.verdict == KILLED for m in mutant_results)
-    mutant_note = (f", {killed}/{len(mutant_results)} mutants killed" if mutant_results
-                   else ", mutants skipped")
+    unrun = sum(m.verdict == NOT_APPLICABLE for m in mutant_results)
+    mutant_note = (f", {killed}/{len(mutant_results) - unrun} mutants killed"
+                   + (f" ({unrun} n/a in these cells)" if unrun else "")
+                   if mutant_results else ", mutants skipped")
     print(f"\n{'OK' if ok else 'FAILED'}: {sum(r.ok for r in results)}/{len(results)} cells "
           f"clean{'' if cells_ok else ' (or an invariant was vacuous)'}{mutant_note}, "
           f"seed {args.seed}, profile {profile.name}, {elapsed:.1f}s")
