@@ -13,7 +13,7 @@ from spec.transitions import (
     compute_cached_len,
     compute_ns_decode_pages_needed,
     compute_pages_for_len,
-    compute_v2_alloc_target,
+    compute_v2_decode_pages_needed,
 )
 from spec.units import PageId
 
@@ -77,9 +77,8 @@ def get_decode_pages_needed(rt: Runtime, req: Req, seq_len: int) -> int:
     cfg = rt.config
     if not cfg.cell.is_spec:
         return compute_ns_decode_pages_needed(seq_len, cfg.page_size)
-    target = compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len,
-                                     rt.get_decode_reserve(), cfg.page_size)
-    return compute_pages_for_len(target, cfg.page_size) - len(req.pages)
+    return compute_v2_decode_pages_needed(req.kv_committed_len, req.kv_allocated_len,
+                                          rt.get_decode_reserve(), cfg.page_size)
 
 
 def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:

@@ -13,7 +13,12 @@ from reference.mem_cache import alloc_for_decode, alloc_for_extend, grow_to
 from reference.req import Req
 from reference.runtime import DeviceTensor, Runtime
 from spec.happens_before import SCHEDULE
-from spec.transitions import compute_fill_len, compute_page_align_up, compute_v2_alloc_target
+from spec.transitions import (
+    compute_decode_seq_len_ns,
+    compute_fill_len,
+    compute_page_align_up,
+    compute_v2_alloc_target,
+)
 from spec.units import PoolRow
 
 
@@ -80,7 +85,7 @@ class ScheduleBatch:
         old = self.seq_lens.values
         for req, seq_len in zip(self.reqs, old, strict=True):
             alloc_for_decode(rt, req, seq_len)
-        bumped = [s + 1 for s in old]
+        bumped = [compute_decode_seq_len_ns(s) for s in old]
         if rt.config.cell.overlap:
             # A new tensor: the in-flight forward still reads the old one.
             self.seq_lens = rt.new_tensor(bumped, "prepare_for_decode")
@@ -88,7 +93,7 @@ class ScheduleBatch:
             self.seq_lens.values = bumped
             rt.hb.write(SCHEDULE, ("tensor", self.seq_lens.tensor_id), "prepare_for_decode")
         if self.seq_lens_cpu is not None:
-            self.seq_lens_cpu = [s + 1 for s in self.seq_lens_cpu]
+            self.seq_lens_cpu = [compute_decode_seq_len_ns(s) for s in self.seq_lens_cpu]
         self.seq_lens_sum = None
 
     def _prepare_for_decode_spec_v2(self) -> None:

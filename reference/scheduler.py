@@ -267,17 +267,14 @@ class Scheduler:
         batch.prepare_for_decode()
         self._observe_batch(ObservationPoint.PREPARE_FOR_DECODE, batch)
 
-    def _decode_pages_needed(self, batch: ScheduleBatch) -> int:
-        return sum(get_decode_pages_needed(self.rt, req, s)
-                   for req, s in zip(batch.reqs, batch.seq_lens.values, strict=True))
-
     def retract_decode(self, batch: ScheduleBatch, forced: int) -> None:
         """Retract until the next decode fits, plus ``forced`` more; keep at least one.
 
         Spec retracts from the back only; non-spec sorts by (len(output_ids),
         -len(origin)) descending and pops the last: fewest outputs, longest prompt.
         """
-        fits = self._decode_pages_needed(batch) <= get_available_pages(self.rt)
+        everyone = set(range(len(batch.reqs)))
+        fits = self._pages_needed_for(batch, everyone) <= get_available_pages(self.rt)
         if forced == 0 and fits:
             return
         retracted: list[Req] = []

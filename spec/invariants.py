@@ -78,10 +78,6 @@ def _holding(obs: Observation) -> Iterable[RequestView]:
     return (r for r in obs.requests if r.holds_kv)
 
 
-def _live(obs: Observation) -> Iterable[RequestView]:
-    return (r for r in obs.requests if r.is_live)
-
-
 def _settling(obs: Observation) -> Iterable[RequestView]:
     """Live requests whose prefill result is processed: they have settled something."""
     return (r for r in obs.requests if r.is_live and not r.ghost.extend_inflight)
