@@ -1,8 +1,9 @@
 """gpu_impl: the torch implementation of :class:`spec.interface.SchedulerModel`.
 
-Not built yet (issue: gpu_impl with real streams and events). It will implement
-the same Protocol as ``reference.scheduler.Scheduler`` so the one driver in
-``harness/`` runs both.
+State lives in torch tensors on a device (CUDA when available, else CPU) and the stream
+design is upstream's (``gpu_impl/streams.py``); on CPU the streams are virtual and
+``gpu_impl/race.py`` judges their ordering. ``harness/differential.py`` drives it in
+lock step with ``reference.scheduler.Scheduler``. Start at ``gpu_impl/scheduler.py``.
 """
 
 from spec.interface import SchedulerModel

@@ -12,18 +12,31 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from gpu_impl.scheduler import SUPPORTED_FAULTS as GPU_SUPPORTED_FAULTS
+from harness.differential import (
+    check_cell_differential,
+    get_finding_kind,
+    get_gpu_mutant_examples,
+    run_differential,
+)
+from harness.prove import run_z3_mutant_column
 from harness.script import Abort, Admit, AdmitPrebuilt, Iterate, Op, Script, run_script, save_script
 from harness.stateful import Profile, check_cell, get_failure_dir
+from harness.trace import get_trace_path, record_script_trace
 from spec.bugs import BUGS, Bug
 from spec.config import PRESETS, Cell, ModelConfig, enumerate_cells
 from spec.state import IterationChoices
 
 KILLED, SURVIVED, NOT_APPLICABLE = "killed", "survived", "n/a"
-CHECKERS = ("hypothesis",)
+CHECKERS = ("hypothesis", "gpu_impl", "z3")
+NO_GPU_PATH = "gpu_impl has no code path for this bug"
 
 
 def _still_fails(script: Script, invariant_id: str) -> bool:
@@ -50,8 +63,13 @@ def _simpler_ops(op: Op) -> list[Op]:
     return []
 
 
-def minimize_script(script: Script, invariant_id: str, budget: int = 400) -> Script:
-    """Greedy delta debugging: drop operations, then simplify the rest; same invariant."""
+def minimize_script(script: Script, invariant_id: str, budget: int = 400,
+                    still_fails: Callable[[Script], bool] | None = None) -> Script:
+    """Greedy delta debugging: drop operations, then simplify the rest; same invariant
+    (or whatever ``still_fails`` demands, for checkers other than the invariants)."""
+    if still_fails is None:
+        def still_fails(trial: Script) -> bool:
+            return _still_fails(trial, invariant_id)
     best = replace(script, ops=list(script.ops))
     runs = 0
     changed = True
@@ -62,13 +80,13 @@ def minimize_script(script: Script, invariant_id: str, budget: int = 400) -> Scr
                 continue
             trial = replace(best, ops=best.ops[:index] + best.ops[index + 1:])
             runs += 1
-            if _still_fails(trial, invariant_id):
+            if still_fails(trial):
                 best, changed = trial, True
         for index, op in enumerate(list(best.ops)):
             for simpler in _simpler_ops(op):
                 trial = replace(best, ops=best.ops[:index] + [simpler] + best.ops[index + 1:])
                 runs += 1
-                if _still_fails(trial, invariant_id):
+                if still_fails(trial):
                     best, changed = trial, True
                     break
     return best
@@ -78,6 +96,7 @@ def minimize_script(script: Script, invariant_id: str, budget: int = 400) -> Scr
 class CellKill:
     cell: str
     verdict: str
+    checker: str = "hypothesis"
     invariant: str | None = None
     all_invariants: tuple[str, ...] = ()
     steps: int | None = None
@@ -92,12 +111,14 @@ class MutantResult:
     bug: Bug
     checker: str
     cells: list[CellKill] = field(default_factory=list)
+    not_applicable: str | None = None  # why this checker has nothing to say about the bug
 
     @property
     def verdict(self) -> str:
-        if not self.cells:
+        ran = [c for c in self.cells if c.verdict != NOT_APPLICABLE]
+        if not ran or self.not_applicable:
             return NOT_APPLICABLE
-        if all(c.verdict == KILLED for c in self.cells):
+        if all(c.verdict == KILLED for c in ran):
             return KILLED
         return SURVIVED
 
@@ -135,11 +156,81 @@ def run_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed: in
         invariant = next((i for i in tripped if i in bug.invariants), invariant)
         name = "-".join([config.name.replace("@", "-"), bug.id])
         path = save_script(small, save_dir / f"{name}.json")
-        kill = CellKill(config.name, KILLED, invariant, tripped,
+        record_script_trace(small, get_trace_path(path))  # the kill as a checkable trace
+        kill = CellKill(config.name, KILLED, "hypothesis", invariant, tripped,
                         len(small.ops), small.count_requests(), 0.0,
                         f"overlap-spec replay {path}")
     kill.seconds = time.perf_counter() - started
     return kill
+
+
+def get_gpu_unobservable_reason(bug_id: str, cell: Cell) -> str | None:
+    """Cells where a bug applies but leaves nothing the differential run can see."""
+    if bug_id == "B7" and not cell.overlap:
+        return ("without overlap run_batch re-applies the forward's new seq_lens to the "
+                "ScheduleBatch right after the forward, so the +D_tok never outlives it")
+    return None
+
+
+def run_gpu_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed: int,
+                           save_dir: Path) -> CellKill:
+    """The gpu_impl checker: differential run against the clean reference + race detector."""
+    started = time.perf_counter()
+    kill = CellKill(config.name, SURVIVED, "gpu_impl")
+    if bug.id not in GPU_SUPPORTED_FAULTS:
+        kill.verdict = NOT_APPLICABLE
+        kill.detail = NO_GPU_PATH
+        return kill
+    unobservable = get_gpu_unobservable_reason(bug.id, config.cell)
+    if unobservable is not None:
+        kill.verdict = NOT_APPLICABLE
+        kill.detail = unobservable
+        return kill
+    # Virtual streams on CPU: the race detector that judges the stream bugs runs there.
+    result = check_cell_differential(config, profile, seed, frozenset({bug.id}),
+                                     max_examples=get_gpu_mutant_examples(profile),
+                                     device=torch.device("cpu"), shrink=False)
+    if result.error is not None:
+        kill.detail = f"crash: {type(result.error).__name__}: {result.error}"
+    elif result.failure is not None:
+        kind = get_finding_kind(result.failure.outcome)
+
+        def still_fails(trial: Script) -> bool:
+            outcome = run_differential(trial, device=torch.device("cpu"))
+            return not outcome.ok and get_finding_kind(outcome) == kind
+
+        small = minimize_script(result.failure.script, kind, budget=150, still_fails=still_fails)
+        outcome = run_differential(small, device=torch.device("cpu"))
+        name = "-".join([config.name.replace("@", "-"), bug.id, "gpu_impl"])
+        path = save_script(small, save_dir / f"{name}.json")
+        record_script_trace(small, get_trace_path(path))  # gpu_impl's own trace of the kill
+        kill = CellKill(config.name, KILLED, "gpu_impl", kind, (kind,), len(small.ops),
+                        small.count_requests(), 0.0, f"overlap-spec replay {path}",
+                        outcome.describe())
+    kill.seconds = time.perf_counter() - started
+    return kill
+
+
+def run_z3_for_bug(bug: Bug, save_dir: Path) -> MutantResult:
+    """The z3 column: BMC / happens-before counterexample, replayed on the reference."""
+    started = time.perf_counter()
+    kill = run_z3_mutant_column([bug.id])[bug.id]
+    result = MutantResult(bug, "z3")
+    if kill.verdict == NOT_APPLICABLE:
+        result.not_applicable = kill.reason or "the z3 encoding has no path for this bug"
+        return result
+    cell = CellKill(kill.cell or "-", kill.verdict if kill.verdict == KILLED else SURVIVED,
+                    "z3", kill.invariant, (kill.invariant,) if kill.invariant else (),
+                    detail=kill.reason or None)
+    if kill.script is not None:
+        name = "-".join([(kill.cell or "cell").replace("@", "-"), bug.id, "z3"])
+        path = save_script(kill.script, save_dir / f"{name}.json")
+        record_script_trace(kill.script, get_trace_path(path))
+        cell.steps, cell.requests = len(kill.script.ops), kill.script.count_requests()
+        cell.replay = f"overlap-spec replay {path}"
+    cell.seconds = time.perf_counter() - started
+    result.cells.append(cell)
+    return result
 
 
 def get_applicable_cells(bug: Bug, cells: tuple[Cell, ...] | None = None) -> list[Cell]:
@@ -162,7 +253,9 @@ def get_representative_cells(bug: Bug, cells: tuple[Cell, ...] | None = None) ->
 def run_mutants(profile: Profile, seed: int, bug_ids: set[str] | None = None,
                 cells: tuple[Cell, ...] | None = None, preset: str = "minimal",
                 save_dir: Path | None = None, progress: Any = None,
-                all_cells: bool = False) -> list[MutantResult]:
+                all_cells: bool = False,
+                checkers: tuple[str, ...] = ("hypothesis",),
+                max_cells: int | None = None) -> list[MutantResult]:
     """The kill matrix. Default: the representative cells of each bug (among ``cells``
     when given); ``all_cells``: every applicable cell (among ``cells``)."""
     directory = save_dir or get_failure_dir().parent / "mutants"
@@ -170,18 +263,27 @@ def run_mutants(profile: Profile, seed: int, bug_ids: set[str] | None = None,
     for bug in BUGS:
         if bug_ids is not None and bug.id not in bug_ids:
             continue
-        result = MutantResult(bug, "hypothesis")
         if all_cells:
             targets = get_applicable_cells(bug, cells)
         else:
             targets = get_representative_cells(bug, cells)
-        for cell in targets:
-            kill = run_mutant_in_cell(bug, ModelConfig(cell, PRESETS[preset]), profile, seed,
-                                      directory)
-            result.cells.append(kill)
-            if progress is not None:
-                progress(bug, kill)
-        results.append(result)
+        targets = targets[:max_cells] if max_cells is not None else targets
+        for checker in checkers:
+            if checker == "z3":
+                results.append(run_z3_for_bug(bug, directory))
+                continue
+            run_in_cell = run_gpu_mutant_in_cell if checker == "gpu_impl" else run_mutant_in_cell
+            result = MutantResult(bug, checker)
+            for cell in targets:
+                kill = run_in_cell(bug, ModelConfig(cell, PRESETS[preset]), profile, seed,
+                                   directory)
+                if kill.verdict == NOT_APPLICABLE and kill.detail == NO_GPU_PATH:
+                    result.not_applicable = kill.detail
+                    break
+                result.cells.append(kill)
+                if progress is not None:
+                    progress(bug, kill)
+            results.append(result)
     return results
 
 
@@ -189,8 +291,7 @@ def build_mutants_json(results: list[MutantResult]) -> dict[str, Any]:
     document: dict[str, Any] = {}
     for result in results:
         rep = result.get_representative()
-        document[result.bug.id] = {
-            result.checker: {
+        document.setdefault(result.bug.id, {})[result.checker] = {
                 "verdict": result.verdict,
                 "invariant": result.invariant,
                 "steps": rep.steps if rep else None,
@@ -205,8 +306,8 @@ def build_mutants_json(results: list[MutantResult]) -> dict[str, Any]:
                              **({"detail": c.detail} if c.detail else {})}
                     for c in result.cells
                 },
+                **({"not_applicable": result.not_applicable} if result.not_applicable else {}),
             }
-        }
     return document
 
 
@@ -216,13 +317,18 @@ def render_mutants(results: list[MutantResult]) -> str:
     for result in results:
         rep = result.get_representative()
         killed = sum(c.verdict == KILLED for c in result.cells)
+        ran = sum(c.verdict != NOT_APPLICABLE for c in result.cells)
         lines.append(
             f"{result.bug.id:<5} {result.checker:<11} {result.verdict:<9} "
             f"{result.invariant or '-':<9} {rep.steps if rep else '-':>5} "
-            f"{rep.requests if rep else '-':>4} {killed:>3}/{len(result.cells):<2} "
+            f"{rep.requests if rep else '-':>4} {killed:>3}/{ran:<2} "
             f"{result.seconds:8.2f}  {result.bug.title}")
+        if result.not_applicable:
+            lines.append(f"      n/a: {result.not_applicable}")
         for cell in result.cells:
-            if cell.verdict != KILLED:
+            if cell.verdict == NOT_APPLICABLE:
+                lines.append(f"      n/a in {cell.cell}: {cell.detail}")
+            elif cell.verdict != KILLED:
                 lines.append(f"      survived in {cell.cell}" +
                              (f" ({cell.detail})" if cell.detail else ""))
     small = [r for r in results if (rep := r.get_representative()) is not None

@@ -167,7 +167,9 @@ def script_from_json(raw: Any) -> Script:
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ScriptError(f"script: field 'seed' must be an integer or null, got {seed!r}")
     implementation = raw.get("implementation", "reference")
-    get_factory(implementation)
+    if implementation not in IMPLEMENTATIONS:
+        raise ScriptError(f"script: unknown implementation {implementation!r} "
+                          f"(available: {', '.join(IMPLEMENTATIONS)})")
     return Script(cell, preset, ops, tuple(faults), seed, implementation)
 
 
@@ -188,10 +190,19 @@ def load_script(path: Path) -> Script:
 Factory = Callable[[ModelConfig, frozenset[str], Observer | None], SchedulerModel]
 
 
+# "gpu_impl" scripts are counterexamples of the differential checker: gpu_impl (with the
+# script's faults) against the clean reference (harness.differential.run_differential).
+IMPLEMENTATIONS = ("reference", "gpu_impl")
+
+
 def get_factory(implementation: str) -> Factory:
     if implementation == "reference":
         return Scheduler
-    raise ScriptError(f"unknown implementation {implementation!r} (available: reference)")
+    if implementation == "gpu_impl":
+        raise ScriptError("a gpu_impl script replays against the reference "
+                          "(harness.differential.run_differential; 'overlap-spec replay')")
+    raise ScriptError(f"unknown implementation {implementation!r} "
+                      f"(available: {', '.join(IMPLEMENTATIONS)})")
 
 
 def apply_op(model: SchedulerModel, op: Op, admitted: list[RequestId]) -> None:

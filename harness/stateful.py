@@ -39,6 +39,7 @@ from harness.script import (
     get_factory,
     save_script,
 )
+from harness.trace import get_trace_path, record_script_trace
 from spec.config import ModelConfig, SpecMode
 from spec.invariants import InvariantViolation
 from spec.state import IterationChoices
@@ -170,6 +171,25 @@ class CellResult:
         return self.violation.all_ids if self.violation is not None else ()
 
 
+def get_machine_test(machine: type[RuleBasedStateMachine], max_examples: int, step_count: int,
+                     run_seed: int, shrink: bool) -> Any:
+    """The seeded Hypothesis test of ``machine`` (no database: a seed replays the search)."""
+    test: Any = get_state_machine_test(
+        machine,
+        settings=settings(
+            max_examples=max_examples,
+            stateful_step_count=step_count,
+            deadline=None,
+            database=None,
+            phases=(Phase.generate, Phase.shrink) if shrink else (Phase.generate,),
+            suppress_health_check=list(HealthCheck),
+            print_blob=False,
+            report_multiple_bugs=False,
+        ),
+    )
+    return seed(run_seed)(test)
+
+
 def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
                faults: frozenset[str] = frozenset(), implementation: str = "reference",
                save_dir: Path | None = None, shrink: bool = True) -> CellResult:
@@ -180,20 +200,8 @@ def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
     """
     stats: Counter[str] = Counter()
     machine = make_machine(config, faults, implementation, stats)
-    test: Any = get_state_machine_test(
-        machine,
-        settings=settings(
-            max_examples=profile.max_examples if shrink else profile.mutant_examples,
-            stateful_step_count=profile.step_count,
-            deadline=None,
-            database=None,
-            phases=(Phase.generate, Phase.shrink) if shrink else (Phase.generate,),
-            suppress_health_check=list(HealthCheck),
-            print_blob=False,
-            report_multiple_bugs=False,
-        ),
-    )
-    test = seed(run_seed)(test)
+    examples = profile.max_examples if shrink else profile.mutant_examples
+    test = get_machine_test(machine, examples, profile.step_count, run_seed, shrink)
     started = time.perf_counter()
     result = CellResult(config, faults, run_seed, profile.name, 0.0)
     try:
@@ -207,6 +215,8 @@ def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
             name = "-".join([config.name.replace("@", "-"), *sorted(faults)])
             directory = save_dir or get_failure_dir()
             result.script_path = save_script(script, directory / f"{name}.json")
+            # The same counterexample as a trace (harness/trace.py), checkable on its own.
+            record_script_trace(script, get_trace_path(result.script_path))
     except Exception as error:  # a crash of the implementation is a failure, not a pass
         result.error = error
     result.seconds = time.perf_counter() - started

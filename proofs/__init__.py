@@ -1,1 +1,3 @@
-"""proofs: Z3 encodings of spec transitions (not built yet; see the proofs issue)."""
+"""proofs: Z3 encodings of the spec's transitions (lifted from spec/transitions.py),
+inductive proofs (induction.py), happens-before proofs of the stream protocol
+(streams.py). See docs/proofs.md."""

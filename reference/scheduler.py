@@ -31,7 +31,7 @@ from reference.worker import READ_DONE, ForwardResult, ModelWorker, token_for
 from spec.bugs import BUG_IDS
 from spec.config import ModelConfig
 from spec.happens_before import COPY, FORWARD, HOST, SCHEDULE
-from spec.interface import Observer
+from spec.interface import BatchState, ObservableState, Observer, RequestState
 from spec.state import (
     BatchView,
     IsolationView,
@@ -93,6 +93,8 @@ class Scheduler:
         self.last_processed_step: StepId | None = None
         self.step_index = 0
         self.isolation_entry: BatchView | None = None
+        self.kv_write_fault_count = 0
+        self.accept_counters = (0, 0)
 
     # ------------------------------------------------------------------ interface
     def admit(self, prompt_len: int, max_new_tokens: int) -> RequestId:
@@ -165,6 +167,36 @@ class Scheduler:
 
     def set_step_index(self, index: int) -> None:
         self.step_index = index
+
+    def get_observable_state(self) -> ObservableState:
+        """The state a differential run compares (spec.interface.ObservableState)."""
+        rt = self.rt
+        requests = []
+        for req in self.requests.values():
+            status = "finished" if req.finished() else "waiting" if req.waiting else "running"
+            row: tuple[int, ...] = ()
+            if req.holds_kv and req.req_pool_idx is not None:
+                width = min(req.kv_allocated_len, self.config.row_width)
+                row = tuple(rt.req_to_token.rows[req.req_pool_idx][:width])
+            requests.append(RequestState(req.rid, status, tuple(req.output_ids),
+                                         req.kv_committed_len, req.kv_allocated_len, row,
+                                         req.cached_len))
+        return ObservableState(
+            requests=tuple(requests),
+            running=self._get_batch_state(self.running_batch),
+            last_batch=self._get_batch_state(self.last_batch),
+            free_pages=get_available_pages(rt),
+            kv_write_faults=self.kv_write_fault_count,
+            accept_counters=self.accept_counters,
+        )
+
+    @staticmethod
+    def _get_batch_state(batch: ScheduleBatch | None) -> BatchState | None:
+        if batch is None or batch.is_empty():
+            return None
+        return BatchState(tuple(req.rid for req in batch.reqs), tuple(batch.seq_lens.values),
+                          None if batch.seq_lens_cpu is None else tuple(batch.seq_lens_cpu),
+                          batch.seq_lens_sum)
 
     # ------------------------------------------------------------------ scheduling
     def get_next_batch_to_run(self, choices: IterationChoices) -> ScheduleBatch | None:
@@ -365,6 +397,7 @@ class Scheduler:
             self.future_map.publish(batch.reqs, future_indices, values)
 
         result = self.worker.forward_batch_generation(batch, step, choices, on_publish)
+        self.kv_write_fault_count += len(result.kv_write_faults)
         if not cfg.cell.is_spec and cfg.cell.overlap:
             # Non-spec publish of seq_lens + 1: written, never read by the schedule side.
             self.future_map.publish(batch.reqs, future_indices, result.new_seq_lens)
@@ -520,6 +553,7 @@ class Scheduler:
             pending_after=len(self.result_queue),
         )
         self.last_processed_step = result.step
+        self.accept_counters = (counted, batch_size)
         self.refinement.observe(ObservationPoint.PROCESS_RESULT, self, result=view)
 
     # ------------------------------------------------------------------ observation

@@ -7,6 +7,7 @@ A driver (harness/) calls these operations; the implementation reports an
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Protocol
 
 from spec.config import ModelConfig
@@ -14,6 +15,39 @@ from spec.state import IterationChoices, Observation
 from spec.units import RequestId
 
 Observer = Callable[[Observation], None]
+
+
+@dataclass(frozen=True)
+class RequestState:
+    """What a differential run compares per request (req_to_token up to kv_allocated_len)."""
+
+    rid: RequestId
+    status: str  # "waiting" | "running" | "finished"
+    output_ids: tuple[int, ...]
+    kv_committed_len: int
+    kv_allocated_len: int
+    req_to_token: tuple[int, ...]  # the request's row, columns [0, kv_allocated_len)
+    cached_len: int | None  # what the release handed the tree cache (KV9)
+
+
+@dataclass(frozen=True)
+class BatchState:
+    rids: tuple[RequestId, ...]  # in batch order
+    seq_lens: tuple[int, ...]  # the device tensor
+    seq_lens_cpu: tuple[int, ...] | None
+    seq_lens_sum: int | None
+
+
+@dataclass(frozen=True)
+class ObservableState:
+    """The state two implementations must agree on after every operation."""
+
+    requests: tuple[RequestState, ...]
+    running: BatchState | None  # the running batch (None when empty)
+    last_batch: BatchState | None  # the batch launched by the last iteration
+    free_pages: int  # allocator free list plus evictable cache
+    kv_write_faults: int  # forward writes outside what the request owns, so far
+    accept_counters: tuple[int, int]  # (num_correct_drafts, metrics batch size), last result
 
 
 class SchedulerModel(Protocol):
@@ -40,6 +74,9 @@ class SchedulerModel(Protocol):
 
     def set_step_index(self, index: int) -> None:
         """Which script operation is running (stamped on observations)."""
+        ...
+
+    def get_observable_state(self) -> ObservableState:
         ...
 
 

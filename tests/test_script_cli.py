@@ -94,10 +94,13 @@ def test_replay_of_a_failing_script_exits_one(tmp_path: Path,
 
 def test_check_json_has_every_id_in_every_cell(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
+    # The gpu_impl and Z3 tiers have their own tests; here they are skipped for time.
     code = main(["check", "-q", "--cells", "ov-p1-none,nov-p1-v2chain-cpu-preclaim",
-                 "--json", str(out)])
+                 "--no-differential", "--no-proofs", "--json", str(out)])
     assert code == 0
     doc = json.loads(out.read_text())
+    assert doc["differential"] == {"status": "skipped"}
+    assert doc["proofs"] == {"status": "skipped"}
     assert doc["version"] == 1 and doc["ok"] is True and isinstance(doc["elapsed_s"], float)
     assert doc["cells"] == ["ov-p1-none@minimal", "nov-p1-v2chain-cpu-preclaim@minimal"]
     assert sorted(doc["invariants"]) == sorted(DIGEST_IDS) == sorted(INVARIANT_IDS)
@@ -139,3 +142,16 @@ def test_help_documents_the_commands(capsys: pytest.CaptureFixture[str]) -> None
     text = capsys.readouterr().out
     for word in ("check", "replay", "cells", "invariants", "Exit codes"):
         assert word in text
+
+
+def test_check_runs_the_differential_and_proof_tiers(tmp_path: Path) -> None:
+    out = tmp_path / "r.json"
+    code = main(["check", "-q", "--cells", "ov-p1-v2chain-cpu-honest", "--no-mutants",
+                 "--json", str(out)])
+    assert code == 0
+    doc = json.loads(out.read_text())
+    assert doc["ok"] is True
+    cell = doc["differential"]["cells"]["ov-p1-v2chain-cpu-honest@minimal"]
+    assert doc["differential"]["status"] == "pass" and cell["verdict"] == "pass"
+    assert cell["examples"] > 0
+    assert doc["proofs"]["ok"] is True and doc["proofs"]["counts"]["unknown"] == 0

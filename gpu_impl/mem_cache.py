@@ -1,0 +1,122 @@
+"""alloc_for_extend / alloc_for_decode / release_kv_cache (upstream mem_cache/common.py).
+
+Allocation is batched as upstream does it: the pages of every request of a prepare are
+taken in one allocator call (evicting the tree first if short), then one scatter writes
+all new ``req_to_token`` columns and one scatter records the new pages' owner. Taking
+them in one call hands out the same pages, in the same order, as one call per request:
+both take a prefix of "free list, then evicted chunks in FIFO order", and both evict the
+fewest whole chunks that cover the total (an ``OutOfMemory`` is raised in the same
+situations, though the reference may have allocated for earlier requests before it).
+All of it runs on the schedule stream.
+"""
+
+from __future__ import annotations
+
+from gpu_impl.memory import OutOfMemory
+from gpu_impl.req import Req
+from gpu_impl.runtime import Runtime
+from spec.transitions import (
+    compute_cached_len,
+    compute_ns_decode_pages_needed,
+    compute_pages_for_len,
+    compute_v2_decode_pages_needed,
+)
+from spec.units import PageId
+
+
+def get_available_pages(rt: Runtime) -> int:
+    return rt.allocator.available_size() + rt.tree.evictable_size()
+
+
+def alloc_pages(rt: Runtime, pages: int) -> list[PageId]:
+    """Evict the tree first if short, then allocate (``alloc_token_slots`` / paged)."""
+    rt.tree.evict(pages, rt.allocator)
+    return rt.allocator.alloc(pages)
+
+
+def grow_to(rt: Runtime, reqs: list[Req], targets: list[int]) -> None:
+    """Each request owns pages for ``targets[j]`` positions and its row records them.
+
+    Changes pages, page_owner, req_to_token columns [kv_allocated_len, target) and
+    kv_allocated_len (which a target below it shrinks: the B12 mistake, kept as is).
+    """
+    p = rt.config.page_size
+    width = rt.config.row_width
+    extra = [compute_pages_for_len(t, p) - len(req.pages) for req, t in zip(reqs, targets,
+                                                                          strict=True)]
+    fresh = alloc_pages(rt, sum(n for n in extra if n > 0)) if any(n > 0 for n in extra) else []
+    owned_pages: list[int] = []
+    owners: list[int] = []
+    rows: list[int] = []
+    columns: list[int] = []
+    slots: list[int] = []
+    for req, target, count in zip(reqs, targets, extra, strict=True):
+        if count > 0:
+            taken, fresh = fresh[:count], fresh[count:]
+            req.pages += taken
+            owned_pages += taken
+            owners += [req.rid] * count
+        new_columns = range(req.kv_allocated_len, min(target, width))
+        assert req.req_pool_idx is not None or not new_columns
+        rows += [req.req_pool_idx or 0] * len(new_columns)
+        columns += new_columns
+        slots += [req.pages[c // p] * p + c % p for c in new_columns]
+        req.kv_allocated_len = target
+    rt.kv.set_owner(owned_pages, owners)
+    rt.req_to_token_pool.write(rows, columns, slots)
+
+
+def alloc_for_extend(rt: Runtime, reqs: list[Req], fill_lens: list[int]) -> None:
+    """A pool row each and pages for ``fill_len`` positions; committed = allocated = fill_len."""
+    for req in reqs:
+        row = rt.req_to_token_pool.alloc()
+        if row is None:
+            raise OutOfMemory("no free req_to_token row")
+        req.req_pool_idx = row
+        req.holds_kv = True
+        req.kv_allocated_len = 0
+    grow_to(rt, reqs, fill_lens)
+    for req, fill_len in zip(reqs, fill_lens, strict=True):
+        req.kv_committed_len = fill_len
+
+
+def alloc_for_decode(rt: Runtime, reqs: list[Req], seq_lens: list[int]) -> None:
+    """Non-spec decode: the slot at column ``seq_lens[j]``; committed claimed now (B10: not)."""
+    grow_to(rt, reqs, [s + 1 for s in seq_lens])
+    if not rt.has_fault("B10"):
+        for req in reqs:
+            req.kv_committed_len += 1
+
+
+def get_decode_pages_needed(rt: Runtime, req: Req, seq_len: int | None) -> int:
+    """Per-request term of ``new_tokens_required_next_decode`` in pages (seq_len: non-spec)."""
+    cfg = rt.config
+    if not cfg.cell.is_spec:
+        assert seq_len is not None
+        return compute_ns_decode_pages_needed(seq_len, cfg.page_size)
+    return compute_v2_decode_pages_needed(req.kv_committed_len, req.kv_allocated_len,
+                                          rt.get_decode_reserve(), cfg.page_size)
+
+
+def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
+    """Release once: the committed prefix to the tree (finish), the rest freed, row cleared.
+
+    kv_committed_len is unchanged; B11 caches kv_committed_len instead of the effective
+    length (``effective_kv_committed_len``, M2).
+    """
+    assert req.holds_kv and req.req_pool_idx is not None, f"r{req.rid} released twice"
+    req.release_count += 1
+    cached_pages = 0
+    if is_insert:
+        cached = req.kv_committed_len if rt.has_fault("B11") else compute_cached_len(
+            req.kv_committed_len, req.prompt_len, len(req.output_ids))
+        cached = max(0, min(cached, req.kv_allocated_len))
+        cached_pages = compute_pages_for_len(cached, rt.config.page_size)
+        req.cached_len = cached
+    rt.kv.set_owner(list(req.pages), [-1] * len(req.pages))
+    rt.tree.cache_finished_req(req.pages[:cached_pages])
+    rt.allocator.free(req.pages[cached_pages:])
+    rt.req_to_token_pool.free(req.req_pool_idx)
+    req.pages = []
+    req.holds_kv = False
+    req.req_pool_idx = None

@@ -1,0 +1,130 @@
+"""KV pools on the device: the req_to_token table, page ownership, the KV cache itself.
+
+Upstream: ``mem_cache/memory_pool.py`` (``ReqToTokenPool``: a device int32 table
+``[size + 1, max_context_len + extra]`` written by the scheduler, read by attention),
+``mem_cache/allocator.py`` (``TokenToKVPoolAllocator`` / the paged allocator) and
+``mem_cache/radix_cache.py`` (``cache_finished_req``).
+
+What is a tensor here and what is not:
+
+- ``req_to_token`` is a device int64 table ``[rows + 1, row_width]`` filled with -1; row
+  0 is the CUDA-graph padding row and is never handed out. Only the schedule stream
+  writes it (``index_put_`` / ``index_fill_`` on the whole table, so the race detector
+  sees one buffer); the forward reads it.
+- ``page_owner[page]`` is the request id that owns a KV page, or -1. Upstream has no such
+  table; the stand-in forward needs it to decide on the device whether a slot it writes
+  belongs to the request (the reference asks ``slot // page_size in req.pages``).
+- ``kv_cache`` is the KV slot buffer the forward writes; its last element is a trash slot
+  that masked writes land in, so a wrong write is counted, never a crash.
+- The free page list and the tree cache's FIFO of evictable chunks stay on the host, as
+  Python lists: the allocation order must match the reference exactly (front of the free
+  list first, frees appended, whole chunks evicted oldest first), and host-side page ids
+  are what the scheduler's admission arithmetic reads.
+
+Modelling compromise, as in the reference: the radix tree is a sink; nothing is matched.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+import torch
+
+from gpu_impl.streams import Streams
+from spec.happens_before import SCHEDULE
+from spec.units import PageId, PoolRow
+
+
+class OutOfMemory(Exception):
+    """The allocator cannot satisfy a request even after evicting the tree."""
+
+
+class TokenToKVPoolAllocator:
+    """The page free list: allocation takes from the front, frees append at the back."""
+
+    def __init__(self, total_pages: int) -> None:
+        self.free_pages: list[PageId] = [PageId(page) for page in range(total_pages)]
+
+    def available_size(self) -> int:
+        return len(self.free_pages)
+
+    def alloc(self, pages: int) -> list[PageId]:
+        if pages > len(self.free_pages):
+            raise OutOfMemory(f"need {pages} pages, {len(self.free_pages)} free")
+        taken = self.free_pages[:pages]
+        del self.free_pages[:pages]
+        return taken
+
+    def free(self, pages: list[PageId]) -> None:
+        self.free_pages += pages
+
+
+class TreeCache:
+    """Pages of finished requests, all evictable, evicted in whole chunks oldest first."""
+
+    def __init__(self) -> None:
+        self.chunks: deque[list[PageId]] = deque()
+
+    def evictable_size(self) -> int:
+        return sum(map(len, self.chunks))
+
+    def cache_finished_req(self, pages: list[PageId]) -> None:
+        if pages:
+            self.chunks.append(pages)
+
+    def evict(self, pages_needed: int, allocator: TokenToKVPoolAllocator) -> None:
+        while self.chunks and allocator.available_size() < pages_needed:
+            allocator.free(self.chunks.popleft())
+
+
+class ReqToTokenPool:
+    """The device table of KV slots per pool row, plus the host list of free rows."""
+
+    def __init__(self, streams: Streams, size: int, width: int) -> None:
+        self.streams = streams
+        self.size = size
+        self.width = width
+        with streams.use(SCHEDULE):
+            self.req_to_token = torch.full((size + 1, width), -1, dtype=torch.int64,
+                                           device=streams.device)
+        streams.name(self.req_to_token, "req_to_token")
+        self.free_slots: list[PoolRow] = [PoolRow(row) for row in range(1, size + 1)]
+
+    def alloc(self) -> PoolRow | None:
+        return self.free_slots.pop(0) if self.free_slots else None
+
+    def write(self, rows: list[int], columns: list[int], slots: list[int]) -> None:
+        """``req_to_token[rows, columns] = slots``: one H2D and one scatter on S."""
+        if not rows:
+            return
+        streams = self.streams
+        index = (streams.device_tensor(rows), streams.device_tensor(columns))
+        self.req_to_token.index_put_(index, streams.device_tensor(slots))
+
+    def free(self, row: PoolRow) -> None:
+        """The row goes back to the free list, cleared to -1 (on S)."""
+        self.req_to_token.index_fill_(0, self.streams.device_tensor([row]), -1)
+        self.free_slots.append(row)
+
+
+class KvPages:
+    """Device-side page ownership and the KV slot buffer the stand-in forward writes."""
+
+    def __init__(self, streams: Streams, total_pages: int, page_size: int) -> None:
+        self.streams = streams
+        self.page_size = page_size
+        self.trash_slot = total_pages * page_size
+        with streams.use(SCHEDULE):
+            self.page_owner = torch.full((max(total_pages, 1),), -1, dtype=torch.int64,
+                                         device=streams.device)
+            self.kv_cache = torch.zeros(self.trash_slot + 1, dtype=torch.int64,
+                                        device=streams.device)
+        streams.name(self.page_owner, "page_owner")
+        streams.name(self.kv_cache, "kv_cache")
+
+    def set_owner(self, pages: list[int], owners: list[int]) -> None:
+        """``page_owner[pages] = owners`` on S (a request id, or -1 when freed or cached)."""
+        if pages:
+            streams = self.streams
+            self.page_owner.index_put_((streams.device_tensor(pages),),
+                                       streams.device_tensor(owners))

@@ -1,0 +1,40 @@
+"""What every gpu_impl component shares: the cell, the faults, the streams and the pools.
+
+The forward stream is the schedule stream when overlap is off (upstream runs the
+non-overlap forward on the scheduler's own stream), exactly as in the reference.
+"""
+
+from __future__ import annotations
+
+from gpu_impl.memory import KvPages, ReqToTokenPool, TokenToKVPoolAllocator, TreeCache
+from gpu_impl.streams import Streams
+from spec.config import ModelConfig, SpecShape
+from spec.happens_before import FORWARD, SCHEDULE
+
+
+class Runtime:
+    def __init__(self, config: ModelConfig, faults: frozenset[str], streams: Streams) -> None:
+        self.config = config
+        self.faults = faults
+        self.streams = streams
+        self.allocator = TokenToKVPoolAllocator(config.kv_pages)
+        self.tree = TreeCache()
+        self.req_to_token_pool = ReqToTokenPool(streams, config.preset.max_running_requests,
+                                                config.row_width)
+        self.kv = KvPages(streams, config.kv_pages, config.page_size)
+        self.shape: SpecShape = config.get_shape()  # this iteration's adaptive rung
+        # "B" is today's design; "A" the pre-#25465 baseline that ``bench gpu`` compares.
+        self.era = "B"
+
+    @property
+    def forward_stream(self) -> str:
+        return FORWARD if self.config.cell.overlap else SCHEDULE
+
+    def has_fault(self, bug_id: str) -> bool:
+        return bug_id in self.faults
+
+    def get_decode_reserve(self) -> int:
+        """The v2 reserve ahead of kv_committed_len: lag bound + W (B16: 2A of this rung)."""
+        if self.has_fault("B16"):
+            return 2 * self.shape.alloc_len_per_decode
+        return self.config.get_decode_reserve(self.shape)

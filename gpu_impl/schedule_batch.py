@@ -1,0 +1,194 @@
+"""ScheduleBatch in torch: device seq_lens, host mirror, lazy sum (upstream schedule_batch.py).
+
+Three homes of a sequence length, as upstream after PR 26020 (digest 1.2):
+
+- ``seq_lens``: a device int64 tensor, a faithful mirror of the host copy;
+- ``seq_lens_cpu``: a host int64 tensor (pinned on CUDA), or None on the no-D2H path of
+  ``resolve_seq_lens_cpu`` (PR 26128);
+- ``seq_lens_sum``: a Python int, or None meaning "recompute lazily" (``prepare_for_decode``,
+  ``filter_batch`` and ``merge_batch`` reset it; ``ForwardBatch.init_new`` backfills it).
+
+``req_pool_indices`` is a device tensor with a host twin ``req_pool_indices_cpu``;
+``future_indices`` (``spec_info.future_indices`` under spec overlap) is the device tensor
+the relay is keyed by, equal in value to ``req_pool_indices`` (upstream FIXME "unify
+future_indices and req_pool_indices"). Filter and merge are gathers and concatenations on
+the schedule stream; they always build new tensors, because the in-flight forward may
+still read the old ones (kept alive by ``Scheduler.record_batch_in_overlap``).
+
+``spec_extra`` is where the B13 mutant keeps the forward-produced ``accept_lens`` that
+ngram's ``spec_info.filter_batch`` used to gather on S (PR 35198); it is empty otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from gpu_impl.mem_cache import alloc_for_decode, alloc_for_extend, grow_to
+from gpu_impl.req import Req
+from gpu_impl.runtime import Runtime
+from spec.transitions import (
+    compute_decode_seq_len_ns,
+    compute_fill_len,
+    compute_page_align_up,
+    compute_v2_alloc_target,
+)
+
+# compute_decode_seq_len_ns, applied to whole tensors: seq_lens' = seq_lens + 1.
+NS_DECODE_STEP = compute_decode_seq_len_ns(0)
+
+
+@dataclass
+class ScheduleBatch:
+    rt: Runtime
+    reqs: list[Req]
+    forward_mode: str  # "extend" | "decode"
+    seq_lens: torch.Tensor  # device
+    seq_lens_cpu: torch.Tensor | None  # host
+    seq_lens_sum: int | None
+    req_pool_indices: torch.Tensor  # device
+    req_pool_indices_cpu: torch.Tensor  # host
+    future_indices: torch.Tensor | None = None  # device; spec overlap only
+    seq_len_cpu_ub: int | None = None
+    input_ids: torch.Tensor | None = None  # set at forward entry, None between iterations
+    spec_extra: dict[str, torch.Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def prepare_for_extend(cls, rt: Runtime, reqs: list[Req]) -> ScheduleBatch:
+        """Prefill: a row and fill_len positions each; every mirror exact, the sum eager.
+
+        Changes per request: req_pool_idx, pages, kv_committed_len = kv_allocated_len =
+        fill_len, is_retracted = waiting = False. Leaves output_ids.
+        """
+        streams = rt.streams
+        fill_lens = [compute_fill_len(req.prompt_len, len(req.output_ids)) for req in reqs]
+        alloc_for_extend(rt, reqs, list(fill_lens))
+        for req in reqs:
+            req.is_retracted = False
+            req.waiting = False
+        rows = [req.req_pool_idx or 0 for req in reqs]
+        seq_lens_cpu = streams.host_tensor(fill_lens)
+        return cls(
+            rt=rt,
+            reqs=list(reqs),
+            forward_mode="extend",
+            seq_lens=streams.device_tensor(fill_lens),  # the pinned H2D upstream does
+            seq_lens_cpu=seq_lens_cpu,
+            seq_lens_sum=sum(fill_lens),
+            req_pool_indices=streams.device_tensor(rows),
+            req_pool_indices_cpu=streams.host_tensor(rows),
+        )
+
+    def is_empty(self) -> bool:
+        return not self.reqs
+
+    def get_seq_lens_host(self) -> list[int]:
+        """The host mirror as ints (non-spec cells always keep it)."""
+        assert self.seq_lens_cpu is not None, "seq_lens_cpu is None on a path that needs it"
+        return self.rt.streams.to_list(self.seq_lens_cpu, "read seq_lens_cpu")
+
+    # -- decode -----------------------------------------------------------------
+    def prepare_for_decode(self) -> None:
+        """Non-spec: claim column seq_lens, seq_lens + 1 (a new tensor under overlap), sum None.
+        Spec-v2: reserve up to max(cur, committed + reserve), page aligned; seq_lens untouched."""
+        self.forward_mode = "decode"
+        if self.rt.config.cell.is_spec:
+            self._prepare_for_decode_spec_v2()
+            return
+        alloc_for_decode(self.rt, self.reqs, self.get_seq_lens_host())
+        if self.rt.config.cell.overlap:
+            # The in-flight forward still reads the old tensor: never bump it in place.
+            self.seq_lens = self.seq_lens + NS_DECODE_STEP
+        else:
+            self.seq_lens.add_(NS_DECODE_STEP)
+        if self.seq_lens_cpu is not None:
+            with self.rt.streams.on_host():
+                self.seq_lens_cpu = self.seq_lens_cpu + NS_DECODE_STEP
+        self.seq_lens_sum = None
+
+    def _prepare_for_decode_spec_v2(self) -> None:
+        """Frame: kv_allocated_len (and kv_committed_len + 1 with the pre-claim) only."""
+        rt = self.rt
+        page_size = rt.config.page_size
+        reserve = rt.get_decode_reserve()
+        if rt.has_fault("B12"):
+            # No max(cur, ...) clamp: after a down-switch the allocation shrinks.
+            targets = [compute_page_align_up(req.kv_committed_len + reserve, page_size)
+                       for req in self.reqs]
+        else:
+            targets = [compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len,
+                                               reserve, page_size) for req in self.reqs]
+        grow_to(rt, self.reqs, targets)
+        if rt.config.cell.preclaim:
+            for req in self.reqs:
+                req.kv_committed_len += 1
+
+    # -- filter / merge -----------------------------------------------------------
+    def filter_batch(self, keep_indices: list[int] | None = None) -> None:
+        """Keep the unfinished requests (or ``keep_indices``): gathers on S, sum None."""
+        if keep_indices is None:
+            keep_indices = [j for j, req in enumerate(self.reqs) if not req.finished()]
+        if keep_indices == list(range(len(self.reqs))):
+            return
+        streams = self.rt.streams
+        keep = streams.device_tensor(keep_indices)
+        keep_cpu = streams.host_tensor(keep_indices)
+        self.reqs = [self.reqs[j] for j in keep_indices]
+        self.seq_lens = self.seq_lens[keep]
+        self.req_pool_indices = self.req_pool_indices[keep]
+        with streams.on_host():
+            self.req_pool_indices_cpu = self.req_pool_indices_cpu[keep_cpu]
+            if self.seq_lens_cpu is not None:
+                self.seq_lens_cpu = self.seq_lens_cpu[keep_cpu]
+        if self.future_indices is not None:
+            self.future_indices = self.future_indices[keep]
+        forward_state = self.spec_extra.get("accept_lens")
+        if forward_state is not None:  # B13: slices forward-produced state on S
+            self.spec_extra["accept_lens"] = forward_state[keep]
+        if not self.rt.has_fault("B1"):
+            self.seq_lens_sum = None
+
+    def merge_batch(self, other: ScheduleBatch) -> None:
+        """Concatenate; seq_lens_cpu / future_indices None if either side's is; sum None."""
+        self.seq_lens = torch.cat((self.seq_lens, other.seq_lens))
+        self.req_pool_indices = torch.cat((self.req_pool_indices, other.req_pool_indices))
+        with self.rt.streams.on_host():
+            self.req_pool_indices_cpu = torch.cat((self.req_pool_indices_cpu,
+                                                   other.req_pool_indices_cpu))
+            if self.seq_lens_cpu is None or other.seq_lens_cpu is None:
+                self.seq_lens_cpu = None
+            else:
+                self.seq_lens_cpu = torch.cat((self.seq_lens_cpu, other.seq_lens_cpu))
+        if self.future_indices is None or other.future_indices is None:
+            self.future_indices = None
+        else:
+            self.future_indices = torch.cat((self.future_indices, other.future_indices))
+        if not self.rt.has_fault("B1"):
+            self.seq_lens_sum = None
+        mine, theirs = self.spec_extra.get("accept_lens"), other.spec_extra.get("accept_lens")
+        if mine is not None or theirs is not None:
+            # B13: spec_info.merge_batch concatenates the forward-produced state on S.
+            parts = [t if t is not None else torch.zeros(len(b.reqs), dtype=torch.int64,
+                                                          device=b.seq_lens.device)
+                     for t, b in ((mine, self), (theirs, other))]
+            self.spec_extra["accept_lens"] = torch.cat(parts)
+        self.reqs = self.reqs + other.reqs
+
+    # -- what outlives the iteration ------------------------------------------------
+    def copy(self) -> ResultBatch:
+        """``SB.copy()`` for the result queue: the same Req objects and the pool rows."""
+        return ResultBatch(list(self.reqs), self.forward_mode, self.req_pool_indices)
+
+    def get_referenced_tensors(self) -> tuple[torch.Tensor, ...]:
+        """What the forward reads from this batch (the batch_record_buf keep-alive set)."""
+        return (self.seq_lens, self.req_pool_indices, *self.spec_extra.values())
+
+
+@dataclass(frozen=True)
+class ResultBatch:
+    """The queued copy of a launched batch: its requests and the rows the forward used."""
+
+    reqs: list[Req]
+    forward_mode: str
+    req_pool_indices: torch.Tensor

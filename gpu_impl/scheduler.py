@@ -1,0 +1,470 @@
+"""Scheduler in torch: the event loop, run_batch with isolation, retraction, results.
+
+Upstream: ``managers/scheduler.py`` (event_loop_overlap / event_loop_normal,
+get_next_batch_to_run, update_running_batch, run_batch, _forward_isolation,
+record_batch_in_overlap, _apply_war_barrier; S2 snapshot, PR 31687),
+``schedule_batch.py`` (retract_decode, release_req),
+``scheduler_components/batch_result_processor.py`` (process_batch_result; J1 / S3).
+
+This is the second implementation of :class:`spec.interface.SchedulerModel`: the same
+operations as ``reference/``, with the state in torch tensors on ``streams.device`` and
+the real stream structure (``gpu_impl/streams.py``)::
+
+    overlap:    prepare(B_i) ─ run_batch(B_i) ─ WAR fence ─ process(R_{i-1})
+    no overlap: prepare(B_i) ─ run_batch(B_i) ─ process(R_i)
+
+    run_batch:  [S wait publish_ready, gather seq_lens; D copy → pinned; host sync D]
+                F.wait_stream(S) ─ F: inputs, forward, read_done, publish → publish_ready,
+                draft-extend, stash ─ C.wait_stream(F), result D2H, record copy_done:<step>
+
+Its checkers are the differential run against the reference (``get_observable_state``
+after every operation) and the race detector (``gpu_impl/race.py``) listening to the
+streams; it reports no spec Observations, so the ``observer`` argument is accepted for
+the shared factory signature and ignored. ``faults`` re-introduces the historical bugs
+of ``spec/bugs.py`` as the mistake upstream made, in torch code.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from gpu_impl.future_map import FutureMap
+from gpu_impl.mem_cache import get_available_pages, get_decode_pages_needed, release_kv_cache
+from gpu_impl.req import Req, compute_token
+from gpu_impl.runtime import Runtime
+from gpu_impl.schedule_batch import ResultBatch, ScheduleBatch
+from gpu_impl.streams import Streams
+from gpu_impl.worker import READ_DONE, ForwardResult, ModelWorker
+from spec.bugs import BUG_IDS
+from spec.config import ModelConfig
+from spec.happens_before import COPY, FORWARD, SCHEDULE
+from spec.interface import BatchState, ObservableState, Observer, RequestState
+from spec.state import IterationChoices
+from spec.transitions import (
+    compute_committed_after_result,
+    compute_fill_len,
+    compute_pages_for_len,
+    compute_run_len,
+)
+from spec.units import RequestId, StepId, TokenCount
+
+# Historical bugs (spec/bugs.py) gpu_impl can re-introduce, by ID.
+SUPPORTED_FAULTS = frozenset(BUG_IDS)
+
+# The isolation snapshot of _forward_isolation: spec restores these fields after launch.
+ISOLATED_FIELDS = ("forward_mode", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "input_ids",
+                   "future_indices", "seq_len_cpu_ub")
+
+
+class ConfigurationError(Exception):
+    """The chosen sizes cannot run one request alone (a preset error, not a bug)."""
+
+
+@dataclass
+class QueuedResult:
+    batch: ResultBatch
+    result: ForwardResult
+
+
+class Scheduler:
+    """The torch implementation of :class:`spec.interface.SchedulerModel`."""
+
+    def __init__(self, config: ModelConfig, faults: frozenset[str] = frozenset(),
+                 observer: Observer | None = None, streams: Streams | None = None,
+                 device: torch.device | None = None, era: str = "B") -> None:
+        unknown = set(faults) - SUPPORTED_FAULTS
+        if unknown:
+            raise ValueError(f"unknown fault IDs {sorted(unknown)}; gpu_impl supports "
+                             f"{sorted(SUPPORTED_FAULTS)}")
+        del observer  # see the module header: gpu_impl emits no spec Observations
+        self.config = config
+        self.streams = streams if streams is not None else Streams(
+            device if device is not None else torch.device("cpu"))
+        if era not in ("A", "B"):
+            raise ValueError(f"era must be 'A' (the benchmark baseline) or 'B', not {era!r}")
+        self.rt = Runtime(config, frozenset(faults), self.streams)
+        self.rt.era = era
+        self.future_map = FutureMap(self.rt)
+        self.worker = ModelWorker(self.rt)
+        self.requests: dict[RequestId, Req] = {}
+        self.waiting_queue: list[Req] = []
+        self.running_batch: ScheduleBatch | None = None
+        self.last_batch: ScheduleBatch | None = None
+        self.cur_batch: ScheduleBatch | None = None
+        self.result_queue: deque[QueuedResult] = deque()
+        # Real references: a tensor the forward reads stays alive for two launches.
+        self.batch_record_buf: list[tuple[torch.Tensor, ...]] = [(), ()]
+        self.batch_record_ct = 0
+        self.next_rid = 0
+        self.next_step = 0
+        self.step_index = 0
+        with self.streams.use(SCHEDULE):
+            self.kv_write_faults = torch.zeros((), dtype=torch.int64, device=self.streams.device)
+        # The global accept counters of the last processed result (RP3; B4 counts stale rows).
+        self.num_correct_drafts = 0
+        self.metrics_batch_size = 0
+
+    # ------------------------------------------------------------------ interface
+    def admit(self, prompt_len: int, max_new_tokens: int) -> RequestId:
+        rid = RequestId(self.next_rid)
+        self.next_rid += 1
+        req = Req(rid, TokenCount(prompt_len), TokenCount(max_new_tokens))
+        self.requests[rid] = req
+        self.waiting_queue.append(req)
+        return rid
+
+    def admit_prebuilt(self, prompt_len: int, max_new_tokens: int) -> RequestId:
+        """A PD-decode request whose prefill ran elsewhere: KV and first token arrive ready."""
+        rid = self.admit(prompt_len, max(max_new_tokens, 2))
+        self.requests[rid].prebuilt = True
+        return rid
+
+    def abort(self, rid: RequestId) -> None:
+        """Waiting: leave the queue finished. Running: deferred until its next result."""
+        req = self.requests.get(rid)
+        if req is None or req.finished():
+            return
+        if not req.waiting:
+            req.to_finish = "abort"
+            return
+        self.waiting_queue.remove(req)
+        req.waiting = False
+        req.is_retracted = False
+        req.finished_reason = "abort"
+
+    def run_iteration(self, choices: IterationChoices) -> None:
+        self.rt.shape = self.config.get_shape(choices.spec_steps)
+        batch = self.get_next_batch_to_run(choices)
+        self.cur_batch = batch
+        if not self.config.cell.overlap:
+            if batch is not None:
+                result = self.run_batch(batch, choices)
+                self.result_queue.append(QueuedResult(batch.copy(), result))
+                self.pop_and_process()
+        else:
+            early = (choices.disable_overlap and self.last_batch is not None
+                     and bool(self.result_queue))
+            if early:
+                # is_disable_overlap_for_batch: the pending result goes first.
+                self.pop_and_process()
+                if batch is not None and not self.rt.has_fault("B14"):
+                    batch.filter_batch()  # drop what that result finished and released
+                    if batch.is_empty():
+                        batch = None
+            if batch is not None:
+                result = self.run_batch(batch, choices)
+                self.apply_war_barrier()
+                self.result_queue.append(QueuedResult(batch.copy(), result))
+            if not early and self.last_batch is not None and self.result_queue:
+                self.pop_and_process()
+        self.last_batch = batch
+        self.cur_batch = None
+
+    def get_request_ids(self) -> tuple[RequestId, ...]:
+        return tuple(self.requests)
+
+    def set_step_index(self, index: int) -> None:
+        self.step_index = index
+
+    def get_observable_state(self) -> ObservableState:
+        """What the differential run compares; read without touching the stream record."""
+        streams = self.streams
+        table = self.rt.req_to_token_pool.req_to_token
+        width = table.shape[1]
+        cells = streams.read_for_observation(table)
+        requests = []
+        for req in self.requests.values():
+            status = "finished" if req.finished() else "waiting" if req.waiting else "running"
+            row: tuple[int, ...] = ()
+            if req.holds_kv and req.req_pool_idx is not None:
+                start = req.req_pool_idx * width
+                row = tuple(cells[start:start + min(req.kv_allocated_len, width)])
+            requests.append(RequestState(req.rid, status, tuple(req.output_ids),
+                                         req.kv_committed_len, req.kv_allocated_len, row,
+                                         req.cached_len))
+        return ObservableState(
+            requests=tuple(requests),
+            running=self._get_batch_state(self.running_batch),
+            last_batch=self._get_batch_state(self.last_batch),
+            free_pages=get_available_pages(self.rt),
+            kv_write_faults=streams.read_for_observation(self.kv_write_faults)[0],
+            accept_counters=(self.num_correct_drafts, self.metrics_batch_size),
+        )
+
+    def _get_batch_state(self, batch: ScheduleBatch | None) -> BatchState | None:
+        if batch is None or batch.is_empty():
+            return None
+        read = self.streams.read_for_observation
+        cpu = batch.seq_lens_cpu
+        return BatchState(tuple(req.rid for req in batch.reqs), tuple(read(batch.seq_lens)),
+                          None if cpu is None else tuple(read(cpu)), batch.seq_lens_sum)
+
+    # ------------------------------------------------------------------ scheduling
+    def get_next_batch_to_run(self, choices: IterationChoices) -> ScheduleBatch | None:
+        self.process_prebuilt()
+        last = self.last_batch
+        if last is not None and last.forward_mode == "extend":
+            last.filter_batch()
+            if not last.is_empty():
+                self._merge_into_running(last)
+        if choices.allow_prefill:
+            new_batch = self.get_new_batch_prefill()
+            if new_batch is not None:
+                return new_batch
+        running = self.running_batch
+        if running is None or running.is_empty():
+            return None
+        self.update_running_batch(running, choices.retract)
+        return None if running.is_empty() else running
+
+    def _merge_into_running(self, batch: ScheduleBatch) -> None:
+        if self.running_batch is None or self.running_batch.is_empty():
+            self.running_batch = batch
+        else:
+            self.running_batch.merge_batch(batch)
+
+    def _choose_admissions(self, prebuilt: bool) -> list[Req]:
+        """Waiting requests in queue order while a pool row and their pages are free."""
+        limit = self.config.preset.max_running_requests
+        running = 0 if self.running_batch is None else len(self.running_batch.reqs)
+        free_rows = len(self.rt.req_to_token_pool.free_slots)
+        budget = get_available_pages(self.rt)
+        chosen: list[Req] = []
+        for req in (r for r in self.waiting_queue if r.prebuilt == prebuilt):
+            if running + len(chosen) >= limit or free_rows <= len(chosen):
+                break
+            fill_len = compute_fill_len(req.prompt_len, len(req.output_ids))
+            need = compute_pages_for_len(fill_len, self.config.page_size)
+            if need > budget:
+                break
+            budget -= need
+            chosen.append(req)
+        for req in chosen:
+            self.waiting_queue.remove(req)
+        return chosen
+
+    def process_prebuilt(self) -> None:
+        """PD decode: seed the relay on S for requests whose prefill ran elsewhere.
+
+        No forward runs, so ``publish`` and ``stash`` run on the schedule stream and
+        ``publish_ready`` is recorded there; the caller fence ``S.wait_stream(F)``
+        (#35748) orders them after the in-flight forward's relay writes. B9 drops it.
+        """
+        chosen = self._choose_admissions(prebuilt=True)
+        if not chosen:
+            return
+        streams = self.streams
+        cell = self.config.cell
+        if not self.rt.has_fault("B9"):
+            streams.wait_stream(SCHEDULE, self.rt.forward_stream)
+        batch = ScheduleBatch.prepare_for_extend(self.rt, chosen)
+        first_tokens = [compute_token(int(req.rid), 0) for req in chosen]
+        for req, token in zip(chosen, first_tokens, strict=True):
+            req.output_ids.append(token)
+        rows = batch.req_pool_indices
+        if cell.is_spec:
+            self.future_map.publish(rows, batch.seq_lens, SCHEDULE)
+        self.future_map.stash(rows, streams.device_tensor(first_tokens), SCHEDULE)
+        if cell.is_spec and cell.overlap:
+            batch.future_indices = rows
+        self._merge_into_running(batch)
+
+    def get_new_batch_prefill(self) -> ScheduleBatch | None:
+        chosen = self._choose_admissions(prebuilt=False)
+        return ScheduleBatch.prepare_for_extend(self.rt, chosen) if chosen else None
+
+    def update_running_batch(self, batch: ScheduleBatch, forced_retracts: int) -> None:
+        batch.filter_batch()
+        if batch.is_empty():
+            return
+        self.retract_decode(batch, forced_retracts)
+        if not batch.is_empty():
+            batch.prepare_for_decode()
+
+    def retract_decode(self, batch: ScheduleBatch, forced: int) -> None:
+        """Retract until the next decode fits, plus ``forced`` more; keep at least one.
+
+        Spec retracts from the back only; non-spec sorts by (len(output_ids),
+        -len(origin)) descending and pops the last: fewest outputs, longest prompt.
+        """
+        seq_lens: list[int | None] = [None] * len(batch.reqs)
+        if not self.config.cell.is_spec:
+            seq_lens = list(batch.get_seq_lens_host())
+        needs = [get_decode_pages_needed(self.rt, req, s)
+                 for req, s in zip(batch.reqs, seq_lens, strict=True)]
+        if forced == 0 and sum(needs) <= get_available_pages(self.rt):
+            return
+        order = list(range(len(batch.reqs)))
+        if not self.config.cell.is_spec:
+            order.sort(key=lambda j: (len(batch.reqs[j].output_ids), -batch.reqs[j].prompt_len),
+                       reverse=True)
+        retracted: list[Req] = []
+
+        def short_of_pages() -> bool:
+            return sum(needs[j] for j in order) > get_available_pages(self.rt)
+
+        while len(order) > 1 and (forced > len(retracted) or short_of_pages()):
+            req = batch.reqs[order.pop()]
+            self.release_req(req)
+            retracted.append(req)
+        if short_of_pages():
+            raise ConfigurationError(
+                f"{self.config.name}: one request does not fit the KV pool; enlarge the preset")
+        if retracted:
+            batch.filter_batch(keep_indices=sorted(order))
+            self.waiting_queue.extend(retracted)
+
+    def release_req(self, req: Req) -> None:
+        release_kv_cache(self.rt, req, is_insert=False)
+        req.reset_for_retract()
+
+    # ------------------------------------------------------------------ run_batch
+    def run_batch(self, batch: ScheduleBatch, choices: IterationChoices) -> ForwardResult:
+        rt = self.rt
+        cell = self.config.cell
+        streams = self.streams
+        forward = rt.forward_stream
+        step = StepId(self.next_step)
+        self.next_step += 1
+        if cell.is_spec and cell.overlap and batch.forward_mode == "decode":
+            assert batch.future_indices is not None
+            self.future_map.resolve_seq_lens_cpu(batch)
+        if cell.overlap:
+            streams.wait_stream(FORWARD, SCHEDULE)  # RAW fence at launch (ST1)
+        if cell.overlap and batch.forward_mode == "decode":
+            batch.input_ids = self.future_map.resolve_forward_inputs(batch.req_pool_indices)
+        snapshot = {name: getattr(batch, name) for name in ISOLATED_FIELDS}
+        if cell.overlap:
+            self.record_batch_in_overlap(batch)
+        rows = batch.req_pool_indices
+
+        def on_publish(new_seq_lens: torch.Tensor) -> None:
+            self.future_map.publish(rows, new_seq_lens, forward)
+
+        result = self.worker.forward_batch_generation(batch, step, choices, on_publish)
+        with streams.use(forward):
+            self.kv_write_faults.add_(result.kv_write_faults)
+            if not cell.is_spec and cell.overlap:
+                # Non-spec publish of seq_lens + 1: written, never read by the schedule side.
+                self.future_map.publish(rows, result.new_seq_lens, forward)
+            # Relay the sampled / bonus token (the last of the accepted run) for the next forward.
+            starts = torch.arange(len(batch.reqs), dtype=torch.int64,
+                                  device=streams.device) * result.stride
+            last_tokens = result.next_token_ids[starts + result.accept_lens - 1]
+        self.future_map.stash(rows, last_tokens, forward)
+        if rt.has_fault("B13") and cell.is_spec and cell.overlap:
+            # ngram kept forward-written accept state on spec_info for filter_batch: the
+            # accept lengths as the forward leaves them after its last step (the reference
+            # writes them there too), past the read-done point that orders S.
+            with streams.use(forward):
+                batch.spec_extra["accept_lens"] = result.accept_lens.clone()
+        self._copy_result_to_host(result, forward)
+        if cell.is_spec:  # isolation exit: spec restores every field
+            for name, value in snapshot.items():
+                setattr(batch, name, value)
+        batch.input_ids = None
+        if cell.is_spec and cell.overlap:
+            batch.future_indices = rows
+            if rt.has_fault("B6"):
+                # #25879: a negative sentinel until the next resolve replaces it.
+                batch.seq_lens = -rows
+        elif cell.is_spec:
+            batch.future_indices = None
+            self._reapply_new_seq_lens(batch, result.new_seq_lens)
+        return result
+
+    def _copy_result_to_host(self, result: ForwardResult, forward: str) -> None:
+        """Result D2H on the copy stream after the forward, then record copy_done:<step>."""
+        streams = self.streams
+        result.next_token_ids_cpu = streams.host_tensor(result.next_token_ids.numel())
+        result.accept_lens_cpu = streams.host_tensor(result.accept_lens.numel())
+        result.copy_done = f"copy_done:{result.step}"
+        streams.wait_stream(COPY, forward)
+        streams.copy_to_host(result.next_token_ids, result.next_token_ids_cpu, COPY)
+        streams.copy_to_host(result.accept_lens, result.accept_lens_cpu, COPY)
+        streams.record(result.copy_done, COPY)
+
+    def _reapply_new_seq_lens(self, batch: ScheduleBatch, new_seq_lens: torch.Tensor) -> None:
+        """Non-overlap spec: the batch takes the verified lengths at once (one host sync)."""
+        streams = self.streams
+        batch.seq_lens = new_seq_lens
+        if batch.seq_lens_cpu is not None:
+            host = streams.host_tensor(new_seq_lens.numel())
+            streams.copy_to_host(new_seq_lens, host, SCHEDULE)
+            streams.synchronize_stream(SCHEDULE)  # new_seq_lens.to("cpu")
+            batch.seq_lens_cpu = host
+            batch.seq_lens_sum = sum(streams.to_list(host, "run_batch seq_lens_sum"))
+
+    def record_batch_in_overlap(self, batch: ScheduleBatch) -> None:
+        """Keep the launched batch's tensors alive for two launches (B15: one)."""
+        size = 1 if self.rt.has_fault("B15") else 2
+        self.batch_record_ct = (self.batch_record_ct + 1) % size
+        self.batch_record_buf[self.batch_record_ct] = batch.get_referenced_tensors()
+        if size == 1:
+            self.batch_record_buf[1] = ()
+
+    def apply_war_barrier(self) -> None:
+        """Right after launch (PR 31687): S waits for F_i's reads before writing again.
+
+        The fine fence (read-done event, #28363) on every path, as in the reference.
+        """
+        if not self.rt.has_fault("B8"):
+            self.streams.wait_event(SCHEDULE, READ_DONE)
+
+    # ------------------------------------------------------------------ results
+    def pop_and_process(self) -> None:
+        queued = self.result_queue.popleft()
+        self.process_batch_result(queued.batch, queued.result)
+
+    def process_batch_result(self, batch: ResultBatch, result: ForwardResult) -> None:
+        """Commit each live request's accepted run, cut at EOS and max_new_tokens.
+
+        Stale rows (finished or retracted before this result) are skipped (#23456; B3
+        processes them as live). The accept counters count live rows only (B4: all).
+        """
+        rt = self.rt
+        cell = self.config.cell
+        streams = self.streams
+        streams.synchronize_event(result.copy_done)
+        assert result.next_token_ids_cpu is not None and result.accept_lens_cpu is not None
+        tokens = streams.to_list(result.next_token_ids_cpu, "process_batch_result tokens")
+        accept_lens = streams.to_list(result.accept_lens_cpu, "process_batch_result accept")
+        is_decode = result.forward_mode == "decode"
+        counted = [0, 0]  # correct drafts, batch size
+        for j, req in enumerate(batch.reqs):
+            accept, eos_at = accept_lens[j], result.eos_at[j]
+            was_finished = req.finished()
+            stale = (was_finished or req.is_retracted) and not rt.has_fault("B3")
+            run_len = compute_run_len(accept, req.max_new_tokens - len(req.output_ids), eos_at)
+            if rt.has_fault("B4") or not stale:
+                counted[0] += accept - 1
+                counted[1] += 1
+            if stale:
+                if is_decode:
+                    req.kv_committed_len = compute_committed_after_result(
+                        cell, req.kv_committed_len, run_len, True, was_finished)
+                continue
+            if is_decode:
+                settled = accept if rt.has_fault("B11") else run_len
+                req.kv_committed_len = compute_committed_after_result(
+                    cell, req.kv_committed_len, settled, False, False)
+                if rt.has_fault("B10") and not cell.is_spec:
+                    req.kv_committed_len += 1  # settle at result time
+            start = j * result.stride
+            req.output_ids += tokens[start:start + run_len]
+            if cell.is_spec and is_decode:
+                req.spec_verify_ct += 1
+                req.spec_num_correct_drafts += accept - 1
+            req.update_finish_state(eos_at is not None and eos_at < run_len)
+            if req.finished() and req.holds_kv:
+                release_kv_cache(rt, req, is_insert=True)
+        self.num_correct_drafts, self.metrics_batch_size = counted
+
+    def get_counters(self) -> dict[str, Any]:
+        """The accept counters of the last processed result (RP3, B4)."""
+        return {"num_correct_drafts": self.num_correct_drafts,
+                "metrics_batch_size": self.metrics_batch_size}

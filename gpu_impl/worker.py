@@ -1,0 +1,252 @@
+"""The model forward as an environment, in torch: ForwardBatch.init_new and a stand-in worker.
+
+Upstream: ``model_executor/forward_batch_info.py`` (``ForwardBatch.init_new``),
+``speculative/eagle_worker_v2.py`` / ``multi_layer_eagle_worker_v2.py``
+(``forward_batch_generation``: draft, verify, ``on_publish``, draft-extend),
+``speculative/eagle_info_v2.py`` (``prepare_for_extend_to_fill_draft_kvcache``).
+
+Everything here runs on the forward stream (the schedule stream without overlap). The
+worker writes the KV cache exactly where the real model would, through ``req_to_token``
+gathers at the positions the reference worker writes (prefill ``[0, fill_len)``; non-spec
+decode ``seq_len - 1``; spec draft ``[s, s + topk * steps)`` and verify ``[s, s + D_tok)``).
+A write through a -1 entry, past ``kv_allocated_len`` or into a page another request owns
+is masked into the trash slot and counted as a kv_write_fault, all with tensor ops; a
+request that holds no pool row counts one fault per write, as in the reference.
+
+The environment's choices (accept lengths, EOS) arrive by H2D copies enqueued on the
+forward stream, so nothing the schedule stream owns has to outlive them. The read-done
+event of the fine WAR fence (#28363) is recorded after the last ``req_to_token`` read and
+before the publish and the stash.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from gpu_impl.req import EOS_TOKEN, compute_token
+from gpu_impl.runtime import Runtime
+from gpu_impl.schedule_batch import ScheduleBatch
+from spec.state import IterationChoices
+from spec.units import StepId
+
+READ_DONE = "shared_read_done"  # reference.worker.READ_DONE
+
+
+@dataclass
+class ForwardBatch:
+    """What the model sees; ``seq_lens`` and ``req_pool_indices`` alias the ScheduleBatch's."""
+
+    purpose: str  # "extend" | "decode" | "draft" | "verify" | "draft_extend"
+    draft_tokens: int
+    batch_size: int
+    seq_lens: torch.Tensor
+    req_pool_indices: torch.Tensor
+    seq_lens_cpu: torch.Tensor | None
+    seq_lens_sum: int | None
+
+    @classmethod
+    def init_new(cls, rt: Runtime, batch: ScheduleBatch, purpose: str,
+                 seq_lens_cpu_cache: torch.Tensor | None = None) -> ForwardBatch:
+        """Alias the batch tensors; backfill SB.seq_lens_sum when it is None (B2: don't)."""
+        cpu = seq_lens_cpu_cache if seq_lens_cpu_cache is not None else batch.seq_lens_cpu
+        if batch.seq_lens_sum is None and cpu is not None and not rt.has_fault("B2"):
+            batch.seq_lens_sum = sum(rt.streams.to_list(cpu, "init_new seq_lens_sum"))
+        if cpu is not None and batch.seq_lens_sum is None:
+            # The attention backend sizes its flattened KV-index buffer by seq_lens_sum
+            # (FlashInfer's init_forward_metadata); a None here is the #25818 crash (B2).
+            raise SeqLensSumMissing(f"{purpose}: seq_lens_sum is None with a CPU mirror")
+        return cls(purpose, rt.shape.draft_tokens, len(batch.reqs), batch.seq_lens,
+                   batch.req_pool_indices, cpu, batch.seq_lens_sum)
+
+
+class SeqLensSumMissing(TypeError):
+    """A consumer of ``seq_lens_sum`` got None (what upstream's backend crashed on)."""
+
+
+@dataclass
+class ForwardResult:
+    step: StepId
+    forward_mode: str
+    stride: int
+    next_token_ids: torch.Tensor  # device [bs * stride]
+    accept_lens: torch.Tensor  # device [bs]
+    eos_at: list[int | None]  # index of EOS inside each request's run (the environment's)
+    new_seq_lens: torch.Tensor  # device [bs]
+    kv_write_faults: torch.Tensor  # device scalar: faulty writes of this forward
+    next_token_ids_cpu: torch.Tensor | None = None  # host copies, valid after copy_done
+    accept_lens_cpu: torch.Tensor | None = None
+    copy_done: str = ""
+
+
+OnPublish = Callable[[torch.Tensor], None]
+
+
+@dataclass
+class RequestInputs:
+    """Per-request host facts the stand-in forward needs, copied H2D on the forward stream."""
+
+    rid: torch.Tensor
+    output_len: torch.Tensor
+    kv_allocated_len: torch.Tensor
+    holds_row: torch.Tensor  # bool
+
+
+class ModelWorker:
+    def __init__(self, rt: Runtime) -> None:
+        self.rt = rt
+
+    def forward_batch_generation(self, batch: ScheduleBatch, step: StepId,
+                                 choices: IterationChoices, on_publish: OnPublish) -> ForwardResult:
+        rt = self.rt
+        with rt.streams.use(rt.forward_stream):
+            inputs = self._get_request_inputs(batch)
+            if batch.forward_mode == "extend":
+                return self._forward_extend(batch, step, choices, inputs, on_publish)
+            if rt.config.cell.is_spec:
+                return self._forward_decode_spec_v2(batch, step, choices, inputs, on_publish)
+            return self._forward_decode(batch, step, choices, inputs)
+
+    # -- pieces -------------------------------------------------------------------
+    def _get_request_inputs(self, batch: ScheduleBatch) -> RequestInputs:
+        streams = self.rt.streams
+        stream = self.rt.forward_stream
+        reqs = batch.reqs
+        return RequestInputs(
+            rid=streams.device_tensor([req.rid for req in reqs], stream),
+            output_len=streams.device_tensor([len(req.output_ids) for req in reqs], stream),
+            kv_allocated_len=streams.device_tensor([req.kv_allocated_len for req in reqs],
+                                                   stream),
+            holds_row=streams.device_tensor([req.req_pool_idx is not None for req in reqs],
+                                            stream) > 0,
+        )
+
+    def _write_kv(self, fb: ForwardBatch, inputs: RequestInputs, starts: torch.Tensor,
+                  lengths: torch.Tensor, max_width: int) -> torch.Tensor:
+        """Write KV for positions [starts, starts + lengths) per request; count bad writes."""
+        rt = self.rt
+        pool = rt.req_to_token_pool
+        kv = rt.kv
+        device = rt.streams.device
+        offsets = torch.arange(max_width, dtype=torch.int64, device=device)
+        positions = starts[:, None] + offsets[None, :]
+        wanted = offsets[None, :] < lengths[:, None]
+        in_row = (positions >= 0) & (positions < pool.width)
+        slots = pool.req_to_token[fb.req_pool_indices[:, None], positions.clamp(0, pool.width - 1)]
+        slots = torch.where(in_row, slots, -1)
+        owner = kv.page_owner[slots.clamp(min=0) // kv.page_size]
+        owned = (slots >= 0) & (owner == inputs.rid[:, None])
+        allocated = (positions >= 0) & (positions < inputs.kv_allocated_len[:, None])
+        live = wanted & inputs.holds_row[:, None]
+        good = live & allocated & owned
+        faults = (live & ~good).sum() + (~inputs.holds_row).sum()
+        target = torch.where(good, slots, kv.trash_slot)
+        kv.kv_cache.index_put_((target,), inputs.rid[:, None].expand_as(target))
+        return faults
+
+    def _sample(self, inputs: RequestInputs, stride: int,
+                eos_at: list[int | None]) -> torch.Tensor:
+        """``stride`` tokens per request (flat) from the stand-in model; EOS where the env put it.
+
+        Built flat from the start: a view of a temporary would outlive the tensor the race
+        detector tracks, and its accesses would then look like someone else's.
+        """
+        streams = self.rt.streams
+        flat = torch.arange(len(eos_at) * stride, dtype=torch.int64, device=streams.device)
+        owner = flat // stride
+        offset = flat % stride
+        tokens = compute_token(inputs.rid[owner], inputs.output_len[owner] + offset)
+        eos = streams.device_tensor([-1 if e is None else e for e in eos_at],
+                                    self.rt.forward_stream)
+        return torch.where(offset == eos[owner], EOS_TOKEN, tokens)
+
+    def _fill(self, fb: ForwardBatch, value: int) -> torch.Tensor:
+        """A per-request constant on the forward stream (``torch.full``, not ``full_like``:
+        the race detector tracks the lifetime of factory outputs, not of ``*_like`` ones)."""
+        return torch.full((fb.batch_size,), value, dtype=torch.int64, device=self.rt.streams.device)
+
+    def _record_reads_done(self) -> None:
+        """The forward's last req_to_token read: the fine-grained WAR fence point."""
+        self.rt.streams.record(READ_DONE, self.rt.forward_stream)
+
+    # -- forwards -----------------------------------------------------------------
+    def _forward_extend(self, batch: ScheduleBatch, step: StepId, choices: IterationChoices,
+                        inputs: RequestInputs, on_publish: OnPublish) -> ForwardResult:
+        rt = self.rt
+        fb = ForwardBatch.init_new(rt, batch, "extend")
+        assert fb.seq_lens_cpu is not None, "a prefill always carries its host lengths"
+        widest = max(rt.streams.to_list(fb.seq_lens_cpu, "extend width"))
+        faults = self._write_kv(fb, inputs, self._fill(fb, 0), fb.seq_lens, widest)
+        eos_at = [choices.get_eos_index(j, 1) for j in range(len(batch.reqs))]
+        tokens = self._sample(inputs, 1, eos_at)
+        self._record_reads_done()
+        new_seq_lens = fb.seq_lens.clone()  # spec extend publishes s (the prompt length)
+        if rt.config.cell.is_spec:
+            on_publish(new_seq_lens)
+        return ForwardResult(step, "extend", 1, tokens, self._fill(fb, 1), eos_at,
+                             new_seq_lens, faults)
+
+    def _forward_decode(self, batch: ScheduleBatch, step: StepId, choices: IterationChoices,
+                        inputs: RequestInputs) -> ForwardResult:
+        rt = self.rt
+        fb = ForwardBatch.init_new(rt, batch, "decode")
+        # The token being processed sits at column seq_len - 1.
+        faults = self._write_kv(fb, inputs, fb.seq_lens - 1, self._fill(fb, 1), 1)
+        eos_at = [choices.get_eos_index(j, 1) for j in range(len(batch.reqs))]
+        tokens = self._sample(inputs, 1, eos_at)
+        self._record_reads_done()
+        new_seq_lens = fb.seq_lens + 1
+        return ForwardResult(step, "decode", 1, tokens, self._fill(fb, 1), eos_at,
+                             new_seq_lens, faults)
+
+    def _forward_decode_spec_v2(self, batch: ScheduleBatch, step: StepId,
+                                choices: IterationChoices, inputs: RequestInputs,
+                                on_publish: OnPublish) -> ForwardResult:
+        rt = self.rt
+        shape = rt.shape
+        ForwardBatch.init_new(rt, batch, "draft")
+        # Verify copies seq_lens_cpu / seq_lens_sum from SB (TBO reads them).
+        verify = ForwardBatch.init_new(rt, batch, "verify")
+        draft_width = shape.topk * shape.steps
+        draft_lens = self._fill(verify, draft_width)
+        verify_lens = self._fill(verify, shape.draft_tokens)
+        faults = (self._write_kv(verify, inputs, verify.seq_lens, draft_lens, draft_width)
+                  + self._write_kv(verify, inputs, verify.seq_lens, verify_lens,
+                                   shape.draft_tokens))
+        accept = [choices.get_accept_len(j, shape.max_accept_len)
+                  for j in range(len(batch.reqs))]
+        accept_lens = rt.streams.device_tensor(accept, rt.forward_stream)
+        eos_at = [choices.get_eos_index(j, a) for j, a in enumerate(accept)]
+        tokens = self._sample(inputs, shape.draft_tokens, eos_at)
+        new_seq_lens = verify.seq_lens + accept_lens  # compute_verify_new_seq_len, batched
+        self._record_reads_done()
+        on_publish(new_seq_lens)  # between verify and draft-extend
+        self._draft_extend(batch)
+        return ForwardResult(step, "decode", shape.draft_tokens, tokens, accept_lens, eos_at,
+                             new_seq_lens, faults)
+
+    def _draft_extend(self, batch: ScheduleBatch) -> None:
+        """prepare_for_extend_to_fill_draft_kvcache: +D_tok on the ForwardBatch only.
+
+        B7 adds it in place to the tensors the ForwardBatch aliases, i.e. to the
+        ScheduleBatch's own ``seq_lens`` and ``seq_lens_cpu``; the isolation snapshot
+        holds the same tensor objects, so restoring it does not undo the mutation.
+        """
+        rt = self.rt
+        fb = ForwardBatch.init_new(rt, batch, "draft_extend")
+        d_tok = rt.shape.draft_tokens
+        host = rt.streams.on_host()
+        if rt.has_fault("B7"):
+            fb.seq_lens.add_(d_tok)
+            if fb.seq_lens_cpu is not None:
+                with host:
+                    fb.seq_lens_cpu.add_(d_tok)
+        else:
+            fb.seq_lens = fb.seq_lens + d_tok
+            if fb.seq_lens_cpu is not None:
+                with host:
+                    fb.seq_lens_cpu = fb.seq_lens_cpu + d_tok
+        if fb.seq_lens_cpu is not None:
+            fb.seq_lens_sum = sum(rt.streams.to_list(fb.seq_lens_cpu, "draft_extend sum"))

@@ -1,0 +1,274 @@
+"""Differential testing: reference and gpu_impl driven by one operation sequence.
+
+After every operation both implementations report :class:`spec.interface.ObservableState`;
+the first field that differs is a :class:`Divergence` (step, operation, field, both
+values). gpu_impl runs under a :class:`gpu_impl.race.RaceDetector` on CPU (virtual
+streams) and under torch's CUDA sanitizer on CUDA when asked; a race is a finding too.
+The reference also checks every spec invariant on the way (it is the oracle).
+
+A mutant of gpu_impl (``faults``) runs against the *clean* reference: a historical bug
+is caught by this checker when the values diverge or a race is reported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gpu_impl.race import RaceDetector, RaceReport
+from gpu_impl.scheduler import Scheduler as GpuScheduler
+from gpu_impl.streams import Streams
+from harness.checker import InvariantChecker
+from harness.script import Op, Script, apply_op, op_to_json
+from harness.stateful import Profile, get_machine_test, make_machine
+from reference.scheduler import Scheduler as ReferenceScheduler
+from spec.config import ModelConfig
+from spec.interface import ObservableState
+from spec.units import RequestId
+
+
+@dataclass(frozen=True)
+class Divergence:
+    """The first disagreement between reference and gpu_impl."""
+
+    step: int  # index of the operation in the script
+    operation: str
+    field: str
+    reference: Any
+    gpu_impl: Any
+
+    def describe(self) -> str:
+        return (f"divergence at step {self.step} ({self.operation}): {self.field}: "
+                f"reference={self.reference!r} gpu_impl={self.gpu_impl!r}")
+
+
+@dataclass
+class DifferentialOutcome:
+    steps: int
+    divergence: Divergence | None = None
+    races: list[RaceReport] = field(default_factory=list)
+    race_step: int | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.divergence is None and not self.races
+
+    def describe(self) -> str:
+        if self.divergence is not None:
+            return self.divergence.describe()
+        if self.races:
+            return f"race at step {self.race_step}: {self.races[0].describe()}"
+        return f"reference and gpu_impl agree on all {self.steps} steps; no race"
+
+
+class DifferentialFailure(AssertionError):
+    """Raised inside Hypothesis so it can shrink; carries the outcome and script."""
+
+    def __init__(self, outcome: DifferentialOutcome, script: Script) -> None:
+        super().__init__(outcome.describe())
+        self.outcome = outcome
+        self.script = script
+        self.script_path: Path | None = None
+
+
+GPU_MUTANT_EXAMPLES = {"ci": 200, "dev": 600, "thorough": 2000}
+DIFFERENTIAL_EXAMPLES = {"ci": 25, "dev": 200, "thorough": 1000}
+
+
+def get_differential_examples(profile: Profile) -> int:
+    """Sequences per cell for the clean differential tier (each runs both implementations)."""
+    return DIFFERENTIAL_EXAMPLES.get(profile.name, profile.max_examples)
+
+
+def get_gpu_mutant_examples(profile: Profile) -> int:
+    """Examples per gpu_impl mutant and cell: fewer than the reference's (each is slower)."""
+    return GPU_MUTANT_EXAMPLES.get(profile.name, profile.mutant_examples)
+
+
+def get_finding_kind(outcome: DifferentialOutcome) -> str:
+    """"race:<ID>" (the spec's classify_race) or "diff:<field>": a gpu_impl kill's label."""
+    if outcome.races:
+        return "race:" + outcome.races[0].get_invariant()
+    if outcome.divergence is not None:
+        field_path = outcome.divergence.field
+        if field_path.startswith("request "):  # "request r3.kv_committed_len": any request
+            field_path = field_path.split(".", 1)[1]
+        return "diff:" + field_path
+    return "none"
+
+
+def get_default_device() -> torch.device:
+    return torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+
+
+def compare_states(reference: ObservableState, gpu: ObservableState) -> tuple[str, Any, Any] | None:
+    """The first differing field as (path, reference value, gpu_impl value), or None."""
+    if len(reference.requests) != len(gpu.requests):
+        return ("requests", len(reference.requests), len(gpu.requests))
+    for ref_req, gpu_req in zip(reference.requests, gpu.requests, strict=True):
+        for name in (f.name for f in fields(ref_req)):
+            ref_value, gpu_value = getattr(ref_req, name), getattr(gpu_req, name)
+            if ref_value != gpu_value:
+                return (f"request r{ref_req.rid}.{name}", ref_value, gpu_value)
+    for batch_name in ("running", "last_batch"):
+        ref_batch, gpu_batch = getattr(reference, batch_name), getattr(gpu, batch_name)
+        if ref_batch is None or gpu_batch is None:
+            if ref_batch != gpu_batch:
+                return (batch_name, ref_batch, gpu_batch)
+            continue
+        for name in (f.name for f in fields(ref_batch)):
+            ref_value, gpu_value = getattr(ref_batch, name), getattr(gpu_batch, name)
+            if ref_value != gpu_value:
+                return (f"{batch_name}.{name}", ref_value, gpu_value)
+    for name in (f.name for f in fields(reference)):
+        if name in ("requests", "running", "last_batch"):
+            continue
+        ref_value, gpu_value = getattr(reference, name), getattr(gpu, name)
+        if ref_value != gpu_value:
+            return (name, ref_value, gpu_value)
+    return None
+
+
+def describe_op(op: Op) -> str:
+    raw = op_to_json(op)
+    kind = raw.pop("op")
+    return f"{kind} {raw}" if raw else str(kind)
+
+
+class DifferentialPair:
+    """A reference (clean, invariant-checked) and a gpu_impl (maybe faulted) in lock step."""
+
+    def __init__(self, config: ModelConfig, faults: frozenset[str] = frozenset(),
+                 device: torch.device | None = None, detect_races: bool = True) -> None:
+        self.config = config
+        self.device = device or get_default_device()
+        self.checker = InvariantChecker(config)
+        self.reference = ReferenceScheduler(config, frozenset(), self.checker)
+        # On CUDA the real streams run; races there are torch's CUDA sanitizer's business.
+        virtual = self.device.type == "cpu"
+        self.detector = RaceDetector() if detect_races and virtual else None
+        self.streams = Streams(self.device, self.detector)
+        with self._watching():
+            self.gpu = GpuScheduler(config, faults, None, streams=self.streams)
+        self.ref_admitted: list[RequestId] = []
+        self.gpu_admitted: list[RequestId] = []
+        self.outcome = DifferentialOutcome(0)
+
+    @contextmanager
+    def _watching(self) -> Iterator[None]:
+        with self.detector if self.detector is not None else nullcontext():
+            yield
+
+    def apply(self, op: Op) -> DifferentialOutcome:
+        """Apply ``op`` to both; record the first divergence or race in ``outcome``."""
+        step = self.outcome.steps
+        self.outcome.steps += 1
+        self.reference.set_step_index(step)
+        self.gpu.set_step_index(step)
+        ref_error = gpu_error = None
+        try:
+            apply_op(self.reference, op, self.ref_admitted)
+        except Exception as error:  # noqa: BLE001 - compared below, never swallowed
+            ref_error = error
+        races_before = len(self.detector.races) if self.detector is not None else 0
+        try:
+            with self._watching():
+                apply_op(self.gpu, op, self.gpu_admitted)
+        except Exception as error:  # noqa: BLE001
+            gpu_error = error
+        if self.detector is not None and len(self.detector.races) > races_before:
+            self.outcome.races = list(self.detector.races[races_before:])
+            self.outcome.race_step = step
+            return self.outcome
+        if ref_error is not None or gpu_error is not None:
+            ref_kind = None if ref_error is None else type(ref_error).__name__
+            gpu_kind = None if gpu_error is None else type(gpu_error).__name__
+            if ref_kind != gpu_kind:
+                self.outcome.divergence = Divergence(
+                    step, describe_op(op), "exception",
+                    None if ref_error is None else f"{ref_kind}: {ref_error}",
+                    None if gpu_error is None else f"{gpu_kind}: {gpu_error}")
+                return self.outcome
+            raise ref_error  # type: ignore[misc]  # both failed alike: the reference's error
+        difference = compare_states(self.reference.get_observable_state(),
+                                    self.gpu.get_observable_state())
+        if difference is not None:
+            self.outcome.divergence = Divergence(step, describe_op(op), *difference)
+        return self.outcome
+
+
+def run_differential(script: Script, faults: frozenset[str] | None = None,
+                     device: torch.device | None = None,
+                     detect_races: bool = True) -> DifferentialOutcome:
+    """Replay ``script`` on both implementations; stop at the first finding."""
+    pair = DifferentialPair(script.get_config(),
+                            frozenset(script.faults) if faults is None else faults,
+                            device, detect_races)
+    for op in script.ops:
+        outcome = pair.apply(op)
+        if not outcome.ok:
+            return outcome
+    return pair.outcome
+
+
+@dataclass
+class DifferentialResult:
+    config: ModelConfig
+    faults: frozenset[str]
+    seed: int
+    seconds: float
+    failure: DifferentialFailure | None = None
+    error: BaseException | None = None
+    examples: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None and self.error is None
+
+
+def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int,
+                            faults: frozenset[str] = frozenset(),
+                            max_examples: int | None = None,
+                            device: torch.device | None = None,
+                            shrink: bool = True) -> DifferentialResult:
+    """Hypothesis-generated operation sequences (the stateful checker's rules) in one cell."""
+    base = make_machine(config, frozenset(), "reference")
+    counter = {"examples": 0}
+
+    class DifferentialMachine(base):  # type: ignore[valid-type, misc]
+        def __init__(self) -> None:
+            super().__init__()
+            counter["examples"] += 1
+            self.pair = DifferentialPair(config, faults, device)
+            self.script.faults = tuple(sorted(faults))
+            self.script.implementation = "gpu_impl"
+
+        def _apply(self, op: Op) -> None:
+            self.script.ops.append(op)
+            outcome = self.pair.apply(op)
+            if not outcome.ok:
+                raise DifferentialFailure(outcome, Script(
+                    self.script.cell, self.script.preset, list(self.script.ops),
+                    tuple(sorted(faults)), implementation="gpu_impl"))
+
+    DifferentialMachine.__name__ = f"DifferentialMachine[{config.name}]"
+    examples = max_examples if max_examples is not None else profile.max_examples
+    test = get_machine_test(DifferentialMachine, examples, profile.step_count, run_seed, shrink)
+    started = time.perf_counter()
+    result = DifferentialResult(config, faults, run_seed, 0.0)
+    try:
+        test()
+    except DifferentialFailure as failure:
+        failure.script.seed = run_seed
+        result.failure = failure
+    except Exception as error:  # a crash is inconclusive, never a pass
+        result.error = error
+    result.seconds = time.perf_counter() - started
+    result.examples = counter["examples"]
+    return result

@@ -1,0 +1,393 @@
+"""Conformance vectors: language-neutral JSON files, one transition each, across every cell.
+
+A vector is one script operation in one cell: the operations that lead to its
+pre state (``prefix``), the ``pre`` state (the last observation before the op),
+the op's ``events`` (op, stream and observe events in the trace schema), and the
+``post`` outcome: the state after the op, or ``invalid`` with the invariant ID,
+every ID that failed and the violating state. Valid vectors come from seeded
+random scripts with no fault; invalid ones from the same generator with one
+historical bug switched on (the first violating op becomes the vector).
+
+``overlap-spec vectors generate DIR`` writes them with a README (the format, for
+consumers that do not install this project); ``vectors check DIR`` replays each
+one on the reference and re-checks its states with the spec's invariants.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.checker import InvariantChecker
+from harness.script import (
+    Abort,
+    Admit,
+    AdmitPrebuilt,
+    Iterate,
+    Op,
+    Script,
+    op_from_json,
+    op_to_json,
+)
+from harness.trace import RecordedRun, TraceFormatError, record_script
+from harness.trace_codec import CodecError, decode_dataclass, encode_value
+from spec.bugs import BUGS
+from spec.config import PRESETS, ModelConfig, SpecMode, enumerate_cells
+from spec.invariants import InvariantViolation
+from spec.state import IterationChoices, Observation
+
+VECTOR_FORMAT = "overlap-spec-vector"
+VECTOR_VERSION = 1
+DEFAULT_SEED = 20261122
+
+
+def generate_random_ops(config: ModelConfig, rng: random.Random, count: int) -> list[Op]:
+    """A random operation sequence drawn like the Hypothesis machine draws (stateful.py)."""
+    preset = config.preset
+    width = preset.max_running_requests
+    top = config.max_accept_len
+    steps = preset.chain_steps if config.cell.spec_mode is SpecMode.V2_CHAIN else 0
+    ops: list[Op] = []
+    admitted = 0
+    for _ in range(count):
+        roll = rng.random()
+        if admitted < 4 and (roll < 0.3 or admitted == 0):
+            admitted += 1
+            if rng.random() < 0.2:
+                ops.append(AdmitPrebuilt(rng.randint(1, preset.max_prompt_len),
+                                         rng.randint(2, preset.max_new_tokens)))
+            else:
+                ops.append(Admit(rng.randint(1, preset.max_prompt_len),
+                                 rng.randint(1, preset.max_new_tokens)))
+        elif roll > 0.95:
+            ops.append(Abort(rng.randrange(admitted)))
+        else:
+            accept = tuple(top if rng.random() < 0.3 else rng.randint(1, top)
+                           for _ in range(width))
+            eos = frozenset({rng.randrange(width)}) if rng.random() < 0.25 else frozenset()
+            ops.append(Iterate(IterationChoices(
+                allow_prefill=rng.random() < 0.8, retract=int(rng.random() < 0.1),
+                accept_lens=accept, eos_positions=eos, disable_overlap=rng.random() < 0.15,
+                spec_steps=rng.choice([0, 0, 1, steps]) if steps else 0,
+                eos_offset=rng.randrange(top))))
+    return ops
+
+
+def _config_json(config: ModelConfig) -> dict[str, Any]:
+    cell = config.cell
+    return {
+        "cell": {"name": cell.name, "overlap": cell.overlap, "page_size": cell.page_size,
+                 "spec_mode": cell.spec_mode.value,
+                 "needs_cpu_seq_lens": cell.needs_cpu_seq_lens, "preclaim": cell.preclaim},
+        "preset": dataclasses.asdict(config.preset),
+        "derived": {"topk": config.topk, "spec_steps": config.spec_steps,
+                    "draft_tokens": config.draft_tokens,
+                    "alloc_len_per_decode": config.alloc_len_per_decode,
+                    "lag_bound": config.lag_bound, "row_width": config.row_width,
+                    "max_accept_len": config.max_accept_len, "kv_pages": config.kv_pages},
+    }
+
+
+def _op_events(run: RecordedRun, step: int) -> list[dict[str, Any]]:
+    """The events of op ``step``, renumbered from 0, without state snapshots."""
+    events = [e for e in run.recorder.events
+              if e.get("step") == step and e["event"] in ("op", "stream", "observe")]
+    out = []
+    for k, e in enumerate(events):
+        item = {key: value for key, value in e.items() if key != "state"}
+        item["id"] = k
+        out.append(item)
+    return out
+
+
+def _last_state(run: RecordedRun, before_step: int) -> Observation | None:
+    states = [obs for _, obs in run.recorder.observations if obs.step_index < before_step]
+    return states[-1] if states else None
+
+
+def build_vector(script: Script, step: int, run: RecordedRun, name: str) -> dict[str, Any]:
+    """The vector for op ``step`` of a recorded run (which stopped at or after it)."""
+    pre = _last_state(run, step)
+    vector: dict[str, Any] = {
+        "format": VECTOR_FORMAT, "version": VECTOR_VERSION, "name": name,
+        **_config_json(script.get_config()), "faults": list(script.faults),
+        "prefix": [op_to_json(op) for op in script.ops[:step]],
+        "pre": None if pre is None else encode_value(pre),
+        "events": _op_events(run, step),
+    }
+    if run.violation is not None and run.failed_at == step:
+        violating = run.recorder.observations[-1][1]
+        index = next(e["id"] for e in reversed(vector["events"]) if e["event"] == "observe")
+        vector["post"] = {"valid": False, "invariant": run.violation.invariant_id,
+                          "all": list(run.violation.all_ids), "event": index,
+                          "message": str(run.violation).split("\n", 1)[0],
+                          "state": encode_value(violating)}
+    else:
+        post = [obs for _, obs in run.recorder.observations if obs.step_index == step]
+        vector["post"] = {"valid": True, "state": encode_value(post[-1]) if post else None}
+    return vector
+
+
+@dataclass
+class GenerationReport:
+    written: int = 0
+    valid: int = 0
+    invalid: int = 0
+    invalid_by_bug: dict[str, int] = dataclasses.field(default_factory=dict)
+    missing: list[str] = dataclasses.field(default_factory=list)  # bug@cell never tripped
+    seconds: float = 0.0
+
+
+def generate_vectors(directory: Path, seed: int = DEFAULT_SEED, scripts_per_cell: int = 4,
+                     ops_per_script: int = 6, fault_tries: int = 60,
+                     preset: str = "minimal") -> GenerationReport:
+    """Write valid vectors (every op of seeded random clean scripts) and one invalid vector
+    per (bug, cell) the random search trips, for every cell."""
+    started = time.perf_counter()
+    report = GenerationReport()
+    index: list[dict[str, Any]] = []
+    directory.mkdir(parents=True, exist_ok=True)
+    for cell in enumerate_cells():
+        config = ModelConfig(cell, PRESETS[preset])
+        rng = random.Random(f"{seed}:{cell.name}")
+        count = 0
+
+        def emit(vector: dict[str, Any], cell_name: str = cell.name) -> None:
+            nonlocal count
+            path = directory / cell_name / f"{count:04d}.json"
+            count += 1
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(vector, separators=(",", ":")) + "\n")
+            post = vector["post"]
+            index.append({"file": str(path.relative_to(directory)), "cell": cell_name,
+                          "faults": vector["faults"], "valid": post["valid"],
+                          "invariant": post.get("invariant")})
+            report.written += 1
+            if post["valid"]:
+                report.valid += 1
+            else:
+                report.invalid += 1
+
+        for k in range(scripts_per_cell):
+            script = Script(cell.name, preset, generate_random_ops(config, rng, ops_per_script))
+            run = record_script(script, snapshots=False)
+            if run.violation is not None or run.crash is not None:
+                raise AssertionError(f"clean run failed in {cell.name}: "
+                                     f"{run.violation or run.crash}")
+            for step in range(len(script.ops)):
+                emit(build_vector(script, step, run, f"{cell.name}/clean-{k}-op{step}"))
+        for bug in BUGS:
+            if not bug.applies(cell):
+                continue
+            for _ in range(fault_tries):
+                script = Script(cell.name, preset,
+                                generate_random_ops(config, rng, ops_per_script + 4),
+                                (bug.id,))
+                run = record_script(script, snapshots=False)
+                if run.violation is not None and run.failed_at is not None:
+                    emit(build_vector(script, run.failed_at, run,
+                                      f"{cell.name}/{bug.id}-op{run.failed_at}"))
+                    report.invalid_by_bug[bug.id] = report.invalid_by_bug.get(bug.id, 0) + 1
+                    break
+            else:
+                report.missing.append(f"{bug.id}@{cell.name}")
+    (directory / "index.json").write_text(json.dumps(
+        {"format": VECTOR_FORMAT, "version": VECTOR_VERSION, "seed": seed,
+         "vectors": index}, indent=0) + "\n")
+    (directory / "README.md").write_text(VECTORS_README)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+# ----------------------------------------------------------------------------- checking
+@dataclass(frozen=True)
+class VectorFailure:
+    file: str
+    reason: str
+
+
+def _decode_state(raw: Any, where: str) -> Observation:
+    try:
+        return decode_dataclass(Observation, raw, "state")
+    except CodecError as error:
+        raise TraceFormatError(None, error.path, f"{where}: {error.message}") from None
+
+
+def check_vector(vector: dict[str, Any], file: str) -> VectorFailure | None:
+    """Replay one vector on the reference and re-check its states with the spec alone."""
+    if vector.get("format") != VECTOR_FORMAT or vector.get("version") != VECTOR_VERSION:
+        return VectorFailure(file, "not an overlap-spec-vector version 1 file")
+    ops = [op_from_json(op, i) for i, op in enumerate([*vector["prefix"],
+                                                        _op_of(vector["events"])])]
+    step = len(ops) - 1
+    script = Script(vector["cell"]["name"], vector["preset"]["name"], ops,
+                    tuple(vector["faults"]))
+    run = record_script(script, snapshots=False)
+    again = build_vector(script, step, run, vector["name"])
+    for part in ("pre", "events", "post"):
+        if again[part] != vector[part]:
+            return VectorFailure(file, f"the reference no longer reproduces '{part}'")
+    # The spec alone: the post state passes, or the violating state fails with the ID.
+    config = script.get_config()
+    post = vector["post"]
+    if post["state"] is None:
+        return None
+    state = _decode_state(post["state"], file)
+    try:
+        InvariantChecker(config)(state)
+    except InvariantViolation as violation:
+        if post["valid"]:
+            return VectorFailure(file, f"the spec rejects the valid post state: {violation}")
+        if post["invariant"] != violation.invariant_id:
+            return VectorFailure(file, f"the spec reports {violation.invariant_id}, the "
+                                 f"vector expects {post['invariant']}")
+        return None
+    if not post["valid"]:
+        return VectorFailure(file, f"the spec accepts the violating state ({post['invariant']})")
+    return None
+
+
+def _op_of(events: list[dict[str, Any]]) -> dict[str, Any]:
+    op = next(e for e in events if e["event"] == "op")
+    return {k: v for k, v in op.items() if k not in ("id", "event", "step")}
+
+
+def check_vectors(directory: Path) -> tuple[int, list[VectorFailure]]:
+    """Replay every vector under ``directory``; returns (count, failures)."""
+    files = sorted(p for p in directory.rglob("*.json") if p.name != "index.json")
+    failures: list[VectorFailure] = []
+    for path in files:
+        name = str(path.relative_to(directory))
+        try:
+            vector = json.loads(path.read_text())
+            failure = check_vector(vector, name)
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError, StopIteration) as error:
+            failure = VectorFailure(name, f"malformed vector: {type(error).__name__}: {error}")
+        if failure is not None:
+            failures.append(failure)
+    return len(files), failures
+
+
+# ----------------------------------------------------------------------------- CLI
+def add_vectors_arguments(parser: argparse.ArgumentParser) -> None:
+    sub = parser.add_subparsers(dest="vectors_command", required=True)
+    generate = sub.add_parser("generate", help="write conformance vectors for every cell")
+    generate.add_argument("dir")
+    generate.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    generate.add_argument("--scripts-per-cell", type=int, default=4)
+    generate.add_argument("--ops-per-script", type=int, default=6)
+    check = sub.add_parser("check", help="replay every vector under DIR")
+    check.add_argument("dir")
+    parser.set_defaults(func=cmd_vectors)
+
+
+def cmd_vectors(args: argparse.Namespace) -> int:
+    """Exit codes: 0 all vectors written / replayed green, 1 a vector failed, 2 usage."""
+    directory = Path(args.dir)
+    if args.vectors_command == "generate":
+        if args.scripts_per_cell < 1 or args.ops_per_script < 1:
+            print("overlap-spec: --scripts-per-cell and --ops-per-script must be >= 1",
+                  file=sys.stderr)
+            return 2
+        report = generate_vectors(directory, args.seed, args.scripts_per_cell,
+                                  args.ops_per_script)
+        print(f"wrote {report.written} vectors ({report.valid} valid, {report.invalid} "
+              f"invalid) to {directory} in {report.seconds:.1f}s")
+        if report.missing:
+            print(f"no invalid vector found for {len(report.missing)} bug/cell pairs: "
+                  f"{', '.join(report.missing)}")
+        return 0
+    if not directory.is_dir():
+        print(f"overlap-spec: no such directory {directory}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+    count, failures = check_vectors(directory)
+    for failure in failures:
+        print(f"FAIL {failure.file}: {failure.reason}")
+    if count == 0:
+        print(f"overlap-spec: no vectors under {directory}", file=sys.stderr)
+        return 2
+    print(f"{'OK' if not failures else 'FAILED'}: {count - len(failures)}/{count} vectors "
+          f"replayed green in {time.perf_counter() - started:.1f}s")
+    return 0 if not failures else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="overlap-spec vectors")
+    add_vectors_arguments(parser)
+    args = parser.parse_args(argv)
+    code: int = args.func(args)
+    return code
+
+
+VECTORS_README = """\
+# overlap-spec conformance vectors (format `overlap-spec-vector`, version 1)
+
+Each `<cell>/<nnnn>.json` file is one transition of SGLang's overlap scheduler
+(speculative decoding v2 where the cell says so), judged by the overlap-spec
+model. The files are plain JSON; a consumer needs no part of this project.
+
+Keys of a vector:
+
+- `cell`: the design switches: `overlap` (enable_overlap), `page_size`,
+  `spec_mode` (`none`; `v2chain`: EAGLE topk 1; `v2tree`: topk > 1),
+  `needs_cpu_seq_lens` (FutureMap), `preclaim` (the J2-era bonus pre-claim,
+  PR 23456; false: PR 28754).
+- `preset`, `derived`: sizes: `max_running_requests` (req_to_token rows),
+  `kv_tokens`, the draft shape; `derived` holds `draft_tokens` (D_tok),
+  `alloc_len_per_decode` (A), `lag_bound`, `row_width`.
+- `faults`: historical bugs switched on (B1..B16); empty for a correct design.
+- `prefix`: the operations from an empty scheduler to the pre state (the same
+  objects as the `op` event).
+- `pre`: the state at the last observation point before the operation, or null.
+- `events`: the operation and what it did, in order: one `op` event, then
+  `stream` events (`record`, `wait_event`, `wait_stream`, `synchronize_event`,
+  `synchronize_stream`, `read`, `write`, `free`, `enqueue`) and `observe` events
+  (the observation points, e.g. `prepare_for_decode`).
+- `post`: `{"valid": true, "state": ...}`, the state at the end of the
+  operation; or `{"valid": false, "invariant": "KV3", "all": [...], "event": k,
+  "message": "...", "state": ...}`: the first observation (`events[k]`) that
+  breaks the invariant, and that state.
+
+Operations: `admit {prompt_len, max_new_tokens}`; `admit_prebuilt` (PD decode: KV and
+first token arrive without a prefill); `abort {request}` (index in admission order);
+`iterate {allow_prefill, retract, accept_lens, eos_positions, disable_overlap,
+spec_steps, eos_offset}`: one pass of `event_loop_overlap` (or `event_loop_normal`)
+where request j of the launched batch accepts `accept_lens[j % len]` tokens (bonus
+included, clamped to 1..steps+1) and emits EOS if j is in `eos_positions`.
+
+A state (`pre`, `post.state`) holds `requests` (per `Req`: `kv_committed_len`,
+`kv_allocated_len`, `req_pool_idx`, `output_len`, ..., and `ghost`: the true KV length and
+output count the scheduler does not keep), `batch` (the `ScheduleBatch`: `seq_lens`,
+`seq_lens_cpu`, `seq_lens_sum`, `req_pool_indices`, `future_indices`), `forward` (a
+`ForwardBatch` at `init_new`), `launch`, `resolve`, `result`, `allocator`, and `races`
+(unsynchronised access pairs). Field names follow upstream; see docs/trace-format.md
+for the table mapping each field to its SGLang field or method.
+
+How an SGLang unit test can use them:
+
+1. *Invariant predicates*: feed `post.state` to your own checks; valid vectors must
+   pass, invalid ones must fail with `post.invariant` (IDs SL1-SL11, KV1-KV10, FM1-FM5,
+   ST1-ST5, RP1-RP3 of the overlap-spec digest).
+2. *Scheduler conformance*: drive a scheduler with `prefix` then the `op` of `events`,
+   map its `ScheduleBatch` / `Req` fields at each observation point and compare with
+   the `observe` points and `post.state` (fields you do not model can be skipped).
+3. *Stream ordering*: replay the `stream` events through a vector-clock
+   happens-before checker (e.g. torch.cuda._sanitizer's rule); a `races` entry in the
+   state is a pair with no edge.
+
+`index.json` lists every file with its cell, faults, validity and invariant.
+Regenerate with `overlap-spec vectors generate DIR`; replay with
+`overlap-spec vectors check DIR`.
+"""
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,640 @@
+"""Bounded model checking: K event-loop iterations of B symbolic requests, per cell.
+
+The per-request rules are :mod:`proofs.model`'s transitions (the spec's ``compute_*``
+run over Z3 terms); this module adds what the inductive proofs leave out: *which*
+requests each transition fires on in each iteration, decided the way
+``reference/scheduler.py`` ``run_iteration`` decides it::
+
+    admissions (Admit ops before iteration i)
+    1. the last extend batch is filtered and merged into the running batch
+    2. prefill first: the waiting queue FIFO, while a row, the running cap and the
+       pages of fill_len fit (``_choose_admissions``); else the decode path:
+       filter_batch, retract_decode (memory or forced; spec from the back, non-spec
+       fewest outputs / longest prompt first), prepare_for_decode at this rung
+    3. overlap with disable_overlap: the pending result first, then the re-filter
+    4. run_batch: resolve_seq_lens_cpu (spec overlap), launch with accept lengths
+    5. overlap: the previous iteration's result (stale ones skipped); else this one's
+
+Every environment choice is a named Z3 constant that maps one-to-one onto a harness
+script operation (``harness/prove.py`` decodes a model into ``Admit`` /
+``Iterate(IterationChoices(...))`` ops): admission iteration, prompt_len and
+max_new_tokens of each request (MINIMAL bounds), and per iteration allow_prefill,
+retract, disable_overlap, spec_steps (the chain's rung), eos_offset, and per request
+its accept length and EOS flag (placed at the request's batch position by the
+decoder).
+
+Checked at every sub-step: the state claims of :mod:`proofs.claims` (the spec IDs
+and the strengthening conjuncts IND1..IND7), the point claims at their transitions,
+and the batch claims SL1 (init_new), SL3 (lazy sum), SL10 (draft extend), RP3
+(counters) and KV7 (pool conservation). ``MODEL`` flags a transition fired by the
+loop outside :mod:`proofs.model`'s guard: the two encodings disagree, which the
+clean model must also rule out.
+
+Modelling compromises, stated once:
+- Aborts and PD-prebuilt admissions are not among the BMC's choices (stream bugs get
+  hand-sized scripts in ``harness/prove.py``).
+- A decode path that would raise ``ConfigurationError`` (one request alone does not
+  fit the pool) is excluded: it is a preset error, not a scheduler state.
+- The tree cache is a sink whose pages are always evictable, so available pages are
+  the pool minus what holders own (``get_available_pages``).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Final
+
+from proofs import solver as zs
+from proofs.claims import POINT_INVARIANTS, get_state_invariants
+from proofs.model import (
+    Context,
+    Record,
+    Step,
+    is_live,
+    launch,
+    make_record,
+    prepare_for_decode,
+    prepare_for_extend,
+    process_result,
+    resolve_seq_lens_cpu,
+    retract,
+)
+from proofs.solver import Term
+from proofs.symbolic import lift
+from spec import transitions as tr
+from spec.config import SpecMode, SpecShape
+
+# The default bound: the largest uniform (K, B) measured to prove in all 22 cells with
+# a wide margin on 2 cores (docs/proofs.md). The issue's target bound is K=6, B=3; it is
+# not reached in the page-4 chain cells (docs/proofs.md has the numbers).
+DEFAULT_DEPTH: Final = 3
+DEFAULT_REQUESTS: Final = 2
+TARGET_DEPTH: Final = 6
+TARGET_REQUESTS: Final = 3
+# Per BMC query; the deepest default-bound query takes about 2 s in the slowest cell.
+DEFAULT_TIMEOUT_MS: Final = 60_000
+MODEL_ID: Final = "MODEL"
+# Order keys: a batch merged at iteration i sorts after everything merged before it.
+_ORDER_STRIDE: Final = 1000
+
+EXTRA_INT: Final = ("adm", "wkey", "rkey", "e1at", "e2at")
+EXTRA_BOOL: Final = ("wait", "run", "inext", "e1", "e2")
+
+
+@dataclass
+class Violation:
+    invariant: str
+    iteration: int
+    where: str
+    term: Term  # true when violated
+
+
+@dataclass
+class IterationTerms:
+    """The choices of one iteration and what the decoder needs to place them."""
+
+    allow_prefill: Term
+    retract: Term
+    disable_overlap: Term
+    rung: Term
+    eos_offset: Term
+    accept: list[Term]
+    eos: list[Term]
+    launched: list[Term]  # request b is in the batch launched this iteration
+    order: list[Term]  # its position key in that batch (ascending)
+    prefill: Term
+
+
+@dataclass
+class Unrolling:
+    ctx: Context
+    depth: int
+    requests: int
+    constraints: list[Term] = field(default_factory=list)
+    violations: list[Violation] = field(default_factory=list)
+    iterations: list[IterationTerms] = field(default_factory=list)
+    frames: list[int] = field(default_factory=list)  # len(constraints) after iteration i
+    admit_at: list[Term] = field(default_factory=list)
+    prompt_len: list[Term] = field(default_factory=list)
+    max_new_tokens: list[Term] = field(default_factory=list)
+
+
+@dataclass
+class BmcResult:
+    cell: str
+    depth: int
+    requests: int
+    verdict: str  # proved (no violation within the bound) | counterexample | unknown
+    seconds: float
+    invariant: str | None = None
+    where: str = ""
+    unrolling: Unrolling | None = None
+    raw_model: object = None
+    reason: str = ""
+
+
+def _ite(condition: Term, then: Record, other: Record) -> Record:
+    return {name: zs.If(condition, then[name], other[name]) for name in other}
+
+
+def _count(terms: list[Term]) -> Term:
+    return zs.Sum([zs.If(t, 1, 0) for t in terms])
+
+
+class _Builder:
+    """Builds the unrolling; ``state`` is the current frame (fresh constants per frame)."""
+
+    def __init__(self, ctx: Context, depth: int, requests: int) -> None:
+        self.ctx = ctx
+        self.out = Unrolling(ctx, depth, requests)
+        self.frame = 0
+        cfg = ctx.config
+        self.page = cfg.page_size
+        self.kv_pages = cfg.kv_pages
+        self.rows = cfg.preset.max_running_requests
+        self.chain = cfg.cell.spec_mode is SpecMode.V2_CHAIN
+        self.reqs: list[Record] = []
+        for b in range(requests):
+            r = make_record(f"r{b}.f0")
+            for name in EXTRA_INT:
+                r[name] = zs.Int(f"r{b}.f0.{name}")
+            for name in EXTRA_BOOL:
+                r[name] = zs.Bool(f"r{b}.f0.{name}")
+            self.reqs.append(r)
+        self.glob: dict[str, Term] = {
+            "last_ext": zs.BoolVal(False), "last_some": zs.BoolVal(False),
+            "rb_cpu": zs.BoolVal(True), "rb_sum": zs.BoolVal(False), "rb_total": zs.IntVal(0),
+            "xb_sum": zs.BoolVal(False), "xb_total": zs.IntVal(0), "wctr": zs.IntVal(requests)}
+        self._initial()
+
+    # ------------------------------------------------------------------ plumbing
+    def add(self, term: Term) -> None:
+        self.out.constraints.append(term)
+
+    def violate(self, invariant: str, iteration: int, where: str, term: Term) -> None:
+        self.out.violations.append(Violation(invariant, iteration, where, term))
+
+    def snapshot(self) -> None:
+        """Fresh constants for the current frame: keeps every term linear in K."""
+        self.frame += 1
+        fresh: list[Record] = []
+        for b, r in enumerate(self.reqs):
+            new: Record = {}
+            for name, term in r.items():
+                if zs.is_name(term) or zs.as_python(term) is not None:
+                    new[name] = term  # unchanged since the last frame, or a literal
+                    continue
+                var = (zs.Bool if zs.is_bool(term) else zs.Int)(f"r{b}.f{self.frame}.{name}")
+                self.add(var == term)
+                new[name] = var
+            fresh.append(new)
+        self.reqs = fresh
+        for name, term in list(self.glob.items()):
+            if zs.is_name(term) or zs.as_python(term) is not None:
+                continue
+            var = (zs.Bool if zs.is_bool(term) else zs.Int)(f"g.f{self.frame}.{name}")
+            self.add(var == term)
+            self.glob[name] = var
+
+    def _initial(self) -> None:
+        preset = self.ctx.config.preset
+        depth = self.out.depth
+        for b, r in enumerate(self.reqs):
+            self.add(zs.And(
+                zs.Not(r["holds"]), zs.Not(r["fin"]), zs.Not(r["ret"]), zs.Not(r["prep"]),
+                zs.Not(r["resolved"]), zs.Not(r["ext"]), r["q"] == 0, r["k"] == 0,
+                r["O"] == 0, r["C"] == 0, r["A"] == 0, r["T"] == 0, r["Stl"] == 0,
+                r["pages"] == 0, r["s"] == 0, r["sc"] == 0, r["pub"] == 0, r["a1"] == 0,
+                r["a2"] == 0, r["w"] == 0, r["amax"] == 0,
+                1 <= r["P"], r["P"] <= preset.max_prompt_len,
+                1 <= r["M"], r["M"] <= preset.max_new_tokens,
+                0 <= r["adm"], r["adm"] <= depth, r["wkey"] == b, r["rkey"] == 0,
+                r["e1at"] == 0, r["e2at"] == 0,
+                zs.Not(r["wait"]), zs.Not(r["run"]), zs.Not(r["inext"]), zs.Not(r["e1"]),
+                zs.Not(r["e2"])))
+            if b > 0:  # requests are admitted in rid order (symmetry breaking)
+                self.add(self.reqs[b - 1]["adm"] <= r["adm"])
+            self.out.admit_at.append(r["adm"])
+            self.out.prompt_len.append(r["P"])
+            self.out.max_new_tokens.append(r["M"])
+
+    # ------------------------------------------------------------------ checks
+    def check_state(self, iteration: int, where: str) -> None:
+        ctx = self.ctx
+        for inv in get_state_invariants(ctx):
+            if inv.id == "SL2":
+                continue  # needs the batch's mirror flag: below
+            for b, r in enumerate(self.reqs):
+                self.violate(inv.id, iteration, f"{where} r{b}", zs.Not(inv.predicate(ctx, r)))
+        g = self.glob
+        for b, r in enumerate(self.reqs):
+            mirrored = zs.Or(zs.And(r["run"], g["rb_cpu"]), r["inext"])
+            self.violate("SL2", iteration, f"{where} r{b}",
+                         zs.And(mirrored, r["holds"], r["s"] != r["sc"]))
+        for batch, members, cpu in (
+                ("running", [r["run"] for r in self.reqs], g["rb_cpu"]),
+                ("extend", [r["inext"] for r in self.reqs], zs.BoolVal(True))):
+            present, total = (("rb_sum", "rb_total") if batch == "running"
+                              else ("xb_sum", "xb_total"))
+            mirror_sum = zs.Sum([zs.If(m, r["sc"], 0) for m, r in zip(members, self.reqs,
+                                                                       strict=True)])
+            self.violate("SL3", iteration, f"{where} {batch} batch", zs.And(
+                g[present], zs.Not(zs.And(cpu, g[total] == mirror_sum))))
+        owned = zs.Sum([zs.If(r["holds"], r["pages"], 0) for r in self.reqs])
+        holders = _count([r["holds"] for r in self.reqs])
+        self.violate("KV7", iteration, where, zs.Or(owned > self.kv_pages, holders > self.rows))
+
+    def check_point(self, transition: str, iteration: int, fires: Term, b: int, r: Record,
+                    step: Step) -> None:
+        ctx = self.ctx
+        self.violate(MODEL_ID, iteration, f"{transition} r{b}",
+                     zs.And(fires, zs.Not(step.guard)))
+        for inv in POINT_INVARIANTS:
+            if inv.transition == transition and inv.applies(ctx):
+                self.violate(inv.id, iteration, f"{transition} r{b}",
+                             zs.And(fires, zs.Not(inv.predicate(ctx, r, step))))
+
+    # ------------------------------------------------------------------ helpers
+    def available_pages(self) -> Term:
+        owned = zs.Sum([zs.If(r["holds"], r["pages"], 0) for r in self.reqs])
+        return self.kv_pages - owned
+
+    def rung_shapes(self, rung: Term) -> list[tuple[Term, SpecShape]]:
+        """(selector, shape) per rung the chain may run this iteration."""
+        if not self.chain:
+            return [(zs.BoolVal(True), self.ctx.shapes[0])]
+        return [(rung == shape.steps, shape) for shape in self.ctx.shapes]
+
+    def select_by_rung(self, rung: Term, build: object) -> Term:
+        """An If chain over the rungs of ``build(shape)`` (a term)."""
+        options = self.rung_shapes(rung)
+        assert callable(build)
+        value = build(options[-1][1])
+        for selector, shape in reversed(options[:-1]):
+            value = zs.If(selector, build(shape), value)
+        return value
+
+    def decode_pages_needed(self, r: Record, rung: Term) -> Term:
+        if not self.ctx.is_spec:
+            return lift(tr.compute_ns_decode_pages_needed, r["s"], self.page)
+        return self.select_by_rung(rung, lambda shape: lift(
+            tr.compute_v2_decode_pages_needed, r["C"], r["A"], self.ctx.get_reserve(shape),
+            self.page))
+
+    # ------------------------------------------------------------------ the loop
+    def process(self, i: int, which: list[Term], label: str) -> None:
+        """process_batch_result for the requests in ``which`` (their oldest slot)."""
+        ctx = self.ctx
+        was_stale: list[Term] = []
+        processed_live: list[Term] = []
+        accepts: list[Term] = []
+        posts: list[Record] = []
+        for b, r in enumerate(self.reqs):
+            step = process_result(ctx, r, r["e1"], r["e1at"])
+            self.check_point("process_result", i, which[b], b, r, step)
+            post = dict(step.post)
+            post.update(e1=r["e2"], e1at=r["e2at"], e2=zs.BoolVal(False), e2at=zs.IntVal(0))
+            posts.append(_ite(which[b], post, r))
+            was_stale.append(zs.And(which[b], zs.Not(is_live(r))))
+            processed_live.append(zs.And(which[b], zs.Not(step.notes["stale"])))
+            accepts.append(step.notes["accept"])
+        if ctx.is_spec:
+            counted = which if ctx.has("B4") else processed_live
+            expected = [zs.And(w, zs.Not(s)) for w, s in zip(which, was_stale, strict=True)]
+            correct = zs.Sum([zs.If(c, a - 1, 0) for c, a in zip(counted, accepts, strict=True)])
+            truth = zs.Sum([zs.If(e, a - 1, 0) for e, a in zip(expected, accepts, strict=True)])
+            self.violate("RP3", i, f"{label} counters",
+                         zs.Or(correct != truth, _count(counted) != _count(expected)))
+        self.reqs = posts
+        self.snapshot()
+        self.check_state(i, label)
+
+    def filter_running(self, when: Term) -> None:
+        """filter_batch on the running batch: drop finished; sum reset if anything left."""
+        removed = zs.Or(*[zs.And(when, r["run"], r["fin"]) for r in self.reqs])
+        for r in self.reqs:
+            r["run"] = zs.And(r["run"], zs.Not(zs.And(when, r["fin"])))
+        if not self.ctx.has("B1"):
+            self.glob["rb_sum"] = zs.And(self.glob["rb_sum"], zs.Not(removed))
+
+    def iteration(self, i: int) -> None:
+        ctx = self.ctx
+        cfg = ctx.config
+        g = self.glob
+        n = len(self.reqs)
+        allow = zs.Bool(f"i{i}.allow_prefill")
+        forced = zs.Int(f"i{i}.retract")
+        disable = zs.Bool(f"i{i}.disable_overlap")
+        rung = zs.Int(f"i{i}.spec_steps")
+        offset = zs.Int(f"i{i}.eos_offset")
+        accept = [zs.Int(f"i{i}.r{b}.accept") for b in range(n)]
+        eos = [zs.Bool(f"i{i}.r{b}.eos") for b in range(n)]
+        self.add(zs.And(0 <= forced, forced <= max(n - 1, 0), 0 <= offset,
+                        offset < cfg.max_accept_len))
+        if not ctx.overlap:
+            self.add(zs.Not(disable))
+        if self.chain:
+            self.add(zs.And(1 <= rung, rung <= cfg.preset.chain_steps))
+        else:
+            self.add(rung == 0)
+        # Admissions before this iteration: waiting, in rid order.
+        for r in self.reqs:
+            r["wait"] = zs.Or(r["wait"], r["adm"] == i)
+        pending = [r["q"] >= 1 for r in self.reqs]  # the previous iteration's result
+        # 1. the last extend batch: filter, then replace or merge into the running batch.
+        survivors = [zs.And(g["last_ext"], r["inext"], zs.Not(r["fin"])) for r in self.reqs]
+        removed = zs.Or(*[zs.And(g["last_ext"], r["inext"], r["fin"]) for r in self.reqs])
+        x_sum = g["xb_sum"] if ctx.has("B1") else zs.And(g["xb_sum"], zs.Not(removed))
+        for b, r in enumerate(self.reqs):
+            r["inext"] = survivors[b]
+        g["xb_sum"] = x_sum
+        self.check_state(i, "filter_batch(last extend)")
+        any_survivor = zs.Or(*survivors)
+        running_empty = zs.Not(zs.Or(*[r["run"] for r in self.reqs]))
+        replace = zs.And(any_survivor, running_empty)
+        merge = zs.And(any_survivor, zs.Not(running_empty))
+        g["rb_cpu"] = zs.If(replace, True, g["rb_cpu"])
+        g["rb_sum"] = zs.If(replace, x_sum, zs.If(merge, g["rb_sum"] if ctx.has("B1")
+                                                  else zs.BoolVal(False), g["rb_sum"]))
+        g["rb_total"] = zs.If(replace, g["xb_total"], g["rb_total"])
+        for r in self.reqs:
+            joined = r["inext"]
+            r["rkey"] = zs.If(joined, _ORDER_STRIDE * i + r["wkey"], r["rkey"])
+            r["run"] = zs.Or(r["run"], joined)
+            r["inext"] = zs.BoolVal(False)
+        g["xb_sum"], g["xb_total"] = zs.BoolVal(False), zs.IntVal(0)  # consumed
+        self.snapshot()
+        self.check_state(i, "merge_batch")
+        # 2a. prefill first: FIFO admissions while the cap, a row and the pages fit.
+        running = _count([r["run"] for r in self.reqs])
+        free_rows = self.rows - _count([r["holds"] for r in self.reqs])
+        avail = self.available_pages()
+        need = [lift(tr.compute_pages_for_len, lift(tr.compute_fill_len, r["P"], r["O"]),
+                     self.page) for r in self.reqs]
+        chosen: list[Term] = []
+        for r in self.reqs:
+            ahead = [zs.And(c["wait"], c["wkey"] <= r["wkey"]) for c in self.reqs]
+            count = _count(ahead)
+            pages = zs.Sum([zs.If(a, need[c], 0) for c, a in enumerate(ahead)])
+            chosen.append(zs.And(allow, r["wait"], running + count <= self.rows,
+                                 count <= free_rows, pages <= avail))
+        prefill = zs.Or(*chosen)
+        posts = []
+        for b, r in enumerate(self.reqs):
+            step = prepare_for_extend(ctx, r)
+            self.check_point("prepare_for_extend", i, chosen[b], b, r, step)
+            post = dict(step.post)
+            post.update(wait=zs.BoolVal(False), inext=zs.BoolVal(True))
+            posts.append(_ite(chosen[b], post, r))
+        self.reqs = posts
+        g["xb_sum"] = zs.If(prefill, True, g["xb_sum"])
+        g["xb_total"] = zs.If(prefill, zs.Sum([zs.If(c, r["sc"], 0) for c, r in
+                                               zip(chosen, self.reqs, strict=True)]),
+                              g["xb_total"])
+        self.snapshot()
+        self.check_state(i, "prepare_for_extend")
+        # 2b. otherwise the decode path: filter, retract, prepare_for_decode.
+        decode = zs.And(zs.Not(prefill), zs.Or(*[r["run"] for r in self.reqs]))
+        self.filter_running(decode)
+        self.snapshot()
+        self.check_state(i, "filter_batch")
+        decode = zs.And(decode, zs.Or(*[r["run"] for r in self.reqs]))
+        self.retract_decode(i, decode, forced, rung)
+        for r in self.reqs:
+            r["run"] = zs.And(r["run"], zs.Not(r["ret"]))
+        self.snapshot()
+        self.check_state(i, "retract_decode")
+        posts = []
+        for b, r in enumerate(self.reqs):
+            fires = zs.And(decode, r["run"])
+            options = [(sel, prepare_for_decode(ctx, r, shape))
+                       for sel, shape in self.rung_shapes(rung)]
+            post = options[-1][1].post
+            guard = options[-1][1].guard
+            for sel, step in reversed(options[:-1]):
+                post = _ite(sel, step.post, post)
+                guard = zs.If(sel, step.guard, guard)
+            merged = Step(guard, post)
+            self.check_point("prepare_for_decode", i, fires, b, r, merged)
+            posts.append(_ite(fires, post, r))
+        self.reqs = posts
+        if not ctx.is_spec:
+            g["rb_sum"] = zs.And(g["rb_sum"], zs.Not(decode))
+        self.snapshot()
+        self.check_state(i, "prepare_for_decode")
+        # 3. overlap, disable_overlap: the pending result first, then the re-filter.
+        early = zs.BoolVal(False)
+        if ctx.overlap:
+            early = zs.And(disable, g["last_some"], zs.Or(*pending))
+            self.process(i, [zs.And(early, p) for p in pending], "process_result(early)")
+            if not ctx.has("B14"):
+                self.filter_running(zs.And(early, decode))
+            decode = zs.And(decode, zs.Or(*[r["run"] for r in self.reqs]))
+            self.snapshot()
+            self.check_state(i, "filter_batch(early)")
+        # 4. run_batch.
+        launched = [zs.Or(zs.And(prefill, r["inext"]), zs.And(decode, r["run"]))
+                    for r in self.reqs]
+        self.launch(i, prefill, decode, launched, accept, eos, offset, rung)
+        # 5. the previous result (overlap) or this one (no overlap).
+        if ctx.overlap:
+            late = zs.And(zs.Not(early), g["last_some"])
+            self.process(i, [zs.And(late, p) for p in pending], "process_result")
+        else:
+            self.process(i, launched, "process_result")
+        g["last_ext"] = prefill
+        g["last_some"] = zs.Or(*launched)
+        self.snapshot()
+        self.out.iterations.append(IterationTerms(
+            allow, forced, disable, rung, offset, accept, eos, launched,
+            [zs.If(prefill, r["wkey"], r["rkey"]) for r in self.reqs], prefill))
+
+    def retract_decode(self, i: int, decode: Term, forced: Term, rung: Term) -> None:
+        """Victims in retract order until the rest fits, plus ``forced``; keep one."""
+        ctx = self.ctx
+        reqs = self.reqs
+        n = len(reqs)
+        member = [zs.And(decode, r["run"]) for r in reqs]
+        need = [self.decode_pages_needed(r, rung) for r in reqs]
+        avail = self.available_pages()
+
+        def needed(of: list[Term]) -> Term:
+            return zs.Sum([zs.If(m, need[b], 0) for b, m in enumerate(of)])
+
+        def before(c: int, b: int) -> Term:
+            """Request c is retracted before request b (when both are candidates)."""
+            rc, rb = reqs[c], reqs[b]
+            if ctx.is_spec:
+                return rc["rkey"] > rb["rkey"]  # from the back
+            lower = zs.Or(rc["O"] < rb["O"], zs.And(rc["O"] == rb["O"], rc["P"] > rb["P"]))
+            tie = zs.And(rc["O"] == rb["O"], rc["P"] == rb["P"], rc["rkey"] > rb["rkey"])
+            return zs.Or(lower, tie)
+
+        trigger = zs.Not(zs.And(forced == 0, needed(member) <= avail))
+        victims: list[Term] = []
+        for b in range(n):
+            earlier = [zs.And(member[c], before(c, b)) if c != b else zs.BoolVal(False)
+                       for c in range(n)]
+            kept = [zs.And(member[c], zs.Not(earlier[c])) for c in range(n)]
+            freed = zs.Sum([zs.If(earlier[c], reqs[c]["pages"], 0) for c in range(n)])
+            victims.append(zs.And(member[b], trigger, _count(kept) > 1, zs.Or(
+                forced > _count(earlier), needed(kept) > avail + freed)))
+        kept = [zs.And(m, zs.Not(v)) for m, v in zip(member, victims, strict=True)]
+        freed = zs.Sum([zs.If(v, reqs[b]["pages"], 0) for b, v in enumerate(victims)])
+        # ConfigurationError in the reference: excluded, a preset error (module header).
+        self.add(needed(kept) <= avail + freed)
+        posts = []
+        for b, r in enumerate(reqs):
+            step = retract(ctx, r)
+            self.check_point("retract_decode", i, victims[b], b, r, step)
+            position = _count([zs.And(victims[c], before(c, b)) for c in range(n) if c != b])
+            post = dict(step.post)
+            post.update(wait=zs.BoolVal(True), run=zs.BoolVal(False),
+                        wkey=self.glob["wctr"] + position)
+            posts.append(_ite(victims[b], post, r))
+        self.reqs = posts
+        if not ctx.has("B1"):
+            self.glob["rb_sum"] = zs.And(self.glob["rb_sum"], zs.Not(zs.Or(*victims)))
+        self.glob["wctr"] = self.glob["wctr"] + _count(victims)
+
+    def launch(self, i: int, prefill: Term, decode: Term, launched: list[Term],
+               accept: list[Term], eos: list[Term], offset: Term, rung: Term) -> None:
+        ctx = self.ctx
+        cfg = ctx.config
+        g = self.glob
+        # ForwardBatch.init_new (SL1) reads the launched batch's mirror and sum.
+        cpu = zs.If(prefill, True, g["rb_cpu"])
+        present = zs.If(prefill, g["xb_sum"], g["rb_sum"])
+        total = zs.If(prefill, g["xb_total"], g["rb_total"])
+        if ctx.relay:
+            posts = []
+            for b, r in enumerate(self.reqs):
+                fires = zs.And(decode, launched[b])
+                step = resolve_seq_lens_cpu(ctx, r)
+                self.check_point("resolve_seq_lens_cpu", i, fires, b, r, step)
+                posts.append(_ite(fires, step.post, r))
+            self.reqs = posts
+            keeps = cfg.cell.needs_cpu_seq_lens
+            resolved_sum = zs.Sum([zs.If(m, r["pub"], 0) for m, r in
+                                   zip(launched, self.reqs, strict=True)])
+            g["rb_cpu"] = zs.If(decode, keeps, g["rb_cpu"])
+            g["rb_sum"] = zs.If(decode, keeps, g["rb_sum"])
+            g["rb_total"] = zs.If(decode, resolved_sum if keeps else g["rb_total"],
+                                  g["rb_total"])
+            cpu = zs.If(prefill, True, g["rb_cpu"])
+            present = zs.If(prefill, g["xb_sum"], g["rb_sum"])
+            total = zs.If(prefill, g["xb_total"], g["rb_total"])
+            self.snapshot()
+            self.check_state(i, "resolve_seq_lens_cpu")
+        mirror_sum = zs.Sum([zs.If(m, r["sc"], 0) for m, r in
+                             zip(launched, self.reqs, strict=True)])
+        backfill = zs.And(zs.Not(present), cpu, zs.BoolVal(not ctx.has("B2")))
+        fb_present = zs.Or(present, backfill)
+        fb_value = zs.If(present, total, mirror_sum)
+        anything = zs.Or(*launched)
+        self.violate("SL1", i, "init_new", zs.And(anything, cpu, zs.Not(zs.And(
+            fb_present, fb_value == mirror_sum))))
+        if not ctx.is_spec:  # the backfill stays on the ScheduleBatch (no isolation)
+            g["rb_sum"] = zs.If(zs.And(decode, backfill), True, g["rb_sum"])
+            g["rb_total"] = zs.If(zs.And(decode, backfill), mirror_sum, g["rb_total"])
+            g["xb_sum"] = zs.If(zs.And(prefill, backfill), True, g["xb_sum"])
+            g["xb_total"] = zs.If(zs.And(prefill, backfill), mirror_sum, g["xb_total"])
+        posts = []
+        for b, r in enumerate(self.reqs):
+            fires = zs.And(decode, launched[b])
+            top = (self.select_by_rung(rung, lambda shape: zs.IntVal(shape.max_accept_len))
+                   if ctx.is_spec else zs.IntVal(1))
+            self.add(zs.And(1 <= accept[b], accept[b] <= top))
+            step = launch(ctx, r, accept[b])
+            self.check_point("launch", i, fires, b, r, step)
+            if ctx.is_spec:
+                d_tok = self.select_by_rung(rung, lambda shape: zs.IntVal(shape.draft_tokens))
+                seq_len = r["s"]
+                forward = self.select_by_rung(rung, lambda shape, s=seq_len: lift(
+                    tr.compute_draft_extend_seq_lens, (s,), shape.draft_tokens)[0])
+                # B7 writes the +D_tok to the ScheduleBatch too (reference worker).
+                schedule_after = forward if ctx.has("B7") else r["s"]
+                self.violate("SL10", i, f"draft_extend r{b}", zs.And(fires, zs.Not(zs.And(
+                    forward == r["s"] + d_tok, schedule_after == r["s"]))))
+            post = dict(step.post)
+            run_accept = zs.If(fires, accept[b], 1)
+            eos_at = zs.If(run_accept - 1 - offset >= 0, run_accept - 1 - offset, 0)
+            second = r["q"] >= 1
+            post.update(e1=zs.If(second, r["e1"], eos[b]), e1at=zs.If(second, r["e1at"], eos_at),
+                        e2=zs.If(second, eos[b], r["e2"]), e2at=zs.If(second, eos_at, r["e2at"]))
+            # The extend launch is folded into prepare_for_extend: only its EOS is stored.
+            extend_post = dict(r)
+            extend_post.update(e1=eos[b], e1at=eos_at)
+            posts.append(_ite(fires, post, _ite(zs.And(prefill, launched[b]), extend_post, r)))
+        self.reqs = posts
+        if ctx.is_spec and not ctx.overlap:
+            # run_batch re-applies new_seq_lens; the host copy refreshes the sum.
+            reapplied = zs.Sum([zs.If(m, r["sc"], 0) for m, r in
+                                zip(launched, self.reqs, strict=True)])
+            g["rb_sum"] = zs.If(decode, g["rb_cpu"], g["rb_sum"])
+            g["rb_total"] = zs.If(decode, reapplied, g["rb_total"])
+            g["xb_sum"] = zs.If(prefill, True, g["xb_sum"])
+            g["xb_total"] = zs.If(prefill, reapplied, g["xb_total"])
+        self.snapshot()
+        self.check_state(i, "run_batch")
+
+
+def build_unrolling(ctx: Context, depth: int = DEFAULT_DEPTH,
+                    requests: int = DEFAULT_REQUESTS) -> Unrolling:
+    """The constraints of every K-iteration run of B requests, with its violations."""
+    builder = _Builder(ctx, depth, requests)
+    for i in range(depth):
+        builder.iteration(i)
+        builder.out.frames.append(len(builder.out.constraints))
+    return builder.out
+
+
+def get_targets(unrolling: Unrolling, invariants: tuple[str, ...] | None) -> list[Violation]:
+    """The violations a query looks for: all (clean) or those with the bug's IDs."""
+    if invariants is None:
+        return unrolling.violations
+    return [v for v in unrolling.violations if v.invariant in invariants]
+
+
+def check_bounded(ctx: Context, depth: int = DEFAULT_DEPTH, requests: int = DEFAULT_REQUESTS,
+                  invariants: tuple[str, ...] | None = None,
+                  timeout_ms: int = DEFAULT_TIMEOUT_MS) -> BmcResult:
+    """Is a violation (of ``invariants``, default all) reachable within K iterations?
+
+    Per iteration: iteration i's checks are asked with iterations 0..i asserted; once
+    unsat, their negation is kept as a lemma for the deeper queries. Each query is a
+    fresh solver run through z3's preprocessing (``solver.Preprocessed``: solve-eqs
+    removes the frame equalities) rather than one push / pop solver, which skips that
+    preprocessing and was about 8x slower at K=3. proved: none
+    within the bound; counterexample: a model whose first violated check is named;
+    unknown: a query hit ``timeout_ms`` (each query has it; never a pass).
+    """
+    started = time.perf_counter()
+    unrolling = build_unrolling(ctx, depth, requests)
+    targets = get_targets(unrolling, invariants)
+    name = ctx.config.cell.name
+    solver = zs.Preprocessed(timeout_ms)
+    previous = 0
+    for i in range(depth):
+        solver.add(*unrolling.constraints[previous:unrolling.frames[i]])
+        previous = unrolling.frames[i]
+        here = [v for v in targets if v.iteration == i]
+        if not here:
+            continue
+        outcome = solver.check([zs.Or(*[v.term for v in here])])
+        if outcome.verdict == zs.UNKNOWN:
+            return BmcResult(name, depth, requests, zs.UNKNOWN, time.perf_counter() - started,
+                             unrolling=unrolling,
+                             reason=f"iteration {i}: {outcome.reason or 'timeout'}")
+        if outcome.verdict == zs.SATISFIABLE:
+            fired = [v for v in here if zs.evaluate(outcome.raw_model, v.term) is True]
+            first = fired[0] if fired else None
+            return BmcResult(name, depth, requests, zs.COUNTEREXAMPLE,
+                             time.perf_counter() - started,
+                             invariant=first.invariant if first else None,
+                             where=f"iteration {i}: {first.where}" if first else f"iteration {i}",
+                             unrolling=unrolling, raw_model=outcome.raw_model)
+        solver.add(zs.Not(zs.Or(*[v.term for v in here])))
+    return BmcResult(name, depth, requests, zs.PROVED, time.perf_counter() - started,
+                     unrolling=unrolling)

@@ -1,0 +1,296 @@
+"""The invariants as Z3 predicates over :mod:`proofs.model` records, by spec ID.
+
+Two kinds:
+
+- *state* claims hold in every reachable state (KV1, KV2, KV4, KV5, SL5 and the
+  element-wise mirror SL2), and the strengthening conjuncts ``IND*`` that make the
+  conjunction inductive, each with its one-line justification;
+- *point* claims hold where the spec checks them (``spec/invariants.py``): SL6 /
+  SL8 / KV3 / RP1 at the launch, SL7 after prepare_for_decode, SL11 at resolve, KV8 /
+  KV9 / KV10 / RP1 / RP2 at result processing. A point claim is n/a at any other
+  transition, and is reported as such.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Final
+
+from proofs import solver as zs
+from proofs.model import Context, Record, Step, get_extend_pending, get_lag, is_live
+from proofs.solver import Term
+from proofs.symbolic import lift
+from spec import transitions as tr
+from spec.invariants import get_invariant
+
+StateClaim = Callable[[Context, Record], Term]
+PointClaim = Callable[[Context, Record, Step], Term]
+
+
+@dataclass(frozen=True)
+class StateInvariant:
+    id: str
+    justification: str  # for IND* conjuncts; the spec claim for spec IDs
+    predicate: StateClaim
+    applies: Callable[[Context], bool]
+
+
+@dataclass(frozen=True)
+class PointInvariant:
+    id: str
+    transition: str
+    predicate: PointClaim
+    applies: Callable[[Context], bool]
+
+
+def _always(ctx: Context) -> bool:
+    return True
+
+
+def _spec(ctx: Context) -> bool:
+    return ctx.is_spec
+
+
+def _non_spec(ctx: Context) -> bool:
+    return not ctx.is_spec
+
+
+def _relay(ctx: Context) -> bool:
+    return ctx.relay
+
+
+def _preclaim(ctx: Context) -> bool:
+    return ctx.is_spec and ctx.config.cell.preclaim
+
+
+def _overlap(ctx: Context) -> bool:
+    return ctx.overlap
+
+
+def _claimed_decode_steps(r: Record) -> Term:
+    return r["k"] - zs.If(get_extend_pending(r), 1, 0)
+
+
+# ----------------------------------------------------------------------------- state claims
+def kv1(ctx: Context, r: Record) -> Term:
+    width = ctx.config.row_width
+    return zs.Implies(r["holds"], zs.And(0 <= r["C"], r["C"] <= r["A"], r["A"] <= width))
+
+
+def kv2(ctx: Context, r: Record) -> Term:
+    return zs.Implies(r["holds"], r["C"] == r["A"])
+
+
+def kv4(ctx: Context, r: Record) -> Term:
+    """KV4's page part: a holder owns exactly the pages its allocation covers."""
+    page = ctx.config.page_size
+    return zs.Implies(r["holds"], r["pages"] == lift(tr.compute_pages_for_len, r["A"], page))
+
+
+def kv5(ctx: Context, r: Record) -> Term:
+    return zs.Implies(r["ret"], zs.And(r["C"] == 0, r["A"] == 0, zs.Not(r["holds"])))
+
+
+def sl5(ctx: Context, r: Record) -> Term:
+    return zs.Implies(r["holds"], r["s"] >= 1)
+
+
+def sl2(ctx: Context, r: Record) -> Term:
+    """SL2 element-wise, for a batch whose mirror is kept (the batch flag is the caller's)."""
+    return zs.Implies(r["holds"], r["s"] == r["sc"])
+
+
+def ind_domain(ctx: Context, r: Record) -> Term:
+    preset = ctx.config.preset
+    return zs.And(1 <= r["P"], r["P"] <= preset.max_prompt_len, 1 <= r["M"],
+                  r["M"] <= preset.max_new_tokens, 0 <= r["O"], r["O"] <= r["M"],
+                  zs.Implies(zs.Not(r["fin"]), r["O"] < r["M"]),
+                  zs.Not(zs.And(r["holds"], r["ret"])), zs.Not(zs.And(r["holds"], r["fin"])),
+                  zs.Not(zs.And(r["fin"], r["ret"])))
+
+
+def ind_pipeline(ctx: Context, r: Record) -> Term:
+    limit = ctx.max_pending + 1
+    top = max(shape.max_accept_len for shape in ctx.shapes)
+
+    def decode_slot(accept: Term) -> Term:
+        return zs.And(1 <= accept, accept <= top) if ctx.is_spec else accept == 1
+
+    return zs.And(
+        0 <= r["q"], r["q"] <= limit, r["k"] == r["q"] + zs.If(r["prep"], 1, 0),
+        zs.Implies(r["prep"], zs.And(r["q"] <= ctx.max_pending, r["holds"])),
+        zs.Implies(r["resolved"], r["prep"]),
+        zs.Implies(r["q"] >= 1, zs.If(r["ext"], r["a1"] == 0, decode_slot(r["a1"]))),
+        zs.Implies(r["q"] >= 2, decode_slot(r["a2"])),
+        zs.Implies(r["prep"], zs.Or(*[zs.And(r["w"] == lift(tr.compute_forward_write_width,
+                                                              s, "decode"),
+                                             r["amax"] == s.max_accept_len)
+                                      for s in ctx.shapes])))
+
+
+def ind_truth(ctx: Context, r: Record) -> Term:
+    return zs.Implies(r["holds"], r["T"] == r["Stl"] + get_lag(r))
+
+
+def ind_lead(ctx: Context, r: Record) -> Term:
+    return zs.Implies(r["holds"], r["C"] == r["Stl"] + ctx.get_lead(_claimed_decode_steps(r)))
+
+
+def ind_output(ctx: Context, r: Record) -> Term:
+    pending = zs.If(get_extend_pending(r), 1, 0)
+    return zs.Implies(is_live(r), zs.And(r["Stl"] == r["P"] + r["O"] - 1 + pending,
+                                         r["O"] + pending >= 1, r["O"] < r["M"]))
+
+
+def ind_reserve(ctx: Context, r: Record) -> Term:
+    covered = zs.Implies(r["holds"], r["A"] >= r["T"])
+    if not ctx.is_spec:
+        return zs.And(covered, zs.Implies(r["holds"], r["s"] == r["C"]))
+    return zs.And(covered, zs.Implies(zs.And(r["holds"], r["prep"]),
+                                      r["A"] >= r["T"] + r["w"]))
+
+
+def ind_relay(ctx: Context, r: Record) -> Term:
+    if not ctx.is_spec:
+        return zs.BoolVal(True)
+    if not ctx.overlap:
+        return zs.Implies(r["holds"], r["s"] == r["T"])
+    return zs.Implies(r["holds"], zs.And(r["pub"] == r["T"], r["s"] >= r["P"],
+                                         zs.Implies(r["resolved"], r["s"] == r["T"])))
+
+
+STATE_INVARIANTS: Final[tuple[StateInvariant, ...]] = (
+    StateInvariant("KV1", get_invariant("KV1").claim, kv1, _always),
+    StateInvariant("KV2", get_invariant("KV2").claim, kv2, _non_spec),
+    StateInvariant("KV4", "pages owned == pages covering kv_allocated_len", kv4, _always),
+    StateInvariant("KV5", get_invariant("KV5").claim, kv5, _always),
+    StateInvariant("SL2", get_invariant("SL2").claim, sl2, _always),
+    StateInvariant("SL5", get_invariant("SL5").claim, sl5, _always),
+    StateInvariant("IND1", "sizes stay in the admission domain and live/finished/retracted "
+                   "exclude each other (admission checks; release at finish and retract)",
+                   ind_domain, _always),
+    StateInvariant("IND2", "at most one result pending at prepare under overlap, none "
+                   "without (ST5), each slot's accept in [1, max] (SL8)",
+                   ind_pipeline, _always),
+    StateInvariant("IND3", "the true KV length is the settled length plus the accepts of "
+                   "launched, unprocessed steps (the ghost's definition)", ind_truth, _always),
+    StateInvariant("IND4", "committed leads the settled truth by one claim per claimed decode "
+                   "step (non-spec, pre-claim) or not at all (PR 28754)", ind_lead, _always),
+    StateInvariant("IND5", "settled = prompt + output - 1 for a live request (the newest "
+                   "token has no KV; a pending prefill counts its first token)",
+                   ind_output, _always),
+    StateInvariant("IND6", "the allocation covers the true length, and a prepared spec step's "
+                   "reservation its writes from it (non-spec: seq_lens == committed)",
+                   ind_reserve, _always),
+    StateInvariant("IND7", "the relay row holds the true length and a resolved seq_lens "
+                   "equals it (spec overlap); without overlap run_batch re-applies it",
+                   ind_relay, _spec),
+)
+
+
+# ----------------------------------------------------------------------------- point claims
+def sl7(ctx: Context, r: Record, step: Step) -> Term:
+    p = step.post
+    expected = lift(tr.compute_ns_expected_seq_len, p["P"], p["O"],
+                    p["k"] + zs.If(get_extend_pending(p), 0, 0))
+    return zs.And(p["s"] == p["C"], p["C"] == p["A"], p["A"] == expected)
+
+
+def sl11(ctx: Context, r: Record, step: Step) -> Term:
+    """seq_len_cpu_ub is max(kv_allocated_len) over the batch: each entry's A bounds its s."""
+    p = step.post
+    return p["A"] >= p["s"]
+
+
+def kv3(ctx: Context, r: Record, step: Step) -> Term:
+    return r["A"] >= r["T"] + r["w"]
+
+
+def sl6(ctx: Context, r: Record, step: Step) -> Term:
+    claim = r["s"] == r["T"]
+    return zs.And(claim, r["s"] == r["pub"]) if ctx.relay else claim
+
+
+def sl8(ctx: Context, r: Record, step: Step) -> Term:
+    accept = step.notes["accept"]
+    return zs.And(step.post["pub"] == r["s"] + accept, 1 <= accept,
+                  accept <= ctx.config.max_accept_len)
+
+
+def rp1_launch(ctx: Context, r: Record, step: Step) -> Term:
+    return r["holds"]
+
+
+def _settling(p: Record) -> Term:
+    return zs.And(is_live(p), zs.Not(get_extend_pending(p)))
+
+
+def kv8(ctx: Context, r: Record, step: Step) -> Term:
+    p = step.post
+    return zs.Implies(_settling(p), p["C"] == p["Stl"] + ctx.get_lead(p["k"]))
+
+
+def kv9(ctx: Context, r: Record, step: Step) -> Term:
+    p = step.post
+    n = step.notes
+    live = zs.Implies(_settling(p), p["C"] - ctx.get_lead(p["k"]) == p["P"] + p["O"] - 1)
+    if not ctx.is_spec:
+        live = zs.BoolVal(True)
+    # At a finish release: committed - claimed lead == cached == prompt + output - 1.
+    claimed = n["claimed"]  # launched unprocessed + prepared, at the release
+    # The cached length is checked at every finish release, a prefill's result included
+    # (the reference does; the overlap loop may have prepared a decode before it).
+    finish = zs.And(
+        zs.Implies(zs.And(n["finishing"], zs.Not(n["extend"])),
+                   p["C"] - ctx.get_lead(claimed) == n["with_kv"]),
+        zs.Implies(n["finishing"], n["cached"] == n["with_kv"]))
+    return zs.And(live, finish)
+
+
+def kv10(ctx: Context, r: Record, step: Step) -> Term:
+    p = step.post
+    return zs.Implies(_settling(p), zs.And(p["C"] - p["Stl"] == p["k"], 0 <= p["k"],
+                                           p["k"] <= 1))
+
+
+def rp1_result(ctx: Context, r: Record, step: Step) -> Term:
+    p = step.post
+    refund = 1 if (ctx.is_spec and ctx.config.cell.preclaim) else 0
+    was_stale = zs.And(zs.Not(is_live(r)), zs.Not(r["ext"]))
+    expected = r["C"] - zs.If(r["fin"], refund, 0)
+    return zs.Implies(was_stale, zs.And(p["O"] == r["O"], p["C"] == expected))
+
+
+def rp2(ctx: Context, r: Record, step: Step) -> Term:
+    p = step.post
+    n = step.notes
+    stride = max(shape.draft_tokens for shape in ctx.shapes)
+    top = min(stride, ctx.config.max_accept_len)
+    return zs.And(p["O"] <= p["M"], 0 <= n["run"], n["run"] <= n["accept"],
+                  1 <= n["accept"], n["accept"] <= top)
+
+
+POINT_INVARIANTS: Final[tuple[PointInvariant, ...]] = (
+    PointInvariant("SL7", "prepare_for_decode", sl7, _non_spec),
+    PointInvariant("SL11", "resolve_seq_lens_cpu", sl11,
+                   lambda ctx: ctx.relay and not ctx.config.cell.needs_cpu_seq_lens),
+    PointInvariant("KV3", "launch", kv3, _spec),
+    PointInvariant("SL6", "launch", sl6, _spec),
+    PointInvariant("SL8", "launch", sl8, _spec),
+    PointInvariant("RP1", "launch", rp1_launch, _overlap),
+    PointInvariant("KV8", "process_result", kv8, _always),
+    PointInvariant("KV9", "process_result", kv9, _always),
+    PointInvariant("KV10", "process_result", kv10, _preclaim),
+    PointInvariant("RP1", "process_result", rp1_result, _overlap),
+    PointInvariant("RP2", "process_result", rp2, _always),
+)
+
+
+def get_state_invariants(ctx: Context) -> list[StateInvariant]:
+    return [inv for inv in STATE_INVARIANTS if inv.applies(ctx)]
+
+
+def get_strengthened(ctx: Context, r: Record) -> Term:
+    """The conjunction every consecution check assumes of the pre-state."""
+    return zs.And(*[inv.predicate(ctx, r) for inv in get_state_invariants(ctx)])

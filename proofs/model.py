@@ -1,0 +1,304 @@
+"""The abstract scheduler state as Z3 terms, and the spec's transitions over it.
+
+One request is a record of integer and Boolean terms (its place in the running
+batch included: ``seq_lens`` entry ``s``, mirror entry ``sc``); a batch adds the
+flags ``has_cpu`` / ``sum_present`` and ``seq_lens_sum``. Every arithmetic rule is
+the spec's own ``compute_*`` function run over terms by :func:`proofs.symbolic.lift`;
+this module only says *which* rule fires in which transition and what it leaves
+unchanged (the frame), following ``reference/``.
+
+Ghost fields (never written by scheduler logic, as in ``spec/state.py``):
+``T`` true KV length, ``Stl`` settled length, ``q`` launched unprocessed steps,
+``a1`` / ``a2`` their accept lengths (oldest first; an extend slot has 0),
+``ext`` (slot 1 is the prefill), ``prep`` (a prepared, unlaunched decode step),
+``w`` (its write width), ``amax`` (its rung's largest accept length).
+
+Modelling compromises, stated once:
+- The prefill of a request (``prepare_for_extend``) folds in the extend launch:
+  nothing is claimed between the two but the batch mirror, which the sum model keeps.
+- Event-loop order is a guard on each transition (prepare needs at most one pending
+  result under overlap and none without, launch needs a prepared step, processing
+  needs a launched one); any interleaving the guards allow is checked, which
+  includes every order the loop makes.
+- Memory pressure is not modelled in the per-request proofs (retraction is a free
+  choice instead); page conservation is the sum model's ``KV7``.
+- Prompt and budget sizes are bounded by the preset (``max_prompt_len``,
+  ``max_new_tokens``), the admission domain of the reference.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from itertools import count
+from typing import Final
+
+from proofs import solver as zs
+from proofs.solver import Term
+from proofs.symbolic import lift
+from spec import transitions as tr
+from spec.config import ModelConfig, SpecShape
+
+INT_FIELDS: Final = ("P", "O", "M", "C", "A", "T", "Stl", "k", "q", "a1", "a2", "s", "sc",
+                     "pub", "pages", "w", "amax")
+BOOL_FIELDS: Final = ("fin", "ret", "holds", "ext", "prep", "resolved")
+FIELDS: Final = INT_FIELDS + BOOL_FIELDS
+
+Record = dict[str, Term]
+
+_fresh = count()
+
+
+def fresh_name(prefix: str) -> str:
+    return f"{prefix}!{next(_fresh)}"
+
+
+def make_record(prefix: str) -> Record:
+    record: Record = {name: zs.Int(f"{prefix}.{name}") for name in INT_FIELDS}
+    record.update({name: zs.Bool(f"{prefix}.{name}") for name in BOOL_FIELDS})
+    return record
+
+
+def make_array_record(prefix: str) -> dict[str, Term]:
+    """One array per field: the batch of unbounded length as arrays indexed by position."""
+    arrays = {name: zs.IntArray(f"{prefix}.{name}") for name in INT_FIELDS}
+    arrays.update({name: zs.BoolArray(f"{prefix}.{name}") for name in BOOL_FIELDS})
+    return arrays
+
+
+def select(arrays: dict[str, Term], index: Term) -> Record:
+    return {name: array[index] for name, array in arrays.items()}
+
+
+def is_live(r: Record) -> Term:
+    return zs.And(r["holds"], zs.Not(r["fin"]), zs.Not(r["ret"]))
+
+
+def get_lag(r: Record) -> Term:
+    """Accepts of launched, unprocessed steps: what T is ahead of the settled length."""
+    return zs.If(r["q"] >= 1, r["a1"], 0) + zs.If(r["q"] >= 2, r["a2"], 0)
+
+
+def get_extend_pending(r: Record) -> Term:
+    return zs.And(r["q"] >= 1, r["ext"])
+
+
+@dataclass
+class Context:
+    """A cell, its sizes and the faults switched on (bug IDs)."""
+
+    config: ModelConfig
+    faults: frozenset[str] = frozenset()
+    shapes: tuple[SpecShape, ...] = ()
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        if cfg.cell.spec_mode.value == "v2chain":
+            self.shapes = tuple(cfg.get_shape(r) for r in range(1, cfg.preset.chain_steps + 1))
+        else:
+            self.shapes = (cfg.get_shape(),)
+
+    def has(self, bug_id: str) -> bool:
+        return bug_id in self.faults
+
+    @property
+    def is_spec(self) -> bool:
+        return self.config.cell.is_spec
+
+    @property
+    def overlap(self) -> bool:
+        return self.config.cell.overlap
+
+    @property
+    def relay(self) -> bool:
+        """Spec under overlap: seq_lens come back through new_seq_lens_buf (resolve)."""
+        return self.is_spec and self.overlap
+
+    @property
+    def max_pending(self) -> int:
+        """Results pending at prepare time: one under overlap, none without (ST5)."""
+        return 1 if self.overlap else 0
+
+    def get_reserve(self, shape: SpecShape) -> int:
+        if self.has("B16"):
+            return 2 * shape.alloc_len_per_decode
+        return self.config.get_decode_reserve(shape)
+
+    def get_lead(self, claimed: Term) -> Term:
+        return lift(tr.compute_committed_lead, self.config.cell, claimed)
+
+
+@dataclass
+class Step:
+    """One transition instance: the guard, the post-state and the values a claim reads."""
+
+    guard: Term
+    post: Record
+    notes: dict[str, Term] = field(default_factory=dict)
+
+
+# ----------------------------------------------------------------------------- transitions
+def prepare_for_extend(ctx: Context, r: Record) -> Step:
+    """Admit a waiting request: row, KV for fill_len, committed = allocated = fill_len; the
+    extend launch is folded in (T = fill_len, extend publish of s, one slot in flight)."""
+    fill = lift(tr.compute_fill_len, r["P"], r["O"])
+    page = ctx.config.page_size
+    post = dict(r)
+    post.update(C=fill, A=fill, s=fill, sc=fill, T=fill, Stl=fill, pub=fill, q=r["q"] + 1,
+                k=r["k"] + 1, a1=zs.IntVal(0), ext=zs.BoolVal(True), holds=zs.BoolVal(True),
+                ret=zs.BoolVal(False), prep=zs.BoolVal(False), resolved=zs.BoolVal(False),
+                pages=lift(tr.compute_pages_for_len, fill, page))
+    guard = zs.And(zs.Not(r["holds"]), zs.Not(r["fin"]), r["q"] == 0)
+    return Step(guard, post)
+
+
+def prepare_for_decode(ctx: Context, r: Record, shape: SpecShape) -> Step:
+    """Non-spec: claim one slot, seq_lens + 1. Spec-v2: reserve max(cur, committed + R),
+    page aligned; seq_lens untouched; the J2 pre-claim adds 1 to committed."""
+    page = ctx.config.page_size
+    post = dict(r)
+    width = lift(tr.compute_forward_write_width, shape, "decode")
+    if ctx.is_spec:
+        reserve = ctx.get_reserve(shape)
+        if ctx.has("B12"):
+            target = lift(tr.compute_page_align_up, r["C"] + reserve, page)
+        else:
+            target = lift(tr.compute_v2_alloc_target, r["C"], r["A"], reserve, page)
+        post.update(A=target, C=r["C"] + (1 if ctx.config.cell.preclaim else 0))
+    else:
+        bumped = lift(tr.compute_decode_seq_len_ns, r["s"])
+        post.update(A=bumped, C=r["C"] + (0 if ctx.has("B10") else 1), s=bumped,
+                    sc=lift(tr.compute_decode_seq_len_ns, r["sc"]))
+    needed = lift(tr.compute_pages_for_len, post["A"], page)
+    post.update(k=r["k"] + 1, prep=zs.BoolVal(True), resolved=zs.BoolVal(False), w=width,
+                amax=zs.IntVal(shape.max_accept_len),
+                pages=zs.If(needed > r["pages"], needed, r["pages"]))
+    guard = zs.And(is_live(r), zs.Not(r["prep"]), r["q"] <= ctx.max_pending)
+    return Step(guard, post)
+
+
+def resolve_seq_lens_cpu(ctx: Context, r: Record) -> Step:
+    """Spec overlap: SB.seq_lens (and the mirror when kept) = new_seq_lens_buf[row]."""
+    post = dict(r)
+    post.update(s=r["pub"], sc=r["pub"], resolved=zs.BoolVal(True))
+    return Step(zs.And(r["prep"], is_live(r)), post)
+
+
+def launch(ctx: Context, r: Record, accept: Term) -> Step:
+    """The forward: draft + verify write [s, s + W); T += accept; publish s + accept;
+    the step joins the in-flight queue. Non-spec writes position s - 1: T += 1."""
+    post = dict(r)
+    advance = accept if ctx.is_spec else zs.IntVal(1)
+    published = lift(tr.compute_verify_new_seq_len, r["s"], accept)
+    slot_two = r["q"] >= 1
+    post.update(T=r["T"] + advance, q=r["q"] + 1, prep=zs.BoolVal(False),
+                resolved=zs.BoolVal(False),
+                a1=zs.If(slot_two, r["a1"], advance), a2=zs.If(slot_two, advance, r["a2"]),
+                ext=zs.And(slot_two, r["ext"]))
+    if ctx.is_spec:
+        post["pub"] = published
+        if not ctx.overlap:  # run_batch re-applies new_seq_lens to SB
+            post.update(s=published, sc=published)
+        elif ctx.has("B6"):  # a -future_indices sentinel (rows are >= 1)
+            post.update(s=zs.IntVal(-1))
+    guards = [r["prep"]]
+    if not ctx.has("B14"):
+        guards.append(r["holds"])  # the re-filter after early result processing
+    if ctx.relay:
+        guards.append(r["resolved"])
+    accept_ok = zs.And(accept >= 1, accept <= r["amax"]) if ctx.is_spec else accept == 1
+    return Step(zs.And(*guards, accept_ok), post, {"accept": accept})
+
+
+def process_result(ctx: Context, r: Record, eos: Term, eos_at: Term) -> Step:
+    """Pop the oldest in-flight step. Live: keep the run cut at EOS / max_new_tokens,
+    settle committed once (spec) and release at finish; stale: only the pre-claim refund."""
+    cell = ctx.config.cell
+    post = dict(r)
+    extend = r["ext"]
+    accept = zs.If(extend, 1, r["a1"])
+    eos_index = zs.If(eos, eos_at, -1)
+    run_with_eos = lift(tr.compute_run_len, accept, r["M"] - r["O"], eos_at)
+    run_no_eos = lift(tr.compute_run_len, accept, r["M"] - r["O"], None)
+    run = zs.If(eos, run_with_eos, run_no_eos)
+    stale = zs.Not(is_live(r))
+    if ctx.has("B3"):
+        stale = zs.BoolVal(False)
+    settled = accept if ctx.has("B11") else run
+    committed_live = lift(tr.compute_committed_after_result, cell, r["C"], settled, False,
+                          False)
+    if ctx.has("B10") and not cell.is_spec:
+        committed_live = committed_live + 1
+    committed_stale = zs.If(
+        r["fin"],
+        lift(tr.compute_committed_after_result, cell, r["C"], run, True, True),
+        lift(tr.compute_committed_after_result, cell, r["C"], run, True, False))
+    committed = zs.If(stale, r["C"], zs.If(extend, r["C"], committed_live))
+    committed = zs.If(zs.And(stale, zs.Not(extend)), committed_stale, committed)
+    output = zs.If(stale, r["O"], r["O"] + run)
+    hit_eos = zs.And(eos, eos_index < run)
+    finishing = zs.And(zs.Not(stale), zs.Or(hit_eos, output >= r["M"]))
+    with_kv = r["P"] + output - 1
+    # B14: without the re-filter the finished request's prepared step stays in the batch.
+    dropped = zs.BoolVal(False) if ctx.has("B14") else finishing
+    cached = (committed if ctx.has("B11") else
+              lift(tr.compute_cached_len, committed, r["P"], output))
+    post.update(
+        # A finished request's prepared, unlaunched step is dropped with it (the re-filter).
+        C=committed, O=output, q=r["q"] - 1, a1=r["a2"], ext=zs.BoolVal(False),
+        k=r["k"] - 1 - zs.If(zs.And(dropped, r["prep"]), 1, 0),
+        prep=zs.And(r["prep"], zs.Not(dropped)),
+        resolved=zs.And(r["resolved"], zs.Not(dropped)),
+        Stl=zs.If(zs.Or(stale, extend), r["Stl"], r["Stl"] + r["a1"]),
+        fin=zs.Or(r["fin"], finishing), holds=zs.And(r["holds"], zs.Not(finishing)))
+    notes = {"run": run, "accept": accept, "stale": stale, "finishing": finishing,
+             "cached": cached, "with_kv": with_kv, "extend": extend, "claimed": r["k"] - 1}
+    guard = zs.And(r["q"] >= 1, eos_at >= 0, zs.Implies(eos, eos_at < accept))
+    return Step(guard, post, notes)
+
+
+def retract(ctx: Context, r: Record) -> Step:
+    """release_req + reset_for_retract: committed = allocated = 0, row and pages freed;
+    the ghost truth restarts (a late result of this request is stale)."""
+    post = dict(r)
+    post.update(C=zs.IntVal(0), A=zs.IntVal(0), ret=zs.BoolVal(True), holds=zs.BoolVal(False),
+                pages=zs.IntVal(0), T=zs.IntVal(0), Stl=zs.IntVal(0), k=r["k"] - zs.If(
+                    r["prep"], 1, 0), prep=zs.BoolVal(False), resolved=zs.BoolVal(False))
+    return Step(zs.And(is_live(r), zs.Not(r["prep"])), post)
+
+
+def readmit(ctx: Context, r: Record) -> Step:
+    """A retracted request returns to the waiting queue's prefill (is_retracted cleared
+    by prepare_for_extend)."""
+    step = prepare_for_extend(ctx, r)
+    return Step(zs.And(r["ret"], zs.Not(r["holds"]), r["q"] == 0), step.post)
+
+
+TransitionBuilder = Callable[[Context, Record, str], Step]
+
+
+def build_transition(name: str, ctx: Context, r: Record, prefix: str) -> list[Step]:
+    """Every instance of a named per-request transition (one per adaptive rung)."""
+    if name == "prepare_for_extend":
+        return [prepare_for_extend(ctx, r)]
+    if name == "prepare_for_decode":
+        return [prepare_for_decode(ctx, r, shape) for shape in ctx.shapes]
+    if name == "resolve_seq_lens_cpu":
+        return [resolve_seq_lens_cpu(ctx, r)]
+    if name == "launch":
+        return [launch(ctx, r, zs.Int(f"{prefix}.accept"))]
+    if name == "process_result":
+        return [process_result(ctx, r, zs.Bool(f"{prefix}.eos"), zs.Int(f"{prefix}.eos_at"))]
+    if name == "retract_decode":
+        return [retract(ctx, r)]
+    if name == "readmit":
+        return [readmit(ctx, r)]
+    raise KeyError(name)
+
+
+def get_request_transitions(ctx: Context) -> tuple[str, ...]:
+    names = ["prepare_for_extend", "prepare_for_decode"]
+    if ctx.relay:
+        names.append("resolve_seq_lens_cpu")
+    names += ["launch", "process_result", "retract_decode", "readmit"]
+    return tuple(names)

@@ -1,0 +1,233 @@
+"""Typed wrappers around Z3: one place that sets timeouts and reads verdicts.
+
+z3-solver ships no type stubs, so the module is imported untyped here and every
+other proofs/ module goes through these helpers or treats terms as ``Term``.
+A solver that answers ``unknown`` (a timeout included) is reported as
+``unknown``, never as proved.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any, Final
+
+import z3  # type: ignore[import-untyped]
+
+Term = Any  # a z3 expression (ArithRef / BoolRef / ArrayRef); z3 has no stubs
+
+PROVED: Final = "proved"
+COUNTEREXAMPLE: Final = "counterexample"
+UNKNOWN: Final = "unknown"
+NOT_APPLICABLE: Final = "n/a"
+SATISFIABLE: Final = "sat"
+UNSATISFIABLE: Final = "unsat"
+
+DEFAULT_TIMEOUT_MS: Final = 20_000
+
+
+@dataclass
+class Outcome:
+    """A solver answer: ``verdict`` is proved / counterexample / unknown (validity) or
+    sat / unsat / unknown (satisfiability); ``model`` maps names to values when one exists."""
+
+    verdict: str
+    seconds: float
+    model: dict[str, int | bool] = field(default_factory=dict)
+    reason: str = ""
+    raw_model: Any = None
+
+
+def Int(name: str) -> Term:  # noqa: N802 - mirrors z3's constructor names
+    return z3.Int(name)
+
+
+def Bool(name: str) -> Term:  # noqa: N802
+    return z3.Bool(name)
+
+
+def IntVal(value: int) -> Term:  # noqa: N802
+    return z3.IntVal(value)
+
+
+def BoolVal(value: bool) -> Term:  # noqa: N802
+    return z3.BoolVal(value)
+
+
+def IntArray(name: str) -> Term:  # noqa: N802
+    return z3.Array(name, z3.IntSort(), z3.IntSort())
+
+
+def BoolArray(name: str) -> Term:  # noqa: N802
+    return z3.Array(name, z3.IntSort(), z3.BoolSort())
+
+
+def And(*terms: Term) -> Term:  # noqa: N802
+    return z3.And(*terms) if terms else z3.BoolVal(True)
+
+
+def Or(*terms: Term) -> Term:  # noqa: N802
+    return z3.Or(*terms) if terms else z3.BoolVal(False)
+
+
+def Not(term: Term) -> Term:  # noqa: N802
+    return z3.Not(term)
+
+
+def Implies(a: Term, b: Term) -> Term:  # noqa: N802
+    return z3.Implies(a, b)
+
+
+def If(c: Term, a: Term, b: Term) -> Term:  # noqa: N802
+    return z3.If(c, a, b)
+
+
+def ForAll(variables: list[Term], body: Term) -> Term:  # noqa: N802
+    return z3.ForAll(variables, body)
+
+
+def Sum(terms: list[Term]) -> Term:  # noqa: N802
+    return z3.Sum(terms) if terms else z3.IntVal(0)
+
+
+def is_term(value: object) -> bool:
+    return isinstance(value, z3.ExprRef)
+
+
+def is_bool(term: Term) -> bool:
+    return bool(z3.is_bool(term))
+
+
+def simplify(term: Term) -> Term:
+    return z3.simplify(term)
+
+
+def substitute(term: Term, pairs: list[tuple[Term, Term]]) -> Term:
+    return z3.substitute(term, *pairs) if pairs else term
+
+
+def is_name(term: Term) -> bool:
+    """An uninterpreted constant (a named variable), not a compound term or a literal."""
+    return bool(z3.is_const(term) and term.decl().kind() == z3.Z3_OP_UNINTERPRETED)
+
+
+def as_python(term: Term) -> int | bool | None:
+    """A ground term's value, or None when it is not a literal after simplification."""
+    value = z3.simplify(term)
+    if z3.is_int_value(value):
+        return int(value.as_long())
+    if z3.is_true(value):
+        return True
+    if z3.is_false(value):
+        return False
+    return None
+
+
+def _read_model(model: Any) -> dict[str, int | bool]:
+    values: dict[str, int | bool] = {}
+    for decl in model.decls():
+        if decl.arity() != 0:
+            continue
+        value = model[decl]
+        if z3.is_int_value(value):
+            values[decl.name()] = int(value.as_long())
+        elif z3.is_true(value) or z3.is_false(value):
+            values[decl.name()] = bool(z3.is_true(value))
+    return values
+
+
+def evaluate(raw_model: Any, term: Term) -> int | bool | None:
+    """The value of ``term`` in a model (completing unconstrained names)."""
+    return as_python(raw_model.eval(term, model_completion=True))
+
+
+def check_sat(constraints: list[Term], timeout_ms: int = DEFAULT_TIMEOUT_MS) -> Outcome:
+    """Satisfiability of the conjunction: sat (with a model), unsat, or unknown."""
+    solver = z3.Solver()
+    solver.set("timeout", int(timeout_ms))
+    solver.add(*constraints)
+    started = time.perf_counter()
+    answer = solver.check()
+    seconds = time.perf_counter() - started
+    if answer == z3.sat:
+        model = solver.model()
+        return Outcome(SATISFIABLE, seconds, _read_model(model), raw_model=model)
+    if answer == z3.unsat:
+        return Outcome(UNSATISFIABLE, seconds)
+    return Outcome(UNKNOWN, seconds, reason=str(solver.reason_unknown()))
+
+
+def prove(hypotheses: list[Term], goal: Term, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> Outcome:
+    """Validity of ``hypotheses -> goal``: proved, counterexample (with a model) or unknown."""
+    answer = check_sat([*hypotheses, z3.Not(goal)], timeout_ms)
+    if answer.verdict == UNSATISFIABLE:
+        return Outcome(PROVED, answer.seconds)
+    if answer.verdict == SATISFIABLE:
+        return Outcome(COUNTEREXAMPLE, answer.seconds, answer.model, raw_model=answer.raw_model)
+    return Outcome(UNKNOWN, answer.seconds, reason=answer.reason)
+
+
+class Incremental:
+    """One solver grown frame by frame (BMC): ``check`` asks whether ``extra`` is
+    satisfiable with everything added so far, inside a push / pop, under a timeout."""
+
+    def __init__(self, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> None:
+        self.solver = z3.Solver()
+        self.timeout_ms = int(timeout_ms)
+
+    def add(self, *terms: Term) -> None:
+        if terms:
+            self.solver.add(*terms)
+
+    def check(self, extra: list[Term], timeout_ms: int | None = None) -> Outcome:
+        limit = self.timeout_ms if timeout_ms is None else int(timeout_ms)
+        self.solver.set("timeout", max(limit, 1))
+        self.solver.push()
+        self.solver.add(*extra)
+        started = time.perf_counter()
+        try:
+            answer = self.solver.check()
+            seconds = time.perf_counter() - started
+            if answer == z3.sat:
+                model = self.solver.model()
+                return Outcome(SATISFIABLE, seconds, _read_model(model), raw_model=model)
+            if answer == z3.unsat:
+                return Outcome(UNSATISFIABLE, seconds)
+            return Outcome(UNKNOWN, seconds, reason=str(self.solver.reason_unknown()))
+        finally:
+            self.solver.pop()
+
+
+# Preprocessing before the SMT core: the BMC's frames are chained by equalities
+# (fresh constant == term), which solve-eqs eliminates; z3's incremental core skips
+# that preprocessing after a push, which made deep BMC queries about 8x slower.
+PREPROCESS: Final = ("simplify", "propagate-values", "solve-eqs", "elim-uncnstr", "simplify")
+
+
+class Preprocessed:
+    """The same interface as :class:`Incremental`, but each ``check`` runs a fresh
+    solver over everything added so far (plus ``extra``) through :data:`PREPROCESS`
+    and then the SMT core, under the timeout (unknown when it hits)."""
+
+    def __init__(self, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> None:
+        self.terms: list[Term] = []
+        self.timeout_ms = int(timeout_ms)
+
+    def add(self, *terms: Term) -> None:
+        self.terms.extend(terms)
+
+    def check(self, extra: list[Term], timeout_ms: int | None = None) -> Outcome:
+        limit = max(self.timeout_ms if timeout_ms is None else int(timeout_ms), 1)
+        tactic = z3.Then(*PREPROCESS, "smt")
+        solver = z3.TryFor(tactic, limit).solver()
+        solver.set("timeout", limit)
+        solver.add(*self.terms, *extra)
+        started = time.perf_counter()
+        answer = solver.check()
+        seconds = time.perf_counter() - started
+        if answer == z3.sat:
+            model = solver.model()
+            return Outcome(SATISFIABLE, seconds, _read_model(model), raw_model=model)
+        if answer == z3.unsat:
+            return Outcome(UNSATISFIABLE, seconds)
+        return Outcome(UNKNOWN, seconds, reason=str(solver.reason_unknown()))

@@ -1,0 +1,223 @@
+"""gpu_impl: differential agreement with the reference, race freedom, the sync contract,
+and the gpu_impl column of the mutant matrix. All on CPU; CUDA variants are marked."""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+
+from gpu_impl.race import RaceDetector
+from gpu_impl.scheduler import SUPPORTED_FAULTS
+from gpu_impl.scheduler import Scheduler as GpuScheduler
+from gpu_impl.streams import Streams
+from harness.cli import main
+from harness.differential import (
+    check_cell_differential,
+    compare_states,
+    run_differential,
+)
+from harness.mutants import KILLED, NOT_APPLICABLE, run_mutants
+from harness.script import Admit, Iterate, Script, load_script, save_script
+from harness.stateful import get_profile
+from harness.sync_contract import get_expected_host_syncs, measure_steady_state
+from reference.scheduler import Scheduler as ReferenceScheduler
+from spec.bugs import BUG_IDS, BUGS
+from spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell
+from spec.happens_before import D2H, SCHEDULE
+from spec.state import IterationChoices
+
+SEED = 20261122
+ROOT = Path(__file__).resolve().parent.parent
+CELLS = enumerate_cells()
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
+def test_gpu_impl_agrees_with_the_reference_and_has_no_race(cell: object) -> None:
+    config = ModelConfig(cell, MINIMAL)  # type: ignore[arg-type]
+    result = check_cell_differential(config, get_profile("ci"), SEED, max_examples=12)
+    assert result.error is None, f"crash: {result.error!r}"
+    assert result.failure is None, (
+        f"{result.failure.outcome.describe()}\nscript: {result.failure.script.ops}")
+    assert result.examples >= 12
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
+def test_gpu_impl_agrees_at_realistic_sizes(cell: object) -> None:
+    from spec.config import REALISTIC
+
+    result = check_cell_differential(ModelConfig(cell, REALISTIC),  # type: ignore[arg-type]
+                                     get_profile("ci"), SEED, max_examples=10)
+    assert result.ok, result.failure.outcome.describe() if result.failure else result.error
+
+
+def test_a_divergence_names_step_field_and_both_values() -> None:
+    config = ModelConfig(get_cell("ov-p1-v2chain-cpu-honest"), MINIMAL)
+    reference = ReferenceScheduler(config)
+    gpu = GpuScheduler(config)
+    for model in (reference, gpu):
+        model.admit(3, 6)
+        model.run_iteration(IterationChoices())
+    gpu_state = gpu.get_observable_state()
+    assert gpu_state.last_batch is not None
+    tampered = dataclasses.replace(
+        gpu_state, last_batch=dataclasses.replace(gpu_state.last_batch, seq_lens_sum=999))
+    expected = reference.get_observable_state()
+    assert compare_states(expected, gpu_state) is None
+    assert expected.last_batch is not None
+    assert compare_states(expected, tampered) == (
+        "last_batch.seq_lens_sum", expected.last_batch.seq_lens_sum, 999)
+
+
+def test_a_faulted_gpu_impl_diverges_and_the_report_is_replayable(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    # Overlap: B10 settles a step late, which shows between the claim and the result.
+    script = Script("ov-p1-none", "minimal",
+                    [Admit(3, 6), Iterate(IterationChoices()), Iterate(IterationChoices())],
+                    ("B10",), implementation="gpu_impl")
+    outcome = run_differential(script)
+    assert outcome.divergence is not None, outcome.describe()
+    assert outcome.divergence.field.endswith("kv_committed_len"), outcome.describe()
+    text = outcome.describe()
+    assert f"step {outcome.divergence.step}" in text and "reference=" in text
+    path = save_script(script, tmp_path / "b10.json")
+    assert main(["replay", str(path)]) == 1
+    assert "divergence at step" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
+def test_sync_contract_per_steady_state_iteration(cell: object) -> None:
+    counts = measure_steady_state(cell)  # type: ignore[arg-type]
+    expected = get_expected_host_syncs(cell)  # type: ignore[arg-type]
+    assert len(counts.host_syncs) == expected, counts.host_syncs
+    if cell.overlap:  # type: ignore[attr-defined]
+        assert f"stream:{SCHEDULE}" not in counts.host_syncs, counts.host_syncs
+        assert not any(s.startswith("item:") for s in counts.host_syncs), counts.host_syncs
+    if cell.overlap and cell.is_spec and cell.needs_cpu_seq_lens:  # type: ignore[attr-defined]
+        assert f"stream:{D2H}" in counts.host_syncs, counts.host_syncs
+    assert counts.total_launches > 0
+
+
+def test_no_raw_host_sync_outside_streams_py() -> None:
+    """Only gpu_impl/streams.py may block the host or copy to it, so the counts are whole."""
+    forbidden = {"item", "tolist", "cpu", "synchronize", "numpy"}
+    for path in sorted((ROOT / "gpu_impl").glob("*.py")):
+        if path.name == "streams.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
+                assert node.func.attr not in forbidden, (
+                    f"{path.name}:{node.lineno} calls .{node.func.attr}() directly")
+
+
+def test_gpu_impl_supports_every_fault_id_the_reference_does() -> None:
+    assert set(SUPPORTED_FAULTS) <= set(BUG_IDS)
+    stream_bugs = {b.id for b in BUGS if b.stream_level}
+    assert stream_bugs <= set(SUPPORTED_FAULTS)
+
+
+@pytest.fixture(scope="module")
+def gpu_matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    out = tmp_path_factory.mktemp("gpu-mutants")
+    # One representative cell per bug here (time); `overlap-spec check` runs them all.
+    results = run_mutants(get_profile("ci"), SEED, save_dir=out, checkers=("gpu_impl",),
+                          max_cells=1)
+    return {r.bug.id: r for r in results}
+
+
+@pytest.mark.parametrize("bug_id", BUG_IDS)
+def test_gpu_impl_checker_kills_every_bug_living_in_its_code(
+        gpu_matrix: dict[str, object], bug_id: str) -> None:
+    result = gpu_matrix[bug_id]
+    if bug_id not in SUPPORTED_FAULTS:
+        assert result.verdict == NOT_APPLICABLE and result.not_applicable  # type: ignore[attr-defined]
+        return
+    assert result.verdict == KILLED, [  # type: ignore[attr-defined]
+        (c.cell, c.verdict, c.detail) for c in result.cells]  # type: ignore[attr-defined]
+    bug = next(b for b in BUGS if b.id == bug_id)
+    for kill in result.cells:  # type: ignore[attr-defined]
+        assert kill.verdict == KILLED, (bug_id, kill.cell, kill.detail)
+        if bug.stream_level:  # a race, named by the spec's classify_race with a catalogue ID
+            assert kill.invariant.startswith("race:"), (bug_id, kill.invariant, kill.detail)
+            assert kill.invariant.split(":")[1] in bug.invariants, (bug_id, kill.detail)
+        script = load_script(Path(kill.replay.split(" ", 2)[2]))
+        assert script.implementation == "gpu_impl" and script.faults == (bug_id,)
+        assert not run_differential(script).ok
+
+
+def test_race_detector_sees_the_whole_run_in_a_clean_cell() -> None:
+    """Not vacuous: the detector observed accesses on every stream the design uses."""
+    detector = RaceDetector()
+    streams = Streams(torch.device("cpu"), detector)
+    config = ModelConfig(get_cell("ov-p1-v2chain-cpu-honest"), MINIMAL)
+    with detector:
+        gpu = GpuScheduler(config, streams=streams)
+        gpu.admit(3, 8)
+        gpu.admit(2, 8)
+        for _ in range(4):
+            gpu.run_iteration(IterationChoices(accept_lens=(2, 3)))
+    assert detector.races == []
+    assert {"schedule", "forward", "copy", "d2h"} <= set(detector.launches), detector.launches
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.mark.cuda
+@needs_cuda
+@pytest.mark.parametrize("cell_name", ["ov-p1-v2chain-cpu-honest", "ov-p4-none",
+                                       "ov-p1-v2tree-nocpu-honest"])
+def test_differential_on_cuda(cell_name: str) -> None:
+    config = ModelConfig(get_cell(cell_name), MINIMAL)
+    result = check_cell_differential(config, get_profile("ci"), SEED, max_examples=20,
+                                     device=torch.device("cuda"))
+    assert result.ok, result.failure.outcome.describe() if result.failure else result.error
+
+
+def test_reference_counterexamples_replay_on_gpu_impl() -> None:
+    """Cross-checker agreement: the reference corpus (tests/data/mutant_scripts), replayed
+    on gpu_impl with the same fault against the clean reference, is caught too.
+
+    The one exception is a B1 script whose stale sum is *larger* than the truth in the
+    middle of an iteration (SL3 at retract_decode) and refreshed before the iteration
+    ends: the differential compares state after each operation, and no consumer (here or
+    upstream: the attention backend only sizes a buffer by it) misuses a larger sum.
+    """
+    uncaught = []
+    scripts = sorted((ROOT / "tests" / "data" / "mutant_scripts").glob("*.json"))
+    assert len(scripts) >= 30
+    for path in scripts:
+        script = load_script(path)
+        outcome = run_differential(dataclasses.replace(script, implementation="gpu_impl"))
+        if outcome.ok:
+            uncaught.append(path.name)
+    assert all("-B1." in name for name in uncaught), uncaught
+    assert len(uncaught) <= 3, uncaught
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_cuda_sanitizer_suite_is_clean_and_catches_a_stream_bug(tmp_path: Path) -> None:
+    """torch's CSAN on real streams: the clean model passes, B8 (no WAR fence) is caught.
+
+    Each run is a subprocess: CSAN, once enabled, stays on for the process.
+    """
+    import subprocess
+    import sys
+
+    def diff(*extra: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [sys.executable, "-m", "harness.cli", "diff", "--device", "cuda",
+             "--cuda-sanitizer", "--cells", "ov-p1-none,ov-p1-v2chain-cpu-honest",
+             "--out", str(tmp_path), "-q", *extra],
+            cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)
+
+    clean = diff()
+    assert clean.returncode == 0, clean.stdout + clean.stderr
+    faulted = diff("--faults", "B8")
+    assert faulted.returncode == 1, faulted.stdout + faulted.stderr
+    assert "CUDASanitizerErrors" in faulted.stdout + faulted.stderr

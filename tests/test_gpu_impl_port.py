@@ -1,0 +1,145 @@
+"""Scratch differential check of gpu_impl against the reference (the lead's harness/differential.py
+supersedes it): random operation scripts in every cell, both presets, observable state compared
+after every operation; each value-level fault diverges from the clean reference; the clean model
+has no race under the CPU race detector."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from gpu_impl.race import RaceDetector
+from gpu_impl.scheduler import SUPPORTED_FAULTS
+from gpu_impl.scheduler import Scheduler as GpuScheduler
+from gpu_impl.streams import Streams
+from reference.scheduler import Scheduler as ReferenceScheduler
+from spec.bugs import BUG_IDS, BUGS
+from spec.config import MINIMAL, REALISTIC, ModelConfig, SpecMode, enumerate_cells
+from spec.interface import SchedulerModel
+from spec.state import IterationChoices
+from spec.units import RequestId
+
+Op = tuple[str, int, int, IterationChoices | None]  # kind, length / index, budget, choices
+
+
+def make_ops(config: ModelConfig, rng: random.Random, steps: int,
+             max_requests: int = 6) -> list[Op]:
+    width = config.preset.max_running_requests
+    max_accept = config.max_accept_len
+    max_rung = config.preset.chain_steps if config.cell.spec_mode is SpecMode.V2_CHAIN else 0
+    ops: list[Op] = []
+    admitted = 0
+    for _ in range(steps):
+        draw = rng.random()
+        if draw < 0.3 and admitted < max_requests:
+            admitted += 1
+            kind = "admit" if draw < 0.2 else "admit_prebuilt"
+            ops.append((kind, rng.randint(1, config.preset.max_prompt_len),
+                        rng.randint(2 if kind == "admit_prebuilt" else 1,
+                                    config.preset.max_new_tokens), None))
+        elif draw < 0.35 and admitted:
+            ops.append(("abort", rng.randint(0, max_requests - 1), 0, None))
+        else:
+            accept = tuple(rng.choice([rng.randint(1, max_accept), max_accept])
+                           for _ in range(width))
+            eos = frozenset() if rng.random() < 0.6 else frozenset({rng.randint(0, width - 1)})
+            ops.append(("iterate", 0, 0, IterationChoices(
+                rng.random() < 0.6, rng.choice([0, 0, 0, 1]), accept, eos, rng.random() < 0.25,
+                rng.choice([0, 1, max_rung, rng.randint(0, max_rung)]),
+                rng.randint(0, max_accept - 1))))
+    return ops
+
+
+def apply(model: SchedulerModel, op: Op, admitted: list[RequestId]) -> None:
+    kind, first, second, choices = op
+    if choices is not None:
+        model.run_iteration(choices)
+    elif kind == "abort":
+        if admitted:
+            model.abort(admitted[first % len(admitted)])
+    elif kind == "admit":
+        admitted.append(model.admit(first, second))
+    else:
+        admitted.append(model.admit_prebuilt(first, second))
+
+
+def first_divergence(config: ModelConfig, ops: list[Op],
+                     gpu_faults: frozenset[str] = frozenset()) -> str | None:
+    reference = ReferenceScheduler(config, frozenset(), None)
+    gpu = GpuScheduler(config, gpu_faults)
+    ref_ids: list[RequestId] = []
+    gpu_ids: list[RequestId] = []
+    for index, op in enumerate(ops):
+        errors: list[BaseException | None] = []
+        for model, ids in ((reference, ref_ids), (gpu, gpu_ids)):
+            try:
+                apply(model, op, ids)
+                errors.append(None)
+            except Exception as error:  # noqa: BLE001 - compared below
+                errors.append(error)
+        if errors[0] is not None or errors[1] is not None:
+            same = type(errors[0]).__name__ == type(errors[1]).__name__
+            return None if same else f"op {index} {op}: raised {errors[0]!r} vs {errors[1]!r}"
+        expected, got = reference.get_observable_state(), gpu.get_observable_state()
+        if expected != got:
+            return f"op {index} {op}:\n  reference {expected}\n  gpu_impl  {got}"
+    return None
+
+
+CONFIGS = [ModelConfig(cell, preset) for preset in (MINIMAL, REALISTIC)
+           for cell in enumerate_cells()]
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
+def test_gpu_impl_matches_the_reference_after_every_operation(config: ModelConfig) -> None:
+    for seed in range(6):
+        ops = make_ops(config, random.Random(seed), 50)
+        divergence = first_divergence(config, ops)
+        assert divergence is None, f"{config.name} seed {seed}: {divergence}"
+
+
+def test_fault_ids_are_the_catalogue_and_unknown_ones_are_refused() -> None:
+    assert frozenset(BUG_IDS) == SUPPORTED_FAULTS
+    with pytest.raises(ValueError, match="unknown fault"):
+        GpuScheduler(CONFIGS[0], frozenset({"B99"}))
+
+
+# B4 changes only the accept counters; B5, B8, B9, B13 and B15 only the stream structure.
+VALUE_FAULTS = sorted(set(BUG_IDS) - {"B4", "B5", "B8", "B9", "B13", "B15"})
+
+
+@pytest.mark.parametrize("bug_id", VALUE_FAULTS)
+def test_each_value_fault_diverges_from_the_clean_reference(bug_id: str) -> None:
+    bug = next(b for b in BUGS if b.id == bug_id)
+    config = next(c for c in CONFIGS if bug.applies(c.cell) and c.cell.overlap)
+    assert any(first_divergence(config, make_ops(config, random.Random(seed), 60),
+                                frozenset({bug_id})) is not None for seed in range(20))
+
+
+def run_with_detector(config: ModelConfig, faults: frozenset[str], seeds: int) -> int:
+    races = 0
+    for seed in range(seeds):
+        detector = RaceDetector()
+        streams = Streams(torch.device("cpu"), detector)
+        with detector:
+            model = GpuScheduler(config, faults, None, streams)
+            ids: list[RequestId] = []
+            for op in make_ops(config, random.Random(seed), 40):
+                apply(model, op, ids)
+            races += len(detector.races)
+    return races
+
+
+@pytest.mark.parametrize("cell_name", ["ov-p1-none", "ov-p4-v2chain-cpu-preclaim",
+                                       "ov-p1-v2tree-nocpu-honest", "nov-p1-v2chain-cpu-honest"])
+def test_clean_gpu_impl_has_no_race(cell_name: str) -> None:
+    config = next(c for c in CONFIGS if c.name == f"{cell_name}@minimal")
+    assert run_with_detector(config, frozenset(), 4) == 0
+
+
+@pytest.mark.parametrize("bug_id", ["B5", "B8", "B9", "B13", "B15"])
+def test_each_stream_fault_races(bug_id: str) -> None:
+    config = next(c for c in CONFIGS if c.name == "ov-p1-v2chain-cpu-honest@minimal")
+    assert run_with_detector(config, frozenset({bug_id}), 8) > 0

@@ -1,0 +1,109 @@
+"""The CPU race detector (gpu_impl/race.py) can fail, names what raced, and stays quiet
+when the accesses are ordered by an event, a wait_stream or a host synchronize."""
+
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+from gpu_impl.race import TESTED_TORCH, RaceDetector, RaceError, check_sanitizer_api
+from gpu_impl.streams import Streams
+from spec.happens_before import COPY, D2H, FORWARD, SCHEDULE
+
+
+def _setup() -> tuple[RaceDetector, Streams]:
+    detector = RaceDetector()
+    return detector, Streams(torch.device("cpu"), detector)
+
+
+def test_torch_version_is_one_the_detector_was_tested_with() -> None:
+    major_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
+    assert major_minor in TESTED_TORCH, (torch.__version__, TESTED_TORCH)
+    check_sanitizer_api()
+
+
+def test_unsynchronised_cross_stream_read_is_a_race_naming_both_accesses() -> None:
+    detector, streams = _setup()
+    with detector:
+        buf = streams.device_tensor([0] * 8)  # written on S
+        detector.name(buf, "new_seq_lens_buf")
+        streams.wait_stream(FORWARD, SCHEDULE)
+        with streams.use(FORWARD):
+            buf[torch.tensor([1, 2])] = torch.tensor([5, 6])
+        with streams.use(SCHEDULE):
+            _ = buf[torch.tensor([1])]  # S reads what F wrote, no fence
+    assert len(detector.races) == 1
+    text = detector.races[0].describe()
+    for expected in ("new_seq_lens_buf", "forward", "schedule", "index_put_", "index"):
+        assert expected in text, text
+    assert detector.races[0].get_invariant() == "FM1"  # spec.invariants.classify_race
+
+
+def test_event_record_and_wait_order_the_accesses() -> None:
+    detector, streams = _setup()
+    with detector:
+        buf = streams.device_tensor([0] * 8)
+        streams.wait_stream(FORWARD, SCHEDULE)
+        with streams.use(FORWARD):
+            buf[torch.tensor([1, 2])] = torch.tensor([5, 6])
+        streams.record("publish_ready", FORWARD)
+        streams.wait_event(D2H, "publish_ready")
+        with streams.use(D2H):
+            _ = buf[torch.tensor([1])]
+    assert detector.races == []
+
+
+def test_raise_mode_stops_at_the_first_race() -> None:
+    detector = RaceDetector(raise_on_race=True)
+    streams = Streams(torch.device("cpu"), detector)
+    with pytest.raises(RaceError, match="race on"), detector:
+        buf = streams.device_tensor([0] * 4)
+        with streams.use(FORWARD):
+            buf.add_(1)
+
+
+def test_host_read_of_a_d2h_copy_needs_a_synchronize() -> None:
+    for synchronize in (False, True):
+        detector, streams = _setup()
+        with detector:
+            device = streams.device_tensor([3, 4])
+            host = streams.host_tensor(2)
+            streams.wait_stream(D2H, SCHEDULE)
+            streams.copy_to_host(device, host, D2H)
+            if synchronize:
+                streams.synchronize_stream(D2H)
+            assert streams.to_list(host) == [3, 4]
+        assert bool(detector.races) != synchronize, detector.races
+        assert streams.counters.d2h_copies == [D2H]
+
+
+def test_free_before_the_reader_stream_is_ordered_is_a_use_after_free() -> None:
+    for ordered in (False, True):
+        detector, streams = _setup()
+        with detector:
+            tensor = streams.device_tensor([1, 2, 3])  # allocated on S
+            streams.wait_stream(FORWARD, SCHEDULE)
+            with streams.use(FORWARD):
+                _ = tensor.sum()
+            streams.record("done", FORWARD)
+            if ordered:
+                streams.wait_event(SCHEDULE, "done")
+            del tensor
+            gc.collect()
+        frees = [r for r in detector.races if r.later.kind == "free"]
+        assert bool(frees) != ordered, detector.races
+
+
+def test_host_work_is_ordered_before_what_the_host_enqueues_next() -> None:
+    detector, streams = _setup()
+    with detector:
+        host = streams.host_tensor([1, 2, 3])
+        streams.host_write(host, [4, 5, 6])
+        with streams.use(COPY):
+            device = host.to(torch.int64) + 0  # read on COPY after the host's write
+        streams.synchronize_stream(COPY)
+        streams.host_write(host, [7, 8, 9])
+    assert detector.races == [], [r.describe() for r in detector.races]
+    assert device.tolist() == [4, 5, 6]

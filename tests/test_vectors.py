@@ -1,0 +1,67 @@
+"""Conformance vectors: 500+ across every cell, replayed green; a changed vector fails."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from harness.vectors import check_vectors, generate_vectors, main
+from spec.config import enumerate_cells
+from spec.invariants import INVARIANT_IDS
+
+
+@pytest.fixture(scope="module")
+def vectors(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    directory = tmp_path_factory.mktemp("vectors")
+    report = generate_vectors(directory)
+    assert report.written >= 500 and report.valid >= 400 and report.invalid >= 100
+    return directory
+
+
+def test_vectors_cover_every_cell_and_replay_green(vectors: Path) -> None:
+    index = json.loads((vectors / "index.json").read_text())
+    entries = index["vectors"]
+    assert len(entries) >= 500
+    assert {e["cell"] for e in entries} == {c.name for c in enumerate_cells()}
+    assert all(e["valid"] or e["invariant"] in INVARIANT_IDS for e in entries)
+    count, failures = check_vectors(vectors)
+    assert count == len(entries) and not failures, failures[:3]
+    readme = (vectors / "README.md").read_text()
+    assert "overlap-spec-vector" in readme and "`post`" in readme
+
+
+def test_a_vector_is_plain_self_contained_json(vectors: Path) -> None:
+    vector = json.loads(next((vectors / "ov-p1-v2chain-cpu-honest").glob("*.json")).read_text())
+    assert set(vector) >= {"cell", "preset", "derived", "faults", "prefix", "pre", "events",
+                           "post"}
+    assert vector["events"][0]["event"] == "op"
+    assert {e["event"] for e in vector["events"]} <= {"op", "stream", "observe"}
+
+
+def test_a_changed_vector_fails(vectors: Path, tmp_path: Path) -> None:
+    valid = next(p for p in sorted(vectors.rglob("0003.json")))
+    invalid_entry = next(e for e in json.loads((vectors / "index.json").read_text())["vectors"]
+                         if not e["valid"])
+    for source, change in ((valid, "post"), (vectors / invalid_entry["file"], "invariant")):
+        vector = json.loads(source.read_text())
+        if change == "post":
+            state = vector["post"]["state"]
+            state["requests"][0]["kv_committed_len"] += 1
+        else:
+            vector["post"]["invariant"] = "SL11" if vector["post"]["invariant"] != "SL11" \
+                else "KV1"
+        target = tmp_path / change / "x.json"
+        target.parent.mkdir()
+        target.write_text(json.dumps(vector))
+        count, failures = check_vectors(target.parent)
+        assert count == 1 and len(failures) == 1, change
+
+
+def test_vectors_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "v"
+    assert main(["generate", str(out), "--scripts-per-cell", "1", "--ops-per-script", "2"]) == 0
+    assert main(["check", str(out)]) == 0
+    assert "replayed green" in capsys.readouterr().out
+    assert main(["check", str(tmp_path / "missing")]) == 2
