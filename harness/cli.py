@@ -359,8 +359,10 @@ def cmd_bench(args: argparse.Namespace) -> int:
     rows = run_bench_gpu(device, sizes, args.iterations)
     print(render_bench(rows))
     if args.out:
-        command = "overlap-spec bench gpu " + " ".join(sys.argv[3:])
-        path = write_bench(rows, Path(args.out), command.strip())
+        command = (f"overlap-spec bench gpu --device {args.device} --batch-sizes "
+                   f"{args.batch_sizes} --iterations {args.iterations} --threads "
+                   f"{args.threads} --out {args.out}")
+        path = write_bench(rows, Path(args.out), command)
         print(f"written: {path}")
     return 0
 

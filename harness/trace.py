@@ -353,7 +353,8 @@ class TraceVerdict:
     def describe(self) -> str:
         head = {OK: "PASS", VIOLATION: "VIOLATION", INCONCLUSIVE: "INCONCLUSIVE"}[self.status]
         source = ("state inferred by re-executing the ops on the reference"
-                  if self.inferred else "state from the recorded snapshots")
+                  if self.inferred else "state from the recorded snapshots"
+                  if self.observations else "stream events only")
         lines = [f"{head}: {self.events} events, {self.observations} observations checked "
                  f"({source})"]
         lines.extend(f"note: {n}" for n in self.notes)
