@@ -146,6 +146,11 @@ def check_sat(constraints: list[Term], timeout_ms: int = DEFAULT_TIMEOUT_MS) -> 
     solver = z3.Solver()
     solver.set("timeout", int(timeout_ms))
     solver.add(*constraints)
+    return _run(solver)
+
+
+def _run(solver: Any) -> Outcome:
+    """Check ``solver`` once and read its answer; anything but sat / unsat is unknown."""
     started = time.perf_counter()
     answer = solver.check()
     seconds = time.perf_counter() - started
@@ -222,12 +227,4 @@ class Preprocessed:
         solver = z3.TryFor(tactic, limit).solver()
         solver.set("timeout", limit)
         solver.add(*self.terms, *extra)
-        started = time.perf_counter()
-        answer = solver.check()
-        seconds = time.perf_counter() - started
-        if answer == z3.sat:
-            model = solver.model()
-            return Outcome(SATISFIABLE, seconds, _read_model(model), raw_model=model)
-        if answer == z3.unsat:
-            return Outcome(UNSATISFIABLE, seconds)
-        return Outcome(UNKNOWN, seconds, reason=str(solver.reason_unknown()))
+        return _run(solver)
