@@ -28,7 +28,6 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
@@ -463,8 +462,3 @@ class Scheduler:
             if req.finished() and req.holds_kv:
                 release_kv_cache(rt, req, is_insert=True)
         self.num_correct_drafts, self.metrics_batch_size = counted
-
-    def get_counters(self) -> dict[str, Any]:
-        """The accept counters of the last processed result (RP3, B4)."""
-        return {"num_correct_drafts": self.num_correct_drafts,
-                "metrics_batch_size": self.metrics_batch_size}

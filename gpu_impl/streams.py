@@ -54,16 +54,14 @@ class StreamListener(Protocol):
 
 @dataclass
 class Counters:
-    """Host-blocking syncs, D2H copies and kernel launches, by iteration when reset."""
+    """Host-blocking syncs and D2H copies (launches: the race detector or a launch counter)."""
 
-    host_syncs: list[str] = field(default_factory=list)  # "event:<name>" | "stream:<name>" | ...
+    host_syncs: list[str] = field(default_factory=list)  # "event:<name>" | "stream:<name>"
     d2h_copies: list[str] = field(default_factory=list)  # the stream each copy ran on
-    kernel_launches: dict[str, int] = field(default_factory=dict)  # per stream
 
     def reset(self) -> None:
         self.host_syncs.clear()
         self.d2h_copies.clear()
-        self.kernel_launches.clear()
 
 
 class Streams:
@@ -221,9 +219,3 @@ class Streams:
             host = torch.empty(tensor.shape, dtype=tensor.dtype)
             host.copy_(tensor)
             return [int(value) for value in host.reshape(-1).tolist()]
-
-    def item(self, tensor: torch.Tensor) -> int:
-        """A blocking device-to-host read of one value (counted as a host sync and a D2H)."""
-        self.counters.host_syncs.append(f"item:{self._current}")
-        self.counters.d2h_copies.append(self._current)
-        return int(tensor.item())

@@ -46,7 +46,6 @@ from harness.stateful import (
     get_profile,
 )
 from harness.sync_contract import (
-    get_expected_host_syncs,
     get_sync_table,
     render_sync_table,
 )
@@ -56,6 +55,7 @@ from reference.scheduler import SUPPORTED_FAULTS
 from spec.bugs import BUG_IDS, Bug
 from spec.config import PRESETS, ModelConfig, enumerate_cells
 from spec.invariants import INVARIANTS
+from spec.transitions import compute_host_sync_budget
 
 DEFAULT_SEED = 20261122
 
@@ -343,7 +343,7 @@ def cmd_syncs(args: argparse.Namespace) -> int:
     rows = get_sync_table(device, args.batch_size)
     print(render_sync_table(rows))
     cells = {c.name: c for c in enumerate_cells()}
-    bad = [r for r in rows if len(r.host_syncs) != get_expected_host_syncs(cells[r.cell])
+    bad = [r for r in rows if len(r.host_syncs) != compute_host_sync_budget(cells[r.cell])
            or (cells[r.cell].overlap and r.schedule_stream_syncs)]
     for row in bad:
         print(f"sync contract broken in {row.cell}: {list(row.host_syncs)}")

@@ -67,15 +67,11 @@ class IterationCounts:
 
     @property
     def schedule_stream_syncs(self) -> int:
-        return sum(1 for s in self.host_syncs if s in (f"stream:{SCHEDULE}", f"item:{SCHEDULE}"))
+        return sum(1 for s in self.host_syncs if s == f"stream:{SCHEDULE}")
 
     @property
     def total_launches(self) -> int:
         return sum(self.launches.values())
-
-
-def get_expected_host_syncs(cell: Cell) -> int:
-    return compute_host_sync_budget(cell)
 
 
 def measure_steady_state(cell: Cell, batch_size: int = 4, device: torch.device | None = None,
@@ -129,7 +125,7 @@ def render_sync_table(rows: list[IterationCounts]) -> str:
     lines = [f"{'cell':<28} {'syncs':>5} {'budget':>6} {'D2H':>4} {'launches':>8}  host syncs"]
     cells = {c.name: c for c in enumerate_cells()}
     for row in rows:
-        budget = get_expected_host_syncs(cells[row.cell]) if row.cell in cells else "-"
+        budget = compute_host_sync_budget(cells[row.cell]) if row.cell in cells else "-"
         lines.append(f"{row.cell:<28} {len(row.host_syncs):>5} {budget!s:>6} "
                      f"{len(row.d2h_copies):>4} {row.total_launches:>8}  "
                      f"{', '.join(row.host_syncs)}")

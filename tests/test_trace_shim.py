@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import random
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,14 +23,23 @@ from spec.config import PRESETS, ModelConfig, get_cell
 from spec.units import RequestId
 
 
-def _run(tmp_path: Path, cell: str, faults: frozenset[str], seed: int = 1) -> Path:
+def _run(tmp_path: Path, cell: str, faults: frozenset[str], seed: int = 1,
+         implementation: str = "reference") -> Path:
+    """A random run of either implementation inside the shim (both use upstream names)."""
     config = ModelConfig(get_cell(cell), PRESETS["minimal"])
-    scheduler = Scheduler(config, faults, None)
-    path = tmp_path / "live.ndjson"
+    if implementation == "gpu_impl":
+        from gpu_impl.schedule_batch import ScheduleBatch as GpuScheduleBatch
+        from gpu_impl.scheduler import Scheduler as GpuScheduler
+
+        scheduler: Any = GpuScheduler(config, faults)
+        batch_class: type = GpuScheduleBatch
+    else:
+        scheduler, batch_class = Scheduler(config, faults, None), ScheduleBatch
+    path = tmp_path / f"live-{implementation}.ndjson"
     ops = generate_random_ops(config, random.Random(seed), 14)
     admitted: list[RequestId] = []
-    with TraceShim(path, cell, "minimal", batch_class=ScheduleBatch, scheduler=scheduler,
-                   future_map=scheduler.future_map, implementation="reference-shim",
+    with TraceShim(path, cell, "minimal", batch_class=batch_class, scheduler=scheduler,
+                   future_map=scheduler.future_map, implementation=f"{implementation}-shim",
                    faults=tuple(sorted(faults))):
         for op in ops:
             apply_op(scheduler, op, admitted)
@@ -68,27 +78,9 @@ def test_shim_restores_the_wrapped_methods(tmp_path: Path) -> None:
         assert ScheduleBatch.__dict__[name] is before[name]
 
 
-def _run_gpu(tmp_path: Path, cell: str, faults: frozenset[str], seed: int = 1) -> Path:
-    """The same shim around gpu_impl, whose methods carry the upstream names too."""
-    from gpu_impl.schedule_batch import ScheduleBatch as GpuScheduleBatch
-    from gpu_impl.scheduler import Scheduler as GpuScheduler
-
-    config = ModelConfig(get_cell(cell), PRESETS["minimal"])
-    scheduler = GpuScheduler(config, faults)
-    path = tmp_path / "live-gpu.ndjson"
-    ops = generate_random_ops(config, random.Random(seed), 14)
-    admitted: list[RequestId] = []
-    with TraceShim(path, cell, "minimal", batch_class=GpuScheduleBatch, scheduler=scheduler,
-                   future_map=scheduler.future_map, implementation="gpu_impl-shim",
-                   faults=tuple(sorted(faults))):
-        for op in ops:
-            apply_op(scheduler, op, admitted)
-    return path
-
-
 @pytest.mark.parametrize("cell", ["ov-p1-none", "ov-p1-v2chain-cpu-honest", "nov-p4-none"])
 def test_shim_around_gpu_impl_writes_a_passing_trace(cell: str, tmp_path: Path) -> None:
-    path = _run_gpu(tmp_path, cell, frozenset())
+    path = _run(tmp_path, cell, frozenset(), implementation="gpu_impl")
     methods = {json.loads(line).get("method") for line in path.read_text().splitlines()}
     assert {"ScheduleBatch.prepare_for_extend", "ScheduleBatch.filter_batch",
             "Scheduler.run_batch"} <= methods, methods
@@ -98,7 +90,8 @@ def test_shim_around_gpu_impl_writes_a_passing_trace(cell: str, tmp_path: Path) 
 
 def test_shim_around_a_faulted_gpu_impl_is_rejected(tmp_path: Path) -> None:
     for seed in range(40):
-        verdict = check_trace_file(_run_gpu(tmp_path, "ov-p1-none", frozenset({"B1"}), seed))
+        verdict = check_trace_file(_run(tmp_path, "ov-p1-none", frozenset({"B1"}), seed,
+                                        implementation="gpu_impl"))
         if verdict.status == VIOLATION:
             assert verdict.violation is not None
             assert "SL3" in verdict.violation.all_ids, verdict.describe()
