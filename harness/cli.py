@@ -34,7 +34,12 @@ from harness.mutants import (
     render_mutants,
     run_mutants,
 )
-from harness.prove import add_prove_arguments, cmd_prove, run_proofs_for_check
+from harness.prove import (
+    add_prove_arguments,
+    cmd_prove,
+    get_default_jobs,
+    run_proofs_for_check,
+)
 from harness.report import build_json, is_clean, render_table, write_json
 from harness.script import ScriptError, load_script, run_script, save_script
 from harness.stateful import (
@@ -108,6 +113,9 @@ def cmd_check(args: argparse.Namespace) -> int:
         print(f"overlap-spec: unknown fault IDs {sorted(unknown)}; supported: "
               f"{', '.join(sorted(SUPPORTED_FAULTS))}", file=sys.stderr)
         return 2
+    if args.jobs < 1:
+        print("overlap-spec: --jobs must be >= 1", file=sys.stderr)
+        return 2
     configs = _select_configs(args.cells, args.preset)
     out = Path(args.out) / "failures" if args.out else None
     started = time.perf_counter()
@@ -131,7 +139,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     proofs: dict[str, Any] = {"status": "skipped"}
     if not args.no_proofs and not faults:
         print("\nproofs (Z3: induction, happens-before, bounded model checking):")
-        proofs = run_proofs_for_check([c.cell.name for c in configs] if args.cells else None)
+        proofs = run_proofs_for_check([c.cell.name for c in configs] if args.cells else None,
+                                      args.jobs)
         counts = proofs.get("counts", {})
         print("  " + ", ".join(f"{k} {v}" for k, v in counts.items())
               + f" ({proofs.get('elapsed_s', 0):.1f}s)")
@@ -404,6 +413,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the Z3 tier (proofs and the z3 mutant column)")
     check.add_argument("--no-mutants", action="store_true",
                        help="skip the mutant matrix (it is skipped anyway with --faults)")
+    check.add_argument("-j", "--jobs", type=int, default=get_default_jobs(),
+                       help="worker processes for the proofs tier, one cell each "
+                            "(default: the CPUs available, here %(default)s)")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     check.set_defaults(func=cmd_check)
     mutants = sub.add_parser("mutants", help="the B1-B16 kill matrix")

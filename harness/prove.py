@@ -11,9 +11,13 @@ from __future__ import annotations
 import argparse
 import fnmatch
 import json
+import multiprocessing
+import os
 import sys
 import time
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
@@ -47,9 +51,8 @@ DEFAULT_TIMEOUT_MS = zs.DEFAULT_TIMEOUT_MS
 DEFAULT_DEPTH = bmc.DEFAULT_DEPTH
 DEFAULT_REQUESTS = bmc.DEFAULT_REQUESTS
 DEFAULT_BMC_TIMEOUT_MS = bmc.DEFAULT_TIMEOUT_MS
-# The bound `overlap-spec check` runs in every cell, the same default as `overlap-spec
-# prove` (-K / -B): the largest uniform bound that proves in all 22 cells with a wide
-# margin on 2 cores (docs/proofs.md; the issue's K=6, B=3 is not reached).
+# The bound `overlap-spec check` runs in every cell: the same default as `overlap-spec
+# prove` (-K / -B), the issue's K=6, B=3.
 CHECK_BMC_BOUND: Final = (DEFAULT_DEPTH, DEFAULT_REQUESTS)
 
 
@@ -76,10 +79,13 @@ def add_prove_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"BMC symbolic requests (default {DEFAULT_REQUESTS})")
     parser.add_argument("--bmc-timeout-ms", type=int, default=DEFAULT_BMC_TIMEOUT_MS,
                         help="per BMC query; a timeout is a failure (default 60000)")
-    parser.add_argument("--no-bmc", action="store_true", help="skip the bounded model check")
+    parser.add_argument("--no-bmc", action="store_true", help="skip the bounded model check and its reachable witnesses")
     parser.add_argument("--timeout-ms", type=int, default=DEFAULT_TIMEOUT_MS,
                         help="per solver call; a timeout is a failure (default 20000)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="minimal")
+    parser.add_argument("-j", "--jobs", type=int, default=get_default_jobs(),
+                        help="cells proved in parallel worker processes (default: the CPUs "
+                             "available, here %(default)s)")
     parser.add_argument("--json", help="write the proofs section as JSON to this path")
     parser.add_argument("--quiet", action="store_true", help="print the summary only")
 
@@ -115,10 +121,37 @@ def bmc_row(cell: Cell, preset: str = "minimal", depth: int = DEFAULT_DEPTH,
     ctx = Context(ModelConfig(cell, PRESETS[preset]))
     result = bmc.check_bounded(ctx, depth, requests, None, timeout_ms)
     label = f"K={depth},B={requests}"
-    detail = {zs.PROVED: f"no violation within K={depth}, B={requests}",
+    how = ("iteration 0 unrolled, iterations 1..K-1 by the inductive step"
+           if result.inductive else
+           f"unrolled, {result.windows} of {depth} iterations by the one-iteration window")
+    detail = {zs.PROVED: f"no violation within K={depth}, B={requests} ({how})",
               zs.COUNTEREXAMPLE: f"{result.invariant} at {result.where}",
               zs.UNKNOWN: f"solver gave up: {result.reason}"}[result.verdict]
     return MatrixCell("bmc", label, result.verdict, result.seconds, detail)
+
+
+# The bound of the reachable witnesses: every checked ID has one in every cell here.
+WITNESS_BOUND: Final = (2, 2)
+
+
+def witness_rows(cell: Cell, preset: str = "minimal",
+                 timeout_ms: int = DEFAULT_BMC_TIMEOUT_MS) -> list[MatrixCell]:
+    """Transition "reachable": per ID the BMC checks, a run within WITNESS_BOUND that
+    gives the check something to check. A vacuous check is a failure, like a
+    counterexample; undecided is unknown."""
+    ctx = Context(ModelConfig(cell, PRESETS[preset]))
+    started = time.perf_counter()
+    found = bmc.find_reachable_witnesses(ctx, *WITNESS_BOUND, timeout_ms=timeout_ms)
+    seconds = (time.perf_counter() - started) / max(len(found), 1)
+    bound = f"K={WITNESS_BOUND[0]}, B={WITNESS_BOUND[1]}"
+    verdicts = {zs.SATISFIABLE: (zs.PROVED, f"a run within {bound} exercises it"),
+                zs.UNSATISFIABLE: (zs.COUNTEREXAMPLE, f"vacuous: no run within {bound} "
+                                                      "exercises it")}
+    rows = []
+    for invariant, answer in sorted(found.items()):
+        verdict, detail = verdicts.get(answer, (zs.UNKNOWN, "solver gave up"))
+        rows.append(MatrixCell("reachable", invariant, verdict, seconds, detail))
+    return rows
 
 
 def build_proofs_json(results: dict[str, list[MatrixCell]], seconds: float,
@@ -141,15 +174,69 @@ def run_proofs(cells: list[Cell], preset: str = "minimal", bound: int = DEFAULT_
     return {cell.name: prove_one_cell(cell, preset, bound, timeout_ms) for cell in cells}
 
 
-def run_proofs_for_check(cell_names: list[str] | None) -> dict[str, Any]:
+@dataclass(frozen=True)
+class ProveJob:
+    """What one worker proves for one cell (plain values: it crosses a process)."""
+
+    cell: str
+    preset: str
+    bound: int
+    timeout_ms: int
+    bmc: tuple[int, int] | None  # (K, B), or None for no BMC
+    bmc_timeout_ms: int
+
+
+def run_job(job: ProveJob) -> list[MatrixCell]:
+    cell = next(c for c in enumerate_cells() if c.name == job.cell)
+    rows = prove_one_cell(cell, job.preset, job.bound, job.timeout_ms)
+    if job.bmc is not None:
+        rows.append(bmc_row(cell, job.preset, job.bmc[0], job.bmc[1], job.bmc_timeout_ms))
+        rows.extend(witness_rows(cell, job.preset, job.bmc_timeout_ms))
+    return rows
+
+
+def get_default_jobs() -> int:
+    """The CPUs this process may run on (the default of ``--jobs``)."""
+    return max(len(os.sched_getaffinity(0)), 1) if hasattr(os, "sched_getaffinity") else 1
+
+
+def _expected_cost(cell: Cell) -> tuple[bool, bool, bool]:
+    """Slowest cells first (overlap, page 4, spec: measured in docs/proofs.md), so the
+    last cell a worker takes is a short one."""
+    return (cell.overlap, cell.page_size > 1, cell.is_spec)
+
+
+def run_jobs(cells: list[Cell], job: ProveJob, jobs: int,
+             progress: Callable[[str, list[MatrixCell]], None] | None = None,
+             ) -> dict[str, list[MatrixCell]]:
+    """``job`` (its cell field replaced) for every cell, on ``jobs`` worker processes
+    (1: in this process). Results come back in ``cells`` order whatever the finish order."""
+    todo = [replace(job, cell=c.name) for c in sorted(cells, key=_expected_cost, reverse=True)]
+    done: dict[str, list[MatrixCell]] = {}
+    if jobs <= 1 or len(todo) <= 1:
+        for item in todo:
+            done[item.cell] = run_job(item)
+            if progress:
+                progress(item.cell, done[item.cell])
+    else:
+        spawn = multiprocessing.get_context("spawn")  # no state shared with this process
+        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=spawn) as pool:
+            futures = {pool.submit(run_job, item): item.cell for item in todo}
+            for future in as_completed(futures):
+                done[futures[future]] = future.result()
+                if progress:
+                    progress(futures[future], done[futures[future]])
+    return {c.name: done[c.name] for c in cells}
+
+
+def run_proofs_for_check(cell_names: list[str] | None, jobs: int = 1) -> dict[str, Any]:
     """The "proofs" section of ``overlap-spec check``'s JSON."""
     started = time.perf_counter()
     cells = [c for c in enumerate_cells() if cell_names is None or c.name in cell_names
              or any(fnmatch.fnmatch(c.name, n) for n in cell_names)]
-    results = run_proofs(cells)
-    for cell in cells:
-        results[cell.name].append(bmc_row(cell, depth=CHECK_BMC_BOUND[0],
-                                          requests=CHECK_BMC_BOUND[1]))
+    job = ProveJob("", "minimal", DEFAULT_BATCH_BOUND, DEFAULT_TIMEOUT_MS, CHECK_BMC_BOUND,
+                   DEFAULT_BMC_TIMEOUT_MS)
+    results = run_jobs(cells, job, jobs)
     document = build_proofs_json(results, time.perf_counter() - started, DEFAULT_BATCH_BOUND)
     bmc_rows = [r for rows in results.values() for r in rows if r.transition == "bmc"]
     document["bmc"] = {"depth": CHECK_BMC_BOUND[0], "requests": CHECK_BMC_BOUND[1],
@@ -157,6 +244,11 @@ def run_proofs_for_check(cell_names: list[str] | None) -> dict[str, Any]:
                        "counterexample": sum(r.verdict == zs.COUNTEREXAMPLE for r in bmc_rows),
                        "unknown": sum(r.verdict == zs.UNKNOWN for r in bmc_rows),
                        "seconds": round(sum(r.seconds for r in bmc_rows), 3)}
+    reach = [r for rows in results.values() for r in rows if r.transition == "reachable"]
+    document["witnesses"] = {"depth": WITNESS_BOUND[0], "requests": WITNESS_BOUND[1],
+                             "exercised": sum(r.verdict == zs.PROVED for r in reach),
+                             "vacuous": sum(r.verdict == zs.COUNTEREXAMPLE for r in reach),
+                             "unknown": sum(r.verdict == zs.UNKNOWN for r in reach)}
     return document
 
 
@@ -184,23 +276,21 @@ def cmd_prove(args: argparse.Namespace) -> int:
         print(f"overlap-spec: no cell matches {args.cells!r} (see 'overlap-spec cells')",
               file=sys.stderr)
         return 2
-    if args.batch_bound < 0 or args.timeout_ms <= 0 or args.depth < 1 or args.requests < 1:
-        print("overlap-spec: --batch-bound must be >= 0, --timeout-ms > 0, -K and -B >= 1",
-              file=sys.stderr)
+    if (args.batch_bound < 0 or args.timeout_ms <= 0 or args.depth < 1 or args.requests < 1
+            or args.jobs < 1 or args.bmc_timeout_ms <= 0):
+        print("overlap-spec: --batch-bound must be >= 0, --timeout-ms and --bmc-timeout-ms "
+              "> 0, -K, -B and --jobs >= 1", file=sys.stderr)
         return 2
     started = time.perf_counter()
-    results: dict[str, list[MatrixCell]] = {}
-    for cell in cells:
-        results[cell.name] = prove_one_cell(cell, args.preset, args.batch_bound,
-                                            args.timeout_ms)
-        if not getattr(args, "no_bmc", False):
-            results[cell.name].append(bmc_row(cell, args.preset, args.depth, args.requests,
-                                              getattr(args, "bmc_timeout_ms",
-                                                      DEFAULT_BMC_TIMEOUT_MS)))
+
+    def progress(name: str, rows: list[MatrixCell]) -> None:
         if not args.quiet:
-            rows = results[cell.name]
             bad = sum(r.verdict != zs.PROVED for r in rows)
-            print(f"{cell.name:<32} {len(rows) - bad}/{len(rows)} proved", file=sys.stderr)
+            print(f"{name:<32} {len(rows) - bad}/{len(rows)} proved", file=sys.stderr)
+
+    job = ProveJob("", args.preset, args.batch_bound, args.timeout_ms,
+                   None if args.no_bmc else (args.depth, args.requests), args.bmc_timeout_ms)
+    results = run_jobs(cells, job, args.jobs, progress)
     document = build_proofs_json(results, time.perf_counter() - started, args.batch_bound)
     if not args.quiet:
         print(render_matrix(results))
@@ -218,7 +308,7 @@ def cmd_prove(args: argparse.Namespace) -> int:
 # Bounds tried in order for a mutant's counterexample: the first that finds one gives the
 # shortest script. The last is the default bound.
 MUTANT_BOUNDS: Final = ((2, 2), (3, 2), (4, 2), (4, 3),
-                        (bmc.TARGET_DEPTH, bmc.TARGET_REQUESTS))
+                        (bmc.DEFAULT_DEPTH, bmc.DEFAULT_REQUESTS))
 
 
 @dataclass

@@ -28,7 +28,9 @@ and the strengthening conjuncts IND1..IND7), the point claims at their transitio
 and the batch claims SL1 (init_new), SL3 (lazy sum), SL10 (draft extend), RP3
 (counters) and KV7 (pool conservation). ``MODEL`` flags a transition fired by the
 loop outside :mod:`proofs.model`'s guard: the two encodings disagree, which the
-clean model must also rule out.
+clean model must also rule out. At each iteration's end also ``LOOP``: the loop's
+own bookkeeping facts (``_Builder.check_loop``), which make the inductive step and
+the windows of :func:`check_bounded` possible.
 
 Modelling compromises, stated once:
 - Aborts and PD-prebuilt admissions are not among the BMC's choices (stream bugs get
@@ -46,7 +48,7 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from proofs import solver as zs
-from proofs.claims import POINT_INVARIANTS, get_state_invariants
+from proofs.claims import POINT_INVARIANTS, get_state_invariants, get_strengthened
 from proofs.model import (
     Context,
     Record,
@@ -65,16 +67,18 @@ from proofs.symbolic import lift
 from spec import transitions as tr
 from spec.config import SpecMode, SpecShape
 
-# The default bound: the largest uniform (K, B) measured to prove in all 22 cells with
-# a wide margin on 2 cores (docs/proofs.md). The issue's target bound is K=6, B=3; it is
-# not reached in the page-4 chain cells (docs/proofs.md has the numbers).
-DEFAULT_DEPTH: Final = 3
-DEFAULT_REQUESTS: Final = 2
-TARGET_DEPTH: Final = 6
-TARGET_REQUESTS: Final = 3
-# Per BMC query; the deepest default-bound query takes about 2 s in the slowest cell.
+# The default bound is the issue's: K=6 iterations of B=3 requests. In every cell it is
+# proved by the inductive step (check_inductive_step) plus iteration 0, about 2 s per
+# cell on 2 cores (docs/proofs.md); the unrolling is the fallback and the mutant path.
+DEFAULT_DEPTH: Final = 6
+DEFAULT_REQUESTS: Final = 3
+# Per query. The slowest default-bound query takes about 1 s; a full K=6, B=3 unrolling
+# query (the fallback) about 20 s in the slowest cell.
 DEFAULT_TIMEOUT_MS: Final = 60_000
 MODEL_ID: Final = "MODEL"
+# The field a state claim's antecedent reads (default: the request holds a row).
+_ANTECEDENTS: Final = {"KV5": "ret"}
+LOOP_ID: Final = "LOOP"
 # Order keys: a batch merged at iteration i sorts after everything merged before it.
 _ORDER_STRIDE: Final = 1000
 
@@ -88,6 +92,7 @@ class Violation:
     iteration: int
     where: str
     term: Term  # true when violated
+    exercised: Term = None  # true when the check has something to check (its antecedent)
 
 
 @dataclass
@@ -115,6 +120,8 @@ class Unrolling:
     violations: list[Violation] = field(default_factory=list)
     iterations: list[IterationTerms] = field(default_factory=list)
     frames: list[int] = field(default_factory=list)  # len(constraints) after iteration i
+    initial: int = 0  # len(constraints) after the initial state (the admission domain)
+    ends: list[tuple[int, int]] = field(default_factory=list)  # violations at iteration i's end
     admit_at: list[Term] = field(default_factory=list)
     prompt_len: list[Term] = field(default_factory=list)
     max_new_tokens: list[Term] = field(default_factory=list)
@@ -132,6 +139,9 @@ class BmcResult:
     unrolling: Unrolling | None = None
     raw_model: object = None
     reason: str = ""
+    lemma: str = ""  # ALLOC's verdict in this context: its instances are added only if proved
+    windows: int = 0  # iterations proved by the one-iteration window (check_bounded)
+    inductive: bool = False  # iterations 1..K-1 proved by check_inductive_step
 
 
 def _ite(condition: Term, then: Record, other: Record) -> Record:
@@ -145,8 +155,10 @@ def _count(terms: list[Term]) -> Term:
 class _Builder:
     """Builds the unrolling; ``state`` is the current frame (fresh constants per frame)."""
 
-    def __init__(self, ctx: Context, depth: int, requests: int) -> None:
+    def __init__(self, ctx: Context, depth: int, requests: int, use_lemma: bool = False,
+                 symbolic_start: bool = False) -> None:
         self.ctx = ctx
+        self.use_lemma = use_lemma  # add ALLOC instances (only once it is proved valid)
         self.out = Unrolling(ctx, depth, requests)
         self.frame = 0
         cfg = ctx.config
@@ -166,14 +178,20 @@ class _Builder:
             "last_ext": zs.BoolVal(False), "last_some": zs.BoolVal(False),
             "rb_cpu": zs.BoolVal(True), "rb_sum": zs.BoolVal(False), "rb_total": zs.IntVal(0),
             "xb_sum": zs.BoolVal(False), "xb_total": zs.IntVal(0), "wctr": zs.IntVal(requests)}
-        self._initial()
+        if symbolic_start:  # any state: the caller constrains it (check_inductive_step)
+            self.glob = {name: (zs.Bool if zs.is_bool(term) else zs.Int)(f"g.f0.{name}")
+                         for name, term in self.glob.items()}
+        else:
+            self._initial()
+        self.out.initial = len(self.out.constraints)
 
     # ------------------------------------------------------------------ plumbing
     def add(self, term: Term) -> None:
         self.out.constraints.append(term)
 
-    def violate(self, invariant: str, iteration: int, where: str, term: Term) -> None:
-        self.out.violations.append(Violation(invariant, iteration, where, term))
+    def violate(self, invariant: str, iteration: int, where: str, term: Term,
+                exercised: Term = None) -> None:
+        self.out.violations.append(Violation(invariant, iteration, where, term, exercised))
 
     def snapshot(self) -> None:
         """Fresh constants for the current frame: keeps every term linear in K."""
@@ -182,7 +200,7 @@ class _Builder:
         for b, r in enumerate(self.reqs):
             new: Record = {}
             for name, term in r.items():
-                if zs.is_name(term) or zs.as_python(term) is not None:
+                if zs.is_name(term) or zs.is_literal(term):
                     new[name] = term  # unchanged since the last frame, or a literal
                     continue
                 var = (zs.Bool if zs.is_bool(term) else zs.Int)(f"r{b}.f{self.frame}.{name}")
@@ -191,7 +209,7 @@ class _Builder:
             fresh.append(new)
         self.reqs = fresh
         for name, term in list(self.glob.items()):
-            if zs.is_name(term) or zs.as_python(term) is not None:
+            if zs.is_name(term) or zs.is_literal(term):
                 continue
             var = (zs.Bool if zs.is_bool(term) else zs.Int)(f"g.f{self.frame}.{name}")
             self.add(var == term)
@@ -226,12 +244,14 @@ class _Builder:
             if inv.id == "SL2":
                 continue  # needs the batch's mirror flag: below
             for b, r in enumerate(self.reqs):
-                self.violate(inv.id, iteration, f"{where} r{b}", zs.Not(inv.predicate(ctx, r)))
+                self.violate(inv.id, iteration, f"{where} r{b}", zs.Not(inv.predicate(ctx, r)),
+                             r[_ANTECEDENTS.get(inv.id, "holds")])
         g = self.glob
         for b, r in enumerate(self.reqs):
             mirrored = zs.Or(zs.And(r["run"], g["rb_cpu"]), r["inext"])
             self.violate("SL2", iteration, f"{where} r{b}",
-                         zs.And(mirrored, r["holds"], r["s"] != r["sc"]))
+                         zs.And(mirrored, r["holds"], r["s"] != r["sc"]),
+                         zs.And(mirrored, r["holds"]))
         for batch, members, cpu in (
                 ("running", [r["run"] for r in self.reqs], g["rb_cpu"]),
                 ("extend", [r["inext"] for r in self.reqs], zs.BoolVal(True))):
@@ -240,10 +260,62 @@ class _Builder:
             mirror_sum = zs.Sum([zs.If(m, r["sc"], 0) for m, r in zip(members, self.reqs,
                                                                        strict=True)])
             self.violate("SL3", iteration, f"{where} {batch} batch", zs.And(
-                g[present], zs.Not(zs.And(cpu, g[total] == mirror_sum))))
+                g[present], zs.Not(zs.And(cpu, g[total] == mirror_sum))),
+                zs.And(g[present], zs.Or(*members)))
         owned = zs.Sum([zs.If(r["holds"], r["pages"], 0) for r in self.reqs])
         holders = _count([r["holds"] for r in self.reqs])
-        self.violate("KV7", iteration, where, zs.Or(owned > self.kv_pages, holders > self.rows))
+        self.violate("KV7", iteration, where, zs.Or(owned > self.kv_pages, holders > self.rows),
+                     holders >= 2)
+
+    def check_loop(self, i: int, now: Term) -> None:
+        """``LOOP``: what the event loop's own bookkeeping (queues, batches, order keys,
+        the EOS slots) keeps true between iterations. Not spec claims: checked like
+        them, they let a deep query start from any state meeting every claim
+        (``check_bounded``'s window) instead of replaying the whole history."""
+        g = self.glob
+        for b, r in enumerate(self.reqs):
+            admitted = r["adm"] <= now
+            facts = {
+                # waiting: no row, not finished, in no batch; a retracted request waits
+                "waiting": zs.Implies(r["wait"], zs.And(r["q"] == 0, zs.Not(zs.Or(
+                    r["holds"], r["fin"], r["run"], r["inext"])))),
+                "retracted": zs.Implies(r["ret"], r["wait"]),
+                # the running batch: holders, or finished ones the next filter drops
+                "running": zs.Implies(r["run"], zs.And(
+                    zs.Not(r["inext"]), zs.Or(r["holds"], r["fin"]),
+                    r["rkey"] < _ORDER_STRIDE * (now + 1))),
+                # the last extend batch is this iteration's prefill
+                "extend": zs.Implies(r["inext"], zs.And(
+                    g["last_ext"], zs.Or(r["holds"], r["fin"]), r["q"] == self.ctx.max_pending,
+                    zs.Implies(r["q"] >= 1, zs.And(r["ext"], r["holds"])))),
+                "holder": zs.Implies(r["holds"], zs.Or(r["run"], r["inext"])),
+                # not admitted yet: untouched; admitted: somewhere in its life
+                "pristine": zs.If(admitted, zs.Or(r["wait"], r["holds"], r["fin"], r["ret"]),
+                                  zs.And(zs.Not(zs.Or(r["wait"], r["holds"], r["fin"],
+                                                      r["ret"])), r["q"] == 0,
+                                         r["k"] == 0, r["O"] == 0)),
+                # EOS slots follow the in-flight slots; positions inside the accept run
+                "eos": zs.And(zs.Implies(r["e1"], r["q"] >= 1),
+                              zs.Implies(r["e2"], r["q"] >= 2), 0 <= r["e1at"],
+                              0 <= r["e2at"],
+                              zs.Implies(r["q"] >= 1, r["e1at"] < zs.If(r["ext"], 1, r["a1"])),
+                              zs.Implies(r["q"] >= 2, r["e2at"] < r["a2"])),
+                # a result in flight belongs to the batch launched last
+                "pending": zs.And(r["q"] <= self.ctx.max_pending,
+                                  zs.Implies(r["q"] >= 1, g["last_some"])),
+                # queue keys: handed out from the counter, never reused
+                "queue": zs.And(0 <= r["wkey"], r["wkey"] < g["wctr"], zs.Implies(
+                    zs.Not(admitted), r["wkey"] == b), g["wctr"] >= len(self.reqs),
+                    g["wctr"] <= len(self.reqs) * (now + 2)),  # one retract pass per iteration
+                # every prepared step was launched (or dropped with its finished request)
+                "launched": zs.Not(zs.Or(r["prep"], r["resolved"])),
+            }
+            for c, other in enumerate(self.reqs[:b]):
+                facts[f"keys r{c}"] = zs.And(
+                    r["wkey"] != other["wkey"],
+                    zs.Implies(zs.And(r["run"], other["run"]), r["rkey"] != other["rkey"]))
+            for what, fact in facts.items():
+                self.violate(LOOP_ID, i, f"end of iteration r{b} {what}", zs.Not(fact))
 
     def check_point(self, transition: str, iteration: int, fires: Term, b: int, r: Record,
                     step: Step) -> None:
@@ -253,7 +325,7 @@ class _Builder:
         for inv in POINT_INVARIANTS:
             if inv.transition == transition and inv.applies(ctx):
                 self.violate(inv.id, iteration, f"{transition} r{b}",
-                             zs.And(fires, zs.Not(inv.predicate(ctx, r, step))))
+                             zs.And(fires, zs.Not(inv.predicate(ctx, r, step))), fires)
 
     # ------------------------------------------------------------------ helpers
     def available_pages(self) -> Term:
@@ -274,6 +346,31 @@ class _Builder:
         for selector, shape in reversed(options[:-1]):
             value = zs.If(selector, build(shape), value)
         return value
+
+    def decode_step(self, r: Record, rung: Term) -> Step:
+        """prepare_for_decode at this iteration's rung: an If chain over the rungs."""
+        options = [(sel, prepare_for_decode(self.ctx, r, shape))
+                   for sel, shape in self.rung_shapes(rung)]
+        post, guard = options[-1][1].post, options[-1][1].guard
+        for sel, step in reversed(options[:-1]):
+            post = _ite(sel, step.post, post)
+            guard = zs.If(sel, step.guard, guard)
+        return Step(guard, post)
+
+    def allocation_lemma(self, r: Record, rung: Term, step: Step) -> Term:
+        """ALLOC: from a state meeting the state claims and the transition's guard (a
+        live request), prepare_for_decode adds exactly
+        the pages retract_decode counted for the request (its fit check). Proved valid
+        per context by :func:`prove_allocation_lemma` before it is added; it restates
+        what KV4's page count gives, which the solver otherwise re-derives through the
+        page rounding of every rung in each deep KV7 query."""
+        return zs.Implies(zs.And(step.guard, get_strengthened(self.ctx, r)),
+                          step.post["pages"] == r["pages"] + self.decode_pages_needed(r, rung))
+
+    def rung_domain(self, rung: Term) -> Term:
+        if self.chain:
+            return zs.And(1 <= rung, rung <= self.ctx.config.preset.chain_steps)
+        return rung == 0
 
     def decode_pages_needed(self, r: Record, rung: Term) -> Term:
         if not self.ctx.is_spec:
@@ -305,7 +402,8 @@ class _Builder:
             correct = zs.Sum([zs.If(c, a - 1, 0) for c, a in zip(counted, accepts, strict=True)])
             truth = zs.Sum([zs.If(e, a - 1, 0) for e, a in zip(expected, accepts, strict=True)])
             self.violate("RP3", i, f"{label} counters",
-                         zs.Or(correct != truth, _count(counted) != _count(expected)))
+                         zs.Or(correct != truth, _count(counted) != _count(expected)),
+                         zs.Or(*expected))
         self.reqs = posts
         self.snapshot()
         self.check_state(i, label)
@@ -318,7 +416,10 @@ class _Builder:
         if not self.ctx.has("B1"):
             self.glob["rb_sum"] = zs.And(self.glob["rb_sum"], zs.Not(removed))
 
-    def iteration(self, i: int) -> None:
+    def iteration(self, i: int, now: Term | None = None) -> None:
+        """Event-loop iteration ``i`` (its names and labels); ``now`` is its index as a
+        term, a literal unless the inductive step makes it symbolic."""
+        now = zs.IntVal(i) if now is None else now
         ctx = self.ctx
         cfg = ctx.config
         g = self.glob
@@ -334,13 +435,10 @@ class _Builder:
                         offset < cfg.max_accept_len))
         if not ctx.overlap:
             self.add(zs.Not(disable))
-        if self.chain:
-            self.add(zs.And(1 <= rung, rung <= cfg.preset.chain_steps))
-        else:
-            self.add(rung == 0)
+        self.add(self.rung_domain(rung))
         # Admissions before this iteration: waiting, in rid order.
         for r in self.reqs:
-            r["wait"] = zs.Or(r["wait"], r["adm"] == i)
+            r["wait"] = zs.Or(r["wait"], r["adm"] == now)
         pending = [r["q"] >= 1 for r in self.reqs]  # the previous iteration's result
         # 1. the last extend batch: filter, then replace or merge into the running batch.
         survivors = [zs.And(g["last_ext"], r["inext"], zs.Not(r["fin"])) for r in self.reqs]
@@ -360,7 +458,7 @@ class _Builder:
         g["rb_total"] = zs.If(replace, g["xb_total"], g["rb_total"])
         for r in self.reqs:
             joined = r["inext"]
-            r["rkey"] = zs.If(joined, _ORDER_STRIDE * i + r["wkey"], r["rkey"])
+            r["rkey"] = zs.If(joined, _ORDER_STRIDE * now + r["wkey"], r["rkey"])
             r["run"] = zs.Or(r["run"], joined)
             r["inext"] = zs.BoolVal(False)
         g["xb_sum"], g["xb_total"] = zs.BoolVal(False), zs.IntVal(0)  # consumed
@@ -408,16 +506,11 @@ class _Builder:
         posts = []
         for b, r in enumerate(self.reqs):
             fires = zs.And(decode, r["run"])
-            options = [(sel, prepare_for_decode(ctx, r, shape))
-                       for sel, shape in self.rung_shapes(rung)]
-            post = options[-1][1].post
-            guard = options[-1][1].guard
-            for sel, step in reversed(options[:-1]):
-                post = _ite(sel, step.post, post)
-                guard = zs.If(sel, step.guard, guard)
-            merged = Step(guard, post)
+            merged = self.decode_step(r, rung)
             self.check_point("prepare_for_decode", i, fires, b, r, merged)
-            posts.append(_ite(fires, post, r))
+            if self.use_lemma:
+                self.add(self.allocation_lemma(r, rung, merged))
+            posts.append(_ite(fires, merged.post, r))
         self.reqs = posts
         if not ctx.is_spec:
             g["rb_sum"] = zs.And(g["rb_sum"], zs.Not(decode))
@@ -446,6 +539,10 @@ class _Builder:
         g["last_ext"] = prefill
         g["last_some"] = zs.Or(*launched)
         self.snapshot()
+        first = len(self.out.violations)
+        self.check_state(i, "end of iteration")
+        self.check_loop(i, now)
+        self.out.ends.append((first, len(self.out.violations)))
         self.out.iterations.append(IterationTerms(
             allow, forced, disable, rung, offset, accept, eos, launched,
             [zs.If(prefill, r["wkey"], r["rkey"]) for r in self.reqs], prefill))
@@ -482,8 +579,6 @@ class _Builder:
                 forced > _count(earlier), needed(kept) > avail + freed)))
         kept = [zs.And(m, zs.Not(v)) for m, v in zip(member, victims, strict=True)]
         freed = zs.Sum([zs.If(v, reqs[b]["pages"], 0) for b, v in enumerate(victims)])
-        # ConfigurationError in the reference: excluded, a preset error (module header).
-        self.add(needed(kept) <= avail + freed)
         posts = []
         for b, r in enumerate(reqs):
             step = retract(ctx, r)
@@ -494,6 +589,11 @@ class _Builder:
                         wkey=self.glob["wctr"] + position)
             posts.append(_ite(victims[b], post, r))
         self.reqs = posts
+        # The rest fits, else ConfigurationError in the reference: excluded, a preset
+        # error (module header). Stated over the post records (a kept request's post is
+        # its pre record), the terms prepare_for_decode and ALLOC use next.
+        self.add(zs.Sum([zs.If(k, self.decode_pages_needed(r, rung), 0)
+                         for k, r in zip(kept, posts, strict=True)]) <= avail + freed)
         if not ctx.has("B1"):
             self.glob["rb_sum"] = zs.And(self.glob["rb_sum"], zs.Not(zs.Or(*victims)))
         self.glob["wctr"] = self.glob["wctr"] + _count(victims)
@@ -534,7 +634,7 @@ class _Builder:
         fb_value = zs.If(present, total, mirror_sum)
         anything = zs.Or(*launched)
         self.violate("SL1", i, "init_new", zs.And(anything, cpu, zs.Not(zs.And(
-            fb_present, fb_value == mirror_sum))))
+            fb_present, fb_value == mirror_sum))), zs.And(anything, cpu))
         if not ctx.is_spec:  # the backfill stays on the ScheduleBatch (no isolation)
             g["rb_sum"] = zs.If(zs.And(decode, backfill), True, g["rb_sum"])
             g["rb_total"] = zs.If(zs.And(decode, backfill), mirror_sum, g["rb_total"])
@@ -556,7 +656,7 @@ class _Builder:
                 # B7 writes the +D_tok to the ScheduleBatch too (reference worker).
                 schedule_after = forward if ctx.has("B7") else r["s"]
                 self.violate("SL10", i, f"draft_extend r{b}", zs.And(fires, zs.Not(zs.And(
-                    forward == r["s"] + d_tok, schedule_after == r["s"]))))
+                    forward == r["s"] + d_tok, schedule_after == r["s"]))), fires)
             post = dict(step.post)
             run_accept = zs.If(fires, accept[b], 1)
             eos_at = zs.If(run_accept - 1 - offset >= 0, run_accept - 1 - offset, 0)
@@ -580,10 +680,22 @@ class _Builder:
         self.check_state(i, "run_batch")
 
 
+def prove_allocation_lemma(ctx: Context, timeout_ms: int = DEFAULT_TIMEOUT_MS) -> zs.Outcome:
+    """Is ALLOC (``_Builder.allocation_lemma``) valid in this context, for a symbolic
+    request at any rung? Only then may the unrolling add its instances: a valid formula
+    removes no run. Under a fault that changes the allocation (B12) it is not."""
+    builder = _Builder(ctx, 0, 0)
+    r = make_record("alloc")
+    rung = zs.Int("alloc.rung")
+    goal = builder.allocation_lemma(r, rung, builder.decode_step(r, rung))
+    return zs.prove([builder.rung_domain(rung)], goal, timeout_ms)
+
+
 def build_unrolling(ctx: Context, depth: int = DEFAULT_DEPTH,
-                    requests: int = DEFAULT_REQUESTS) -> Unrolling:
-    """The constraints of every K-iteration run of B requests, with its violations."""
-    builder = _Builder(ctx, depth, requests)
+                    requests: int = DEFAULT_REQUESTS, use_lemma: bool = False) -> Unrolling:
+    """The constraints of every K-iteration run of B requests, with its violations;
+    ``use_lemma`` adds ALLOC's instances (the caller has proved it valid)."""
+    builder = _Builder(ctx, depth, requests, use_lemma)
     for i in range(depth):
         builder.iteration(i)
         builder.out.frames.append(len(builder.out.constraints))
@@ -597,44 +709,137 @@ def get_targets(unrolling: Unrolling, invariants: tuple[str, ...] | None) -> lis
     return [v for v in unrolling.violations if v.invariant in invariants]
 
 
+def check_inductive_step(ctx: Context, depth: int, requests: int, use_lemma: bool,
+                         timeout_ms: int = DEFAULT_TIMEOUT_MS) -> zs.Outcome:
+    """Iteration n, for every n in 1..K-1 in one query, from *any* state that meets the
+    checks of an iteration's end (``check_state`` "end of iteration" and ``LOOP`` at
+    n-1): unsat means no check of iteration n can fail and the end checks hold again,
+    which with iteration 0 from the initial state covers the whole bound (induction on
+    n). The start state is otherwise free, so this over-approximates the runs: sat
+    proves nothing either way (the caller falls back to the unrolling)."""
+    step, assumed = build_inductive_step(ctx, depth, requests, use_lemma)
+    solver = zs.Preprocessed(timeout_ms)
+    solver.add(*step.constraints, *assumed)
+    return solver.check([zs.Or(*[v.term for v in step.violations])])
+
+
+def build_inductive_step(ctx: Context, depth: int, requests: int,
+                         use_lemma: bool) -> tuple[Unrolling, list[Term]]:
+    """The step's iteration (at index ``step.n`` in 1..K-1, named iteration 1) from a
+    free start state, and the start state's assumptions (its end-of-iteration checks)."""
+    builder = _Builder(ctx, depth, requests, use_lemma, symbolic_start=True)
+    now = zs.Int("step.n")
+    builder.add(zs.And(1 <= now, now <= depth - 1))
+    builder.check_state(0, "start")
+    builder.check_loop(0, now - 1)
+    assumed = [zs.Not(v.term) for v in builder.out.violations]
+    builder.out.violations.clear()
+    builder.iteration(1, now)
+    return builder.out, assumed
+
+
+def find_reachable_witnesses(ctx: Context, depth: int = 2, requests: int = 2,
+                             timeout_ms: int = DEFAULT_TIMEOUT_MS) -> dict[str, str]:
+    """Per checked claim ID: is there a run of the unrolling (a reachable state, not a
+    strengthened one) in which the check has something to check? "sat": a witness;
+    "unsat": the check is vacuous within the bound; "unknown": undecided (never a pass).
+    ``MODEL`` and ``LOOP`` are the encoding's own checks and are left out."""
+    unrolling = build_unrolling(ctx, depth, requests)
+    by_id: dict[str, list[Term]] = {}
+    for v in unrolling.violations:
+        if v.exercised is not None:
+            by_id.setdefault(v.invariant, []).append(v.exercised)
+    found: dict[str, str] = {}
+    solver = zs.Preprocessed(timeout_ms)
+    solver.add(*unrolling.constraints)
+    while by_id:  # one run usually witnesses several IDs: ask for any of those left
+        outcome = solver.check([zs.Or(*[t for terms in by_id.values() for t in terms])])
+        if outcome.verdict != zs.SATISFIABLE:  # none of those left has a run (or unknown)
+            found.update({invariant: outcome.verdict for invariant in by_id})
+            break
+        for invariant, terms in list(by_id.items()):
+            if any(zs.evaluate(outcome.raw_model, t) is True for t in terms):
+                found[invariant] = zs.SATISFIABLE
+                del by_id[invariant]
+    return found
+
+
+def get_end_lemma(unrolling: Unrolling, i: int) -> Term:
+    """Every check of the state at iteration i's end holds (once iteration i is proved)."""
+    first, last = unrolling.ends[i]
+    return zs.Not(zs.Or(*[v.term for v in unrolling.violations[first:last]]))
+
+
 def check_bounded(ctx: Context, depth: int = DEFAULT_DEPTH, requests: int = DEFAULT_REQUESTS,
                   invariants: tuple[str, ...] | None = None,
-                  timeout_ms: int = DEFAULT_TIMEOUT_MS) -> BmcResult:
+                  timeout_ms: int = DEFAULT_TIMEOUT_MS, window: bool = True) -> BmcResult:
     """Is a violation (of ``invariants``, default all) reachable within K iterations?
 
-    Per iteration: iteration i's checks are asked with iterations 0..i asserted; once
-    unsat, their negation is kept as a lemma for the deeper queries. Each query is a
+    ALLOC is proved first; its instances are added only if it is valid here. With all
+    checks asked and ``window`` on, the inductive step (:func:`check_inductive_step`)
+    is tried: if it holds, only iteration 0 is unrolled and asked.
+
+    Otherwise the unrolling, iteration by iteration: iteration i's checks are one
+    query; once unsat, their negation is kept (it holds in every run). Each query is a
     fresh solver run through z3's preprocessing (``solver.Preprocessed``: solve-eqs
-    removes the frame equalities) rather than one push / pop solver, which skips that
-    preprocessing and was about 8x slower at K=3. proved: none
-    within the bound; counterexample: a model whose first violated check is named;
-    unknown: a query hit ``timeout_ms`` (each query has it; never a pass).
+    removes the frame equalities; a push / pop solver skips that and was about 8x
+    slower at K=3). The window (``window``, all checks only): for i >= 1 the query is
+    first asked of iteration i alone, from any state that meets the checks of iteration
+    i-1's end (:func:`get_end_lemma`: the state claims, SL3 / KV7, LOOP) and the
+    admission domain, dropping the history before it. Dropping constraints only adds
+    runs, so unsat there is unsat for the unrolling; anything else (a state no run
+    reaches, or a real violation) falls back to the query with the whole history.
+
+    proved: no violation within the bound; counterexample: a model of the full query
+    whose first violated check is named; unknown: a query hit ``timeout_ms`` (each
+    query has it; never a pass).
     """
     started = time.perf_counter()
-    unrolling = build_unrolling(ctx, depth, requests)
+    lemma = prove_allocation_lemma(ctx, timeout_ms)
+    use_lemma = lemma.verdict == zs.PROVED
+    windowed = window and invariants is None
+    inductive = (windowed and depth >= 2 and check_inductive_step(
+        ctx, depth, requests, use_lemma, timeout_ms).verdict == zs.UNSATISFIABLE)
+    # With the step proved, only iteration 0 from the initial state is left to ask.
+    unrolling = build_unrolling(ctx, 1 if inductive else depth, requests, use_lemma)
     targets = get_targets(unrolling, invariants)
     name = ctx.config.cell.name
     solver = zs.Preprocessed(timeout_ms)
     previous = 0
-    for i in range(depth):
+    proved_last: Term | None = None  # the lemma of iteration i-1
+    windows = 0
+
+    def finish(verdict: str, invariant: str | None = None, where: str = "",
+               raw_model: object = None, reason: str = "") -> BmcResult:
+        return BmcResult(name, depth, requests, verdict, time.perf_counter() - started,
+                         invariant, where, unrolling, raw_model, reason, lemma.verdict,
+                         windows, inductive)
+
+    for i in range(unrolling.depth):
         solver.add(*unrolling.constraints[previous:unrolling.frames[i]])
-        previous = unrolling.frames[i]
         here = [v for v in targets if v.iteration == i]
+        query = zs.Or(*[v.term for v in here])
+        start, previous = previous, unrolling.frames[i]
         if not here:
             continue
-        outcome = solver.check([zs.Or(*[v.term for v in here])])
+        if windowed and proved_last is not None:
+            local = zs.Preprocessed(timeout_ms)
+            local.add(*unrolling.constraints[:unrolling.initial], proved_last,
+                      *unrolling.constraints[start:unrolling.frames[i]])
+            if local.check([query]).verdict == zs.UNSATISFIABLE:
+                windows += 1
+                solver.add(zs.Not(query))
+                proved_last = get_end_lemma(unrolling, i)
+                continue
+        outcome = solver.check([query])
         if outcome.verdict == zs.UNKNOWN:
-            return BmcResult(name, depth, requests, zs.UNKNOWN, time.perf_counter() - started,
-                             unrolling=unrolling,
-                             reason=f"iteration {i}: {outcome.reason or 'timeout'}")
+            return finish(zs.UNKNOWN, reason=f"iteration {i}: {outcome.reason or 'timeout'}")
         if outcome.verdict == zs.SATISFIABLE:
             fired = [v for v in here if zs.evaluate(outcome.raw_model, v.term) is True]
             first = fired[0] if fired else None
-            return BmcResult(name, depth, requests, zs.COUNTEREXAMPLE,
-                             time.perf_counter() - started,
-                             invariant=first.invariant if first else None,
-                             where=f"iteration {i}: {first.where}" if first else f"iteration {i}",
-                             unrolling=unrolling, raw_model=outcome.raw_model)
-        solver.add(zs.Not(zs.Or(*[v.term for v in here])))
-    return BmcResult(name, depth, requests, zs.PROVED, time.perf_counter() - started,
-                     unrolling=unrolling)
+            return finish(zs.COUNTEREXAMPLE, invariant=first.invariant if first else None,
+                          where=f"iteration {i}: {first.where}" if first else f"iteration {i}",
+                          raw_model=outcome.raw_model)
+        solver.add(zs.Not(query))
+        proved_last = get_end_lemma(unrolling, i)
+    return finish(zs.PROVED)

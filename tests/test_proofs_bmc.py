@@ -2,10 +2,10 @@
 cell, every B-id mutant has a counterexample that replays on the reference and fails
 a catalogue invariant, and a model decodes into the script it describes.
 
-Default tier: every cell at K=2, B=2 and the mutant column at its default bounds. The
-slow tier runs K=3, B=2 (the default bound, bmc.DEFAULT_DEPTH / DEFAULT_REQUESTS: about
-32 s for all cells on 2 cores) and K=4, B=2 in every cell. The issue's target K=6,
-B=3 is not reached in the page-4 chain cells (docs/proofs.md has the measured times).
+Default tier: every cell at the default bound K=6, B=3 (iteration 0 unrolled, the rest
+by the inductive step), every cell at K=2, B=2 as a plain unrolling (the LOOP claims
+checked on real runs), the inductive step's own failure and fallback paths, and the
+mutant column at its default bounds. The slow tier runs K=4, B=2 unrolled in every cell.
 """
 
 from __future__ import annotations
@@ -17,15 +17,19 @@ import pytest
 
 from harness.differential import run_differential
 from harness.prove import (
+    ProveJob,
     decode_counterexample,
     replay_counterexample,
+    run_jobs,
     run_z3_mutant_column,
+    witness_rows,
 )
 from harness.script import Admit, Iterate, load_script, run_script
 from harness.trace import record_script_trace
 from proofs import bmc
 from proofs import solver as zs
-from proofs.model import Context
+from proofs.induction import Cell as MatrixCell
+from proofs.model import Context, make_record
 from spec.bugs import BUG_IDS, get_bug
 from spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell
 
@@ -33,30 +37,36 @@ CELLS = [c.name for c in enumerate_cells()]
 
 
 def _check(cell: str, depth: int, requests: int, faults: frozenset[str] = frozenset(),
-           invariants: tuple[str, ...] | None = None) -> bmc.BmcResult:
+           invariants: tuple[str, ...] | None = None, window: bool = True) -> bmc.BmcResult:
     ctx = Context(ModelConfig(get_cell(cell), MINIMAL), faults)
-    return bmc.check_bounded(ctx, depth, requests, invariants, timeout_ms=120_000)
+    return bmc.check_bounded(ctx, depth, requests, invariants, timeout_ms=120_000,
+                             window=window)
 
 
 @pytest.mark.parametrize("cell", CELLS)
-def test_clean_model_has_no_violation_within_small_bound(cell: str) -> None:
-    result = _check(cell, 2, 2)
+def test_clean_model_unrolled_has_no_violation_within_small_bound(cell: str) -> None:
+    """The plain unrolling (no step, no window): every check, LOOP included, on runs."""
+    result = _check(cell, 2, 2, window=False)
     assert result.verdict == zs.PROVED, (result.verdict, result.invariant, result.where,
                                          result.reason)
+    assert not result.inductive and result.windows == 0
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", CELLS)
-def test_clean_model_has_no_violation_within_k4_b2(cell: str) -> None:
-    result = _check(cell, 4, 2)
+def test_clean_model_unrolled_has_no_violation_within_k4_b2(cell: str) -> None:
+    result = _check(cell, 4, 2, window=False)
     assert result.verdict == zs.PROVED, (result.verdict, result.invariant, result.where,
                                          result.reason)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("cell", CELLS)
 def test_clean_model_has_no_violation_within_default_bound(cell: str) -> None:
+    """K=6, B=3 in every cell, by iteration 0 plus the inductive step (a count: the
+    step proves in all 22 cells, so no cell needs the unrolling's fallback)."""
+    assert (bmc.DEFAULT_DEPTH, bmc.DEFAULT_REQUESTS) == (6, 3)
     result = _check(cell, bmc.DEFAULT_DEPTH, bmc.DEFAULT_REQUESTS)
+    assert result.inductive, result
     assert result.verdict == zs.PROVED, (result.verdict, result.invariant, result.where,
                                          result.reason)
 
@@ -134,3 +144,125 @@ def test_unknown_is_not_a_pass() -> None:
     ctx = Context(ModelConfig(get_cell("ov-p4-v2chain-cpu-preclaim"), MINIMAL))
     result = bmc.check_bounded(ctx, 4, 3, timeout_ms=1)
     assert result.verdict == zs.UNKNOWN
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_allocation_lemma_is_proved_before_its_instances_are_added(cell: str) -> None:
+    """ALLOC is proved valid in the clean context and under every fault, so the
+    unrollings of the clean proof and of the mutant column both carry it."""
+    for faults in [frozenset(), *(frozenset({bug}) for bug in BUG_IDS)]:
+        ctx = Context(ModelConfig(get_cell(cell), MINIMAL), faults)
+        assert bmc.prove_allocation_lemma(ctx).verdict == zs.PROVED, (cell, faults)
+    assert _check(cell, 1, 1).lemma == zs.PROVED
+
+
+def test_allocation_lemma_check_can_fail() -> None:
+    """The lemma's proof is not vacuous: one page more in the post-state, or no guard
+    premise (a request holding no row), gives a counterexample."""
+    ctx = Context(ModelConfig(get_cell("ov-p4-v2chain-cpu-honest"), MINIMAL))
+    builder = bmc._Builder(ctx, 0, 0)
+    r = make_record("t")
+    rung = zs.Int("t.rung")
+    step = builder.decode_step(r, rung)
+    one_more = dataclasses.replace(step, post={**step.post, "pages": step.post["pages"] + 1})
+    unguarded = dataclasses.replace(step, guard=zs.BoolVal(True))
+    for wrong in (one_more, unguarded):
+        outcome = zs.prove([builder.rung_domain(rung)], builder.allocation_lemma(r, rung, wrong))
+        assert outcome.verdict == zs.COUNTEREXAMPLE
+
+
+def test_an_unproved_lemma_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
+    """When ALLOC does not prove (here: forced unknown), no instance is added and the
+    result says so; the bounded check itself still runs to its verdict."""
+    ctx = Context(ModelConfig(get_cell("ov-p4-v2chain-cpu-honest"), MINIMAL))
+    with_lemma = bmc.build_unrolling(ctx, 2, 2, use_lemma=True)
+    without = bmc.build_unrolling(ctx, 2, 2, use_lemma=False)
+    assert len(with_lemma.constraints) > len(without.constraints)
+    monkeypatch.setattr(bmc, "prove_allocation_lemma",
+                        lambda ctx, timeout_ms=0: zs.Outcome(zs.UNKNOWN, 0.0))
+    result = bmc.check_bounded(ctx, 2, 2, window=False)
+    assert result.lemma == zs.UNKNOWN and result.verdict == zs.PROVED
+    assert result.unrolling is not None
+    assert len(result.unrolling.constraints) == len(without.constraints)
+
+
+def test_parallel_jobs_give_the_rows_of_one_process() -> None:
+    """``--jobs 2`` (spawned workers) returns the same rows, in cell order, as one process."""
+    cells = [get_cell("nov-p1-none"), get_cell("ov-p1-v2tree-nocpu-honest")]
+    job = ProveJob("", "minimal", 4, 20_000, (2, 1), 60_000)
+    one = run_jobs(cells, job, 1)
+    two = run_jobs(cells, job, 2)
+    assert list(one) == list(two) == [c.name for c in cells]
+
+    def rows(results: dict[str, list[MatrixCell]]) -> list[tuple[str, str, str]]:
+        return [(r.transition, r.invariant, r.verdict) for v in results.values() for r in v]
+
+    assert rows(one) == rows(two)
+    assert all(verdict == zs.PROVED for _, _, verdict in rows(two))
+    assert ("bmc", "K=2,B=1", zs.PROVED) in rows(two)
+
+
+@pytest.mark.parametrize("cell", ["ov-p4-v2chain-cpu-preclaim", "nov-p1-none"])
+def test_inductive_step_is_not_vacuous(cell: str) -> None:
+    """The step's start states are not contradictory: with every assumption it can still
+    prefill, launch a decode, and launch two requests at once (sat for each)."""
+    ctx = Context(ModelConfig(get_cell(cell), MINIMAL))
+    step, assumed = bmc.build_inductive_step(ctx, 6, 3, True)
+    it = step.iterations[0]
+    witnesses = {"prefill": it.prefill,
+                 "decode launch": zs.And(zs.Not(it.prefill), zs.Or(*it.launched)),
+                 "two launched": zs.Or(*[zs.And(a, b) for a, b in
+                                         zip(it.launched, it.launched[1:], strict=False)])}
+    for name, witness in witnesses.items():
+        outcome = zs.check_sat([*step.constraints, *assumed, witness])
+        assert outcome.verdict == zs.SATISFIABLE, name
+
+
+def test_inductive_step_fails_under_a_bug_and_the_unrolling_finds_it() -> None:
+    """B10 (committed not bumped at a non-spec decode): the step is sat, so check_bounded
+    falls back to the unrolling, whose counterexample is real."""
+    ctx = Context(ModelConfig(get_cell("ov-p1-none"), MINIMAL), frozenset({"B10"}))
+    step = bmc.check_inductive_step(ctx, 4, 2, True)
+    assert step.verdict == zs.SATISFIABLE
+    result = bmc.check_bounded(ctx, 4, 2)
+    assert result.verdict == zs.COUNTEREXAMPLE and not result.inductive
+    assert result.invariant is not None and result.unrolling is not None
+    assert result.unrolling.depth == 4  # the full unrolling, not iteration 0 alone
+
+
+def test_window_path_proves_when_the_step_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the step forced to fail, iterations 1..K-1 are proved one by one from the
+    previous iteration's end checks (a count: K-1 windows), and the verdict is the same."""
+    monkeypatch.setattr(bmc, "check_inductive_step",
+                        lambda *args, **kwargs: zs.Outcome(zs.SATISFIABLE, 0.0))
+    result = _check("ov-p4-v2chain-cpu-preclaim", 3, 2)
+    assert result.verdict == zs.PROVED and not result.inductive
+    assert result.windows == 2
+
+
+@pytest.mark.parametrize("cell", ["ov-p4-v2chain-cpu-preclaim", "nov-p1-none",
+                                  "ov-p1-v2tree-nocpu-honest", "ov-p4-none"])
+def test_every_checked_id_has_a_reachable_witness(cell: str) -> None:
+    """No BMC check is vacuous: a run within K=2, B=2 gives each one something to check
+    (all 22 cells run in `prove` / `check` as the "reachable" rows)."""
+    found = bmc.find_reachable_witnesses(Context(ModelConfig(get_cell(cell), MINIMAL)))
+    assert found and all(v == zs.SATISFIABLE for v in found.values()), found
+    assert {"KV7", "SL3", "SL1", "KV1"} <= set(found)
+
+
+def test_a_vacuous_check_is_reported_as_a_failure() -> None:
+    """With one iteration under overlap no result is processed yet, so RP3 (counters at
+    result processing) has nothing to check: unsat, and the matrix row fails."""
+    ctx = Context(ModelConfig(get_cell("ov-p1-v2chain-cpu-honest"), MINIMAL))
+    found = bmc.find_reachable_witnesses(ctx, 1, 1)
+    assert found["RP3"] == zs.UNSATISFIABLE
+    assert found["KV1"] == zs.SATISFIABLE
+
+
+def test_witness_rows_map_vacuity_to_a_failing_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(bmc, "find_reachable_witnesses", lambda *a, **k: {
+        "KV1": zs.SATISFIABLE, "RP3": zs.UNSATISFIABLE, "SL3": zs.UNKNOWN})
+    rows = {r.invariant: r for r in witness_rows(get_cell("ov-p1-none"))}
+    assert rows["KV1"].verdict == zs.PROVED
+    assert rows["RP3"].verdict == zs.COUNTEREXAMPLE and "vacuous" in rows["RP3"].detail
+    assert rows["SL3"].verdict == zs.UNKNOWN
