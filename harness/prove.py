@@ -79,7 +79,8 @@ def add_prove_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"BMC symbolic requests (default {DEFAULT_REQUESTS})")
     parser.add_argument("--bmc-timeout-ms", type=int, default=DEFAULT_BMC_TIMEOUT_MS,
                         help="per BMC query; a timeout is a failure (default 60000)")
-    parser.add_argument("--no-bmc", action="store_true", help="skip the bounded model check and its reachable witnesses")
+    parser.add_argument("--no-bmc", action="store_true",
+                        help="skip the bounded model check and its reachable witnesses")
     parser.add_argument("--timeout-ms", type=int, default=DEFAULT_TIMEOUT_MS,
                         help="per solver call; a timeout is a failure (default 20000)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="minimal")
