@@ -37,7 +37,7 @@ from proofs.induction import Cell as MatrixCell
 from proofs.model import Context
 from proofs.streams import STREAM_MUTANTS, get_expected_ids, prove_protocol
 from spec.bugs import BUGS, Bug
-from spec.config import PRESETS, Cell, ModelConfig, enumerate_cells
+from spec.config import PRESETS, Cell, ModelConfig, enumerate_cells, get_cell
 from spec.state import IterationChoices
 
 
@@ -188,7 +188,7 @@ class ProveJob:
 
 
 def run_job(job: ProveJob) -> list[MatrixCell]:
-    cell = next(c for c in enumerate_cells() if c.name == job.cell)
+    cell = get_cell(job.cell)
     rows = prove_one_cell(cell, job.preset, job.bound, job.timeout_ms)
     if job.bmc is not None:
         rows.append(bmc_row(cell, job.preset, job.bmc[0], job.bmc[1], job.bmc_timeout_ms))

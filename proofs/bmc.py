@@ -48,7 +48,12 @@ from dataclasses import dataclass, field
 from typing import Final
 
 from proofs import solver as zs
-from proofs.claims import POINT_INVARIANTS, get_state_invariants, get_strengthened
+from proofs.claims import (
+    POINT_INVARIANTS,
+    get_antecedent,
+    get_state_invariants,
+    get_strengthened,
+)
 from proofs.model import (
     Context,
     Record,
@@ -76,8 +81,6 @@ DEFAULT_REQUESTS: Final = 3
 # query (the fallback) about 20 s in the slowest cell.
 DEFAULT_TIMEOUT_MS: Final = 60_000
 MODEL_ID: Final = "MODEL"
-# The field a state claim's antecedent reads (default: the request holds a row).
-_ANTECEDENTS: Final = {"KV5": "ret"}
 LOOP_ID: Final = "LOOP"
 # Order keys: a batch merged at iteration i sorts after everything merged before it.
 _ORDER_STRIDE: Final = 1000
@@ -245,7 +248,7 @@ class _Builder:
                 continue  # needs the batch's mirror flag: below
             for b, r in enumerate(self.reqs):
                 self.violate(inv.id, iteration, f"{where} r{b}", zs.Not(inv.predicate(ctx, r)),
-                             r[_ANTECEDENTS.get(inv.id, "holds")])
+                             get_antecedent(inv.id, r))
         g = self.glob
         for b, r in enumerate(self.reqs):
             mirrored = zs.Or(zs.And(r["run"], g["rb_cpu"]), r["inext"])

@@ -287,6 +287,15 @@ POINT_INVARIANTS: Final[tuple[PointInvariant, ...]] = (
 )
 
 
+# The record field a state claim's antecedent reads (default: the request holds a row).
+_ANTECEDENT_FIELDS: Final = {"KV5": "ret"}
+
+
+def get_antecedent(invariant_id: str, r: Record) -> Term:
+    """When a state claim has something to check in ``r`` (witnesses look for it true)."""
+    return r[_ANTECEDENT_FIELDS.get(invariant_id, "holds")]
+
+
 def get_state_invariants(ctx: Context) -> list[StateInvariant]:
     return [inv for inv in STATE_INVARIANTS if inv.applies(ctx)]
 

@@ -20,6 +20,7 @@ from typing import Final
 from proofs import solver as zs
 from proofs.claims import (
     POINT_INVARIANTS,
+    get_antecedent,
     get_state_invariants,
     get_strengthened,
 )
@@ -289,9 +290,6 @@ def prove_cell(ctx: Context, bound: int = DEFAULT_BATCH_BOUND,
 
 
 # ----------------------------------------------------------------------------- witnesses
-_ANTECEDENTS: Final = {"KV5": "ret"}
-
-
 def find_witnesses(ctx: Context, timeout_ms: int = zs.DEFAULT_TIMEOUT_MS) -> dict[str, str]:
     """For each encoded invariant, whether some transition from a strengthened state
     reaches a state that exercises it (its antecedent true): "sat" is a witness; a proof
@@ -307,7 +305,7 @@ def find_witnesses(ctx: Context, timeout_ms: int = zs.DEFAULT_TIMEOUT_MS) -> dic
             for inv in get_state_invariants(ctx):
                 if found.get(inv.id) == zs.SATISFIABLE:
                     continue
-                antecedent = step.post[_ANTECEDENTS.get(inv.id, "holds")]
+                antecedent = get_antecedent(inv.id, step.post)
                 outcome = zs.check_sat([hypothesis, step.guard, antecedent], timeout_ms)
                 found[inv.id] = outcome.verdict
             for point in points:
