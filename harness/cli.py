@@ -55,6 +55,14 @@ from harness.sync_contract import (
     render_sync_table,
 )
 from harness.trace import add_trace_arguments, cmd_trace
+from harness.upstream_cli import (
+    UsageError,
+    add_upstream_arguments,
+    cmd_upstream,
+    get_upstream_python,
+    render_report,
+    run_upstream_check,
+)
 from harness.vectors import add_vectors_arguments, cmd_vectors
 from reference.scheduler import SUPPORTED_FAULTS
 from spec.bugs import BUG_IDS, Bug
@@ -73,6 +81,10 @@ commands:
                machine (reference + every invariant), the differential tier
                (gpu_impl vs reference, CPU race detector), the Z3 proofs, then the
                mutant matrix with its hypothesis, gpu_impl and z3 columns
+               and, when the upstream environment exists (./dev upstream), the
+               upstream tier: sglang 0.5.23's own scheduler against the spec
+  upstream     check sglang's own scheduler (the release, or --sglang-src DIR, a
+               PR branch) against the spec: invariants, findings, differential
   mutants      switch each historical bug B1-B16 on alone and print the kill matrix
   diff         gpu_impl against the reference only (--device cuda, --cuda-sanitizer)
   syncs        host syncs, D2H copies and launches per steady-state iteration
@@ -144,6 +156,26 @@ def cmd_check(args: argparse.Namespace) -> int:
         counts = proofs.get("counts", {})
         print("  " + ", ".join(f"{k} {v}" for k, v in counts.items())
               + f" ({proofs.get('elapsed_s', 0):.1f}s)")
+    upstream: dict[str, Any] = {"status": "skipped"}
+    if args.no_upstream or faults:
+        upstream["reason"] = "--no-upstream" if args.no_upstream else "--faults"
+    elif get_upstream_python() is None:
+        upstream["reason"] = "no upstream environment (build it with './dev upstream')"
+    else:
+        print("\nupstream tier (sglang's own scheduler against the spec):")
+        up_args = argparse.Namespace(
+            cells=",".join(c.cell.name for c in configs) if args.cells else None,
+            sglang_src=None, out=args.out, seed=args.seed, profile=profile.name,
+            preset="minimal" if args.preset == "all" else args.preset,
+            jobs=args.jobs, quiet=args.quiet)
+        try:
+            upstream = run_upstream_check(up_args, progress=not args.quiet)
+            print(render_report(upstream))
+        except UsageError as error:
+            upstream = {"status": "error", "ok": False, "reason": str(error)}
+            print(f"  upstream tier could not run: {error}")
+    if upstream.get("status") == "skipped":
+        print(f"\nupstream tier skipped: {upstream['reason']}")
     mutant_results: list[MutantResult] = []
     if not args.no_mutants and not faults:
         where = "the selected cells" if args.cells else "representative cells"
@@ -165,7 +197,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     diff_ok = all(r.ok for r in diff_results)
     proofs_ok = proofs.get("status") == "skipped" or bool(proofs.get("ok"))
     mutants_ok = all(m.verdict in (KILLED, NOT_APPLICABLE) for m in mutant_results)
-    ok = cells_ok and mutants_ok and diff_ok and proofs_ok
+    upstream_ok = upstream.get("status") == "skipped" or bool(upstream.get("ok"))
+    ok = cells_ok and mutants_ok and diff_ok and proofs_ok and upstream_ok
     killed = sum(m.verdict == KILLED for m in mutant_results)
     unrun = sum(m.verdict == NOT_APPLICABLE for m in mutant_results)
     mutant_note = (f", {killed}/{len(mutant_results) - unrun} mutants killed"
@@ -175,6 +208,8 @@ def cmd_check(args: argparse.Namespace) -> int:
                    else ", proofs ok" if proofs_ok else ", PROOFS FAILED")
     diff_note = (f", differential {sum(r.ok for r in diff_results)}/{len(diff_results)} cells"
                  if diff_results else ", differential skipped")
+    diff_note += (", upstream skipped" if upstream.get("status") == "skipped"
+                  else ", upstream ok" if upstream_ok else ", UPSTREAM FAILED")
     print(f"\n{'OK' if ok else 'FAILED'}: {sum(r.ok for r in results)}/{len(results)} cells "
           f"clean{'' if cells_ok else ' (or an invariant was vacuous)'}{diff_note}{proofs_note}"
           f"{mutant_note}, "
@@ -184,6 +219,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         document["ok"] = ok
         document["differential"] = build_differential_json(diff_results)
         document["proofs"] = proofs
+        document["upstream"] = upstream
         write_json(document, Path(args.json))
     return 0 if ok else 1
 
@@ -411,6 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="skip the gpu_impl tier (differential run and mutant column)")
     check.add_argument("--no-proofs", action="store_true",
                        help="skip the Z3 tier (proofs and the z3 mutant column)")
+    check.add_argument("--no-upstream", action="store_true",
+                       help="skip the upstream tier (it runs only when ./dev upstream built "
+                            "its environment)")
     check.add_argument("--no-mutants", action="store_true",
                        help="skip the mutant matrix (it is skipped anyway with --faults)")
     check.add_argument("-j", "--jobs", type=int, default=get_default_jobs(),
@@ -468,6 +507,10 @@ def build_parser() -> argparse.ArgumentParser:
     vectors = sub.add_parser("vectors", help="generate and check conformance vectors")
     add_vectors_arguments(vectors)
     vectors.set_defaults(func=cmd_vectors)
+    upstream = sub.add_parser(
+        "upstream", help="sglang's own scheduler (release or --sglang-src tree) against the spec")
+    add_upstream_arguments(upstream)
+    upstream.set_defaults(func=cmd_upstream)
     replay = sub.add_parser("replay", help="re-run a saved counterexample script")
     replay.add_argument("file")
     replay.set_defaults(func=cmd_replay)

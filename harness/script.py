@@ -192,7 +192,8 @@ Factory = Callable[[ModelConfig, frozenset[str], Observer | None], SchedulerMode
 
 # "gpu_impl" scripts are counterexamples of the differential checker: gpu_impl (with the
 # script's faults) against the clean reference (harness.differential.run_differential).
-IMPLEMENTATIONS = ("reference", "gpu_impl")
+# "upstream" scripts replay on sglang's own scheduler (upstream/, its own environment).
+IMPLEMENTATIONS = ("reference", "gpu_impl", "upstream")
 
 
 def get_factory(implementation: str) -> Factory:
@@ -201,6 +202,10 @@ def get_factory(implementation: str) -> Factory:
     if implementation == "gpu_impl":
         raise ScriptError("a gpu_impl script replays against the reference "
                           "(harness.differential.run_differential; 'overlap-spec replay')")
+    if implementation == "upstream":
+        from upstream.adapter import make_upstream  # needs the upstream environment
+
+        return make_upstream
     raise ScriptError(f"unknown implementation {implementation!r} "
                       f"(available: {', '.join(IMPLEMENTATIONS)})")
 

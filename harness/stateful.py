@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -75,8 +76,16 @@ def get_failure_dir() -> Path:
 
 
 def make_machine(config: ModelConfig, faults: frozenset[str], implementation: str = "reference",
-                 stats: Counter[str] | None = None) -> type[RuleBasedStateMachine]:
-    """A state machine class bound to one configuration and fault set."""
+                 stats: Counter[str] | None = None,
+                 checker_factory: Callable[[ModelConfig], InvariantChecker] = InvariantChecker,
+                 ) -> type[RuleBasedStateMachine]:
+    """A state machine class bound to one configuration and fault set.
+
+    The upstream tier (``implementation="upstream"``) drives what sglang 0.5.23 can be
+    driven through: no PD prebuilt admissions, and the configured speculative shape (the
+    release's reserve does not depend on the adaptive rung, which its controller picks).
+    """
+    upstream = implementation == "upstream"
     width = config.preset.max_running_requests
     max_accept = config.max_accept_len
     max_steps = config.preset.chain_steps if config.cell.spec_mode is SpecMode.V2_CHAIN else 0
@@ -85,14 +94,14 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
     accept_len = st.one_of(st.integers(1, max_accept), st.just(max_accept))
     # Early result processing removes the lag that overlap bugs need; keep it occasional.
     rarely = st.sampled_from([False, False, False, True])
-    spec_steps = st.one_of(st.just(0), st.sampled_from(sorted({1, max_steps})),
-                           st.integers(0, max_steps))
+    spec_steps = st.just(0) if upstream else st.one_of(
+        st.just(0), st.sampled_from(sorted({1, max_steps})), st.integers(0, max_steps))
     factory = get_factory(implementation)
 
     class SchedulerMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.checker = InvariantChecker(config)
+            self.checker = checker_factory(config)
             self.model = factory(config, faults, self.checker)
             self.script = Script(config.cell.name, config.preset.name, [], tuple(sorted(faults)),
                                  implementation=implementation)
@@ -113,7 +122,7 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
         def admit(self, prompt_len: int, max_new_tokens: int) -> None:
             self._apply(Admit(prompt_len, max_new_tokens))
 
-        @precondition(lambda self: len(self.admitted) < MAX_REQUESTS)
+        @precondition(lambda self: not upstream and len(self.admitted) < MAX_REQUESTS)
         @rule(prompt_len=st.integers(1, config.preset.max_prompt_len),
               max_new_tokens=st.integers(2, config.preset.max_new_tokens))
         def admit_prebuilt(self, prompt_len: int, max_new_tokens: int) -> None:

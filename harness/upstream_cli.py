@@ -1,0 +1,391 @@
+"""``overlap-spec upstream``: sglang's own scheduler (the release, or a tree) against the spec.
+
+``upstream check`` runs :mod:`harness.upstream_tier` in one process per cell (upstream
+allows one ``Scheduler`` per process) inside the upstream environment, merges the cells
+into one report (text, and JSON with ``--json``) and exits 0 only if every drivable cell
+passed: no violation outside the listed findings, no divergence outside the allow-list,
+no vacuous invariant, no crash. ``upstream replay FILE`` re-runs a saved upstream script.
+``upstream stand-ins`` and ``upstream findings`` print what the tier replaces and knows.
+
+Which Python runs the cells: ``$OVERLAP_SPEC_UPSTREAM_PYTHON``; else this interpreter if
+it can import sglang; else ``.venv-upstream/bin/python`` at the checkout's root (what
+``./dev upstream`` builds). Which sglang: ``--sglang-src DIR``, else the first ``sglang``
+on ``PYTHONPATH``, else the installed release.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+from harness.upstream_findings import (
+    ALLOWED_DIVERGENCES,
+    KNOWN_FINDINGS,
+    UPSTREAM_NOT_APPLICABLE,
+)
+from spec.config import PRESETS, ModelConfig, enumerate_cells
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+CELL_TIMEOUT_S = 900
+DEFAULT_UPSTREAM_SEED = 20261122
+
+
+class UsageError(Exception):
+    """Bad input: exit 2 with this one line."""
+
+
+def get_upstream_python() -> str | None:
+    """The interpreter that can import sglang, or None when there is no upstream env."""
+    explicit = os.environ.get("OVERLAP_SPEC_UPSTREAM_PYTHON")
+    if explicit:
+        return explicit
+    if importlib.util.find_spec("sglang") is not None:
+        return sys.executable
+    candidate = REPO_ROOT / ".venv-upstream" / "bin" / "python"
+    return str(candidate) if candidate.exists() else None
+
+
+def _require_python() -> str:
+    python = get_upstream_python()
+    if python is None:
+        raise UsageError("no upstream environment: build it with './dev upstream' "
+                         "(or set OVERLAP_SPEC_UPSTREAM_PYTHON)")
+    return python
+
+
+def _preflight(python: str, src: Path | None) -> dict[str, str]:
+    """Import sglang in the upstream interpreter once: its version and source, or exit 2."""
+    code = ("import json, sys\n"
+            "from pathlib import Path\n"
+            "from upstream.bootstrap import UpstreamUnavailable, load_sglang\n"
+            "src = Path(sys.argv[1]) if sys.argv[1] else None\n"
+            "try:\n"
+            "    s = load_sglang(src)\n"
+            "except UpstreamUnavailable as e:\n"
+            "    print(e.args[0], file=sys.stderr); sys.exit(2)\n"
+            "print(json.dumps({'version': s.version, 'source': s.source}))\n")
+    env = _child_env()
+    try:
+        done = subprocess.run([python, "-W", "ignore", "-c", code, str(src or "")],
+                              capture_output=True, text=True, env=env, timeout=300,
+                              check=False)
+    except (OSError, subprocess.TimeoutExpired) as error:
+        raise UsageError(f"cannot run the upstream interpreter {python}: {error}") from None
+    if done.returncode != 0:
+        lines = [x for x in done.stderr.splitlines() if x.strip() and not x.startswith("[20")]
+        raise UsageError(lines[-1] if lines else f"{python} failed to import sglang")
+    parsed: dict[str, str] = json.loads(done.stdout.strip().splitlines()[-1])
+    return parsed
+
+
+def _child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # The checkout first (the upstream env has it installed in editable mode, but a
+    # plain interpreter given by OVERLAP_SPEC_UPSTREAM_PYTHON may not); a PYTHONPATH the
+    # user set (a copy of sglang placed first) stays in front of it.
+    parts = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env["PYTHONPATH"] = os.pathsep.join([*parts, str(REPO_ROOT)])
+    env.setdefault("SGLANG_DISABLE_REQUEST_LOGGING", "1")
+    return env
+
+
+def select_cells(patterns: str | None) -> list[str]:
+    import fnmatch
+
+    names = [c.name for c in enumerate_cells()]
+    if not patterns:
+        return names
+    wanted = [p.strip() for p in patterns.split(",") if p.strip()]
+    chosen = [n for n in names if any(fnmatch.fnmatch(n, p) for p in wanted)]
+    if not chosen:
+        raise UsageError(f"no cell matches {patterns!r} (see 'overlap-spec cells')")
+    return chosen
+
+
+def _validate_output(path: str | None) -> Path | None:
+    if path is None:
+        return None
+    out = Path(path)
+    if out.is_dir():
+        raise UsageError(f"--json {path}: is a directory; give a file path")
+    if not out.parent.exists():
+        raise UsageError(f"--json {path}: directory {out.parent} does not exist")
+    return out
+
+
+def run_cell_process(python: str, cell: str, args: argparse.Namespace, out: Path
+                     ) -> dict[str, Any]:
+    """One cell in its own process; a crash or a timeout is a failing cell, never a pass."""
+    command = [python, "-W", "ignore", "-m", "harness.upstream_tier", "--cell", cell,
+               "--out", str(out), "--seed", str(args.seed), "--profile", args.profile,
+               "--preset", args.preset]
+    if args.sglang_src:
+        command += ["--sglang-src", str(args.sglang_src)]
+    started = time.perf_counter()
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, env=_child_env(),
+                              timeout=CELL_TIMEOUT_S, check=False)
+    except subprocess.TimeoutExpired:
+        return {"verdict": "fail", "reason": f"timed out after {CELL_TIMEOUT_S}s",
+                "invariants": {}, "findings": [], "differential": {"verdict": "n/a",
+                                                                    "divergences": []}}
+    result_path = out / f"{cell}.json"
+    if done.returncode != 0 or not result_path.exists():
+        lines = [x for x in done.stderr.splitlines() if x.strip() and not x.startswith("[20")]
+        return {"verdict": "fail",
+                "reason": f"the cell process failed (exit {done.returncode}): "
+                          + (lines[-1] if lines else "no output"),
+                "invariants": {}, "findings": [],
+                "differential": {"verdict": "n/a", "divergences": []}}
+    result: dict[str, Any] = json.loads(result_path.read_text())
+    result["wall_s"] = round(time.perf_counter() - started, 1)
+    return result
+
+
+def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, str],
+                 args: argparse.Namespace, elapsed: float) -> dict[str, Any]:
+    findings = [f for r in results.values() for f in r.get("findings", [])]
+    driven = [c for c, r in results.items() if r["verdict"] != "n/a"]
+    ok = bool(driven) and all(results[c]["verdict"] == "pass" for c in driven)
+    return {
+        "version": 1,
+        "ok": ok,
+        "sglang": sglang,
+        "seed": args.seed,
+        "profile": args.profile,
+        "preset": args.preset,
+        "elapsed_s": round(elapsed, 1),
+        "cells": {c: {"verdict": r["verdict"], "reason": r.get("reason"),
+                      "invariants": r.get("invariants", {}),
+                      "exercised": r.get("exercised", {}), "runs": r.get("runs", 0),
+                      "seconds": r.get("seconds"), "wall_s": r.get("wall_s")}
+                  for c, r in results.items()},
+        "differential": {
+            "cells": {c: r.get("differential", {"verdict": "n/a", "divergences": []})
+                      for c, r in results.items()},
+            "allowed": [a.to_json() for a in ALLOWED_DIVERGENCES],
+        },
+        "findings": findings,
+        "not_applicable": dict(UPSTREAM_NOT_APPLICABLE),
+    }
+
+
+def render_report(report: dict[str, Any]) -> str:
+    lines = [f"sglang {report['sglang']['version']} ({report['sglang']['source']}), "
+             f"seed {report['seed']}, profile {report['profile']}, preset {report['preset']}"]
+    width = max(len(c) for c in report["cells"])
+    lines.append(f"{'cell':<{width}}  verdict  invariants                 differential")
+    for cell, r in report["cells"].items():
+        inv = r["invariants"]
+        counts: dict[str, int] = {}
+        for verdict in inv.values():
+            counts[verdict] = counts.get(verdict, 0) + 1
+        summary = " ".join(f"{k} {v}" for k, v in sorted(counts.items()))
+        diff = report["differential"]["cells"][cell]
+        diff_text = diff.get("verdict", "n/a")
+        if "operations_agreed" in diff:
+            diff_text += f" ({diff['operations_agreed']} ops agreed)"
+        lines.append(f"{cell:<{width}}  {r['verdict']:<7}  {summary:<25}  {diff_text}")
+        if r["verdict"] != "pass" and r.get("reason"):
+            lines.append(f"{'':<{width}}    {r['reason']}")
+    listed: dict[str, list[dict[str, Any]]] = {}
+    new = []
+    for f in report["findings"]:
+        if f["listed"]:
+            listed.setdefault(f["id"], []).append(f)
+        else:
+            new.append(f)
+    if listed:
+        lines.append("\nlisted upstream findings (docs/upstream-findings.md), seen in:")
+        for fid, group in listed.items():
+            first = min(group, key=lambda f: f["ops"])
+            lines.append(f"  {fid} {first['invariant']}: {', '.join(f['cell'] for f in group)}")
+            lines.append(f"     e.g. {first['actual']}")
+            lines.append(f"     replay: overlap-spec upstream replay {first['script']}")
+    for f in new:
+        lines.append(f"\nNEW upstream finding in {f['cell']}: {f['actual']}")
+        if f.get("script"):
+            lines.append(f"  replay: overlap-spec upstream replay {f['script']}")
+    for cell, diff in report["differential"]["cells"].items():
+        for div in diff.get("divergences", []):
+            lines.append(f"\nunexplained divergence in {cell} at op {div['step']}: "
+                         f"{div['field']}: reference {div['reference']}, upstream "
+                         f"{div['upstream']}")
+            lines.append(f"  replay: overlap-spec upstream replay {div['script']}")
+        if diff.get("error"):
+            lines.append(f"\ndifferential crashed in {cell}: {diff['error']}")
+    driven = [c for c, r in report["cells"].items() if r["verdict"] != "n/a"]
+    passed = sum(report["cells"][c]["verdict"] == "pass" for c in driven)
+    lines.append(f"\n{'OK' if report['ok'] else 'FAILED'}: {passed}/{len(driven)} driven cells "
+                 f"pass ({len(report['cells']) - len(driven)} n/a), {len(new)} new finding(s), "
+                 f"{report['elapsed_s']:.1f}s")
+    return "\n".join(lines)
+
+
+def run_upstream_check(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
+    """Validate, preflight, run every selected cell, and build the report."""
+    from upstream.bootstrap import UpstreamUnavailable, find_package_dir
+    from upstream.session import is_drivable
+
+    if args.sglang_src is not None:
+        src = Path(args.sglang_src)
+        if not src.is_dir():
+            raise UsageError(f"--sglang-src {src}: no such directory")
+        try:
+            find_package_dir(src.resolve())
+        except UpstreamUnavailable as error:
+            raise UsageError(str(error.args[0])) from None
+        args.sglang_src = src.resolve()
+    if args.preset not in PRESETS:
+        raise UsageError(f"unknown preset {args.preset!r}; choose {', '.join(PRESETS)}")
+    from harness.stateful import PROFILES
+
+    if args.profile not in PROFILES:
+        raise UsageError(f"unknown profile {args.profile!r}; choose {', '.join(PROFILES)}")
+    if args.jobs < 1:
+        raise UsageError("--jobs must be >= 1")
+    cells = select_cells(args.cells)
+    python = _require_python()
+    sglang = _preflight(python, args.sglang_src)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="overlap-spec-up-"))
+    out = out / "upstream"
+    out.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    results: dict[str, dict[str, Any]] = {}
+    runnable = []
+    for name in cells:
+        config = ModelConfig(next(c for c in enumerate_cells() if c.name == name),
+                             PRESETS[args.preset])
+        reason = is_drivable(config)
+        if reason is None:
+            runnable.append(name)
+        else:
+            results[name] = {"verdict": "n/a", "reason": reason, "invariants": {},
+                             "findings": [], "differential": {"verdict": "n/a",
+                                                              "reason": reason,
+                                                              "divergences": []}}
+
+    def one(name: str) -> tuple[str, dict[str, Any]]:
+        if progress:
+            print(f"  upstream {name} ...", file=sys.stderr, flush=True)
+        result = run_cell_process(python, name, args, out)
+        if progress:
+            print(f"  upstream {name}: {result['verdict']} ({result.get('wall_s', 0)}s)",
+                  file=sys.stderr, flush=True)
+        return name, result
+
+    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
+        for name, result in pool.map(one, runnable):
+            results[name] = result
+    ordered = {c: results[c] for c in cells}
+    return build_report(ordered, sglang, args, time.perf_counter() - started)
+
+
+def cmd_upstream(args: argparse.Namespace) -> int:
+    try:
+        if args.action == "stand-ins":
+            from upstream.standins import describe_stand_ins
+
+            print(describe_stand_ins())
+            return 0
+        if args.action == "findings":
+            for known in KNOWN_FINDINGS:
+                print(f"{known.id} {known.invariant}: {known.summary}\n   upstream: "
+                      f"{known.upstream}\n   see: {known.reference}")
+            for entry in ALLOWED_DIVERGENCES:
+                print(f"{entry.id} (allowed divergence, {entry.field}): {entry.reason}\n"
+                      f"   upstream: {entry.upstream}")
+            return 0
+        if args.action == "replay":
+            return cmd_upstream_replay(args)
+        json_path = _validate_output(args.json)
+        report = run_upstream_check(args, progress=not args.quiet)
+    except UsageError as error:
+        print(f"overlap-spec upstream: {error}", file=sys.stderr)
+        return 2
+    print(render_report(report))
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=1) + "\n")
+    return 0 if report["ok"] else 1
+
+
+def cmd_upstream_replay(args: argparse.Namespace) -> int:
+    """Replay a saved upstream script in the upstream environment (re-executing there)."""
+    if not args.file:
+        raise UsageError("upstream replay needs a script file")
+    path = Path(args.file)
+    if not path.is_file():
+        raise UsageError(f"no such file {path}")
+    if importlib.util.find_spec("sglang") is None:
+        python = _require_python()
+        command = [python, "-W", "ignore", "-m", "harness.upstream_cli", "replay", str(path)]
+        if args.sglang_src:
+            command += ["--sglang-src", str(args.sglang_src)]
+        done = subprocess.run(command, env=_child_env(), check=False)
+        return done.returncode
+    from harness.script import ScriptError, load_script
+    from harness.upstream_findings import get_known_finding
+    from harness.upstream_tier import UpstreamChecker, replay_on_upstream
+    from upstream.bootstrap import UpstreamUnavailable, load_sglang
+
+    try:
+        script = load_script(path)
+        source = load_sglang(Path(args.sglang_src) if args.sglang_src else None)
+    except (ScriptError, UpstreamUnavailable) as error:
+        raise UsageError(str(error.args[0] if error.args else error)) from None
+    outcome = replay_on_upstream(script)
+    print(f"replayed {len(script.ops)} ops on sglang {source.version} ({source.source}) in "
+          f"cell {script.cell}@{script.preset}, seed {script.seed}")
+    if isinstance(outcome, UpstreamChecker):
+        for fid, count in sorted(outcome.findings.items()):
+            known = get_known_finding(fid)
+            print(f"listed finding {fid} ({known.invariant}) seen {count} time(s): "
+                  f"{outcome.finding_messages[fid]}")
+        print("no violation outside the listed findings")
+        return 0
+    print(f"{outcome}")
+    return 1
+
+
+def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("action", choices=["check", "replay", "stand-ins", "findings"],
+                        help="check: run the tier; replay FILE: re-run a saved upstream "
+                             "script; stand-ins: what the tier replaces in sglang; "
+                             "findings: the listed findings and allowed divergences")
+    parser.add_argument("file", nargs="?", help="the script, for 'replay'")
+    parser.add_argument("--cells", default=None,
+                        help="comma-separated cell names or globs (default: every cell; "
+                             "cells the adapter cannot drive report n/a)")
+    parser.add_argument("--sglang-src", default=None, metavar="DIR",
+                        help="drive this SGLang source tree (a PR branch checkout) instead of "
+                             "the installed release")
+    parser.add_argument("--json", metavar="PATH", help="write the JSON report here")
+    parser.add_argument("--out", metavar="DIR",
+                        help="where scripts are saved (default: a temporary directory)")
+    parser.add_argument("--seed", type=int, default=DEFAULT_UPSTREAM_SEED,
+                        help=f"hypothesis seed (default {DEFAULT_UPSTREAM_SEED})")
+    parser.add_argument("--profile", default="ci", help="hypothesis budget (default ci)")
+    parser.add_argument("--preset", default="minimal", help="sizes (default minimal)")
+    parser.add_argument("-j", "--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
+                        help="cells run at once, one process each (default %(default)s)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="overlap-spec upstream")
+    add_upstream_arguments(parser)
+    args = parser.parse_args(argv)
+    return cmd_upstream(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

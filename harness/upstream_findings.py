@@ -1,0 +1,253 @@
+"""What the upstream tier knows about sglang 0.5.23: listed findings, allowed divergences,
+and the invariants it cannot judge on CPU. Pure data; ``docs/upstream-findings.md`` is the
+prose twin of this file (a test keeps them in step).
+
+* A **finding** is an invariant sglang violates. Listed ones carry the upstream file:line,
+  what the spec expects and the evidence (a replayable script the tier re-derives and
+  minimises in every run). A violation that matches no listed finding fails the tier.
+* An **allowed divergence** is a field where the reference and the release differ on
+  purpose or by a documented modelling difference; anything else the differential sees
+  fails the tier. Each entry names the upstream code and the reason, and whether the
+  realignment issue (#12) is meant to remove it.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from spec.config import Cell
+from spec.interface import ObservableState, RequestState
+from spec.invariants import InvariantViolation
+
+UPSTREAM_CHECKER_ID: Final = "UC"
+"""Upstream's own ``SchedulerInvariantChecker.self_check_during_busy`` (pool conservation,
+per-owner committed <= allocated <= width, no owner page in the free list), run after
+every iteration beside the spec's invariants."""
+
+_CPU_STREAMS = ("streams and events are no-ops on CPU (torch.cpu.Stream, "
+                "_war_barrier_enabled=False): no ordering exists to check; needs CUDA")
+UPSTREAM_NOT_APPLICABLE: Final[dict[str, str]] = {
+    "SL1": "ForwardBatch.init_new is model-side: the stand-in forward does not build one",
+    "SL8": "the publish values are computed by the stand-in worker, not by sglang",
+    "SL10": "draft-extend is model-side: the stand-in forward has no draft-extend batch",
+    "SL11": "seq_len_cpu_ub exists only in the closed PR #27979; 0.5.23 has no such field",
+    "KV10": "the bonus pre-claim is an earlier era (#28754); no 0.5.23 cell has it",
+    "FM1": _CPU_STREAMS,
+    "FM2": _CPU_STREAMS,
+    "FM3": "relay gathers of output_tokens_buf (resolve_forward_inputs) are not observed yet",
+    "FM4": "relay gathers of output_tokens_buf (resolve_forward_inputs) are not observed yet",
+    "FM5": "relay gathers of output_tokens_buf (resolve_forward_inputs) are not observed yet",
+    "ST1": _CPU_STREAMS,
+    "ST2": _CPU_STREAMS,
+    "ST3": "host syncs are not counted on CPU (every copy is synchronous there)",
+    "ST4": _CPU_STREAMS,
+}
+
+
+@dataclass(frozen=True)
+class KnownFinding:
+    id: str  # U1, U2, ...
+    invariant: str
+    pattern: str  # regular expression the violation's text must match
+    applies: Callable[[Cell], bool]
+    upstream: str  # file:line in sglang 0.5.23
+    summary: str
+    expected: str
+    reference: str  # upstream issue / PR / digest entry
+
+    def matches(self, violation: InvariantViolation, cell: Cell) -> bool:
+        return (violation.invariant_id == self.invariant and self.applies(cell)
+                and re.search(self.pattern, str(violation)) is not None)
+
+
+def _any(cell: Cell) -> bool:
+    return True
+
+
+def _spec(cell: Cell) -> bool:
+    return cell.is_spec
+
+
+def _non_spec_overlap(cell: Cell) -> bool:
+    return not cell.is_spec and cell.overlap
+
+
+KNOWN_FINDINGS: Final[tuple[KnownFinding, ...]] = (
+    KnownFinding(
+        "U1", "SL4", r"lengths differ \{'reqs': 0,", _any,
+        "python/sglang/srt/managers/schedule_batch.py:3851 (ScheduleBatch.filter_batch)",
+        "filter_batch to an empty batch sets reqs=[] and leaves seq_lens, req_pool_indices "
+        "and seq_lens_cpu stale ('is_empty() is what callers check'); the next merge or "
+        "prefill replaces the batch",
+        "an emptied batch has one length, 0, in every field",
+        "digest D6; observed in sglang 0.5.23 on CPU"),
+    KnownFinding(
+        "U2", "KV9", r"cached \d+ tokens at finish", _any,
+        "python/sglang/srt/mem_cache/common.py:421 (release_kv_cache: owned_kv_len) and "
+        "managers/schedule_batch.py:1552 (Req.owned_kv_len)",
+        "a finished request caches kv_committed_len (cut only at finished_len), which "
+        "counts the newest token, whose KV no forward has written, and under overlap the "
+        "decode launched before an EOS finish was processed",
+        "cached = prompt + output - 1 (the positions whose KV exists)",
+        "#24590 (closed as a question), #35694 (open); digest section 6 row 11"),
+    KnownFinding(
+        "U3", "RP3", r"num_correct_drafts=\d+, batch size \d+; live requests give", _spec,
+        "python/sglang/srt/managers/scheduler_components/batch_result_processor.py:785 "
+        "(_resolve_spec_v2_tokens: num_correct_drafts over every row) and :986 "
+        "(update_spec_metrics(batch.batch_size(), ...))",
+        "the accept counters and the adaptive controller's feed count every row of a "
+        "decode result, including requests that finished or were retracted while it was "
+        "in flight (their rows are skipped only for output and commit)",
+        "counters count requests live when the result is processed",
+        "bug B4 (#18848, #23456 review); digest D7"),
+    KnownFinding(
+        "U4", "KV9", r"kv_committed_len=\d+ - claimed lead \d+ at finish != prompt", _spec,
+        "python/sglang/srt/managers/scheduler_components/batch_result_processor.py:831 "
+        "(_resolve_spec_v2_tokens: kv_committed_len += len(accept_tokens))",
+        "the finishing verify commits and appends its whole accepted run; EOS and "
+        "max_new_tokens cut only the visible output (finished_len), so committed KV runs "
+        "past the stop",
+        "at finish, committed - lead = prompt + output - 1",
+        "digest D3; #22897; #35694 (open)"),
+    KnownFinding(
+        "U5", "RP2", r"\d+ output tokens > max_new_tokens=\d+", _spec,
+        "python/sglang/srt/managers/schedule_batch.py:2011 (Req.update_finish_state returns "
+        "on to_finish before the length cap)",
+        "an abort promoted by the same verify result that crosses max_new_tokens finishes "
+        "the request with finished_len=None, so the whole accepted run is visible output",
+        "visible output never exceeds max_new_tokens",
+        "digest D4; observed in sglang 0.5.23 on CPU"),
+)
+
+
+def match_finding(violation: InvariantViolation, cell: Cell) -> KnownFinding | None:
+    for known in KNOWN_FINDINGS:
+        if known.matches(violation, cell):
+            return known
+    return None
+
+
+def get_known_finding(finding_id: str) -> KnownFinding:
+    for known in KNOWN_FINDINGS:
+        if known.id == finding_id:
+            return known
+    raise KeyError(finding_id)
+
+
+@dataclass(frozen=True)
+class AllowedDivergence:
+    id: str  # A1, A2, ...
+    field: str  # the ObservableState path pattern (regular expression)
+    upstream: str  # file:line in sglang 0.5.23
+    reason: str
+    realign: bool  # the realignment issue is meant to remove it (the reference changes)
+    when: Callable[[str, Any, Any, ObservableState, ObservableState], bool]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"id": self.id, "field": self.field, "upstream": self.upstream,
+                "reason": self.reason, "realign": self.realign}
+
+
+def _requests(state: ObservableState) -> dict[int, RequestState]:
+    return {int(r.rid): r for r in state.requests}
+
+
+def _released_by_upstream(path: str, ref: Any, up: Any, reference: ObservableState,
+                          upstream: ObservableState) -> bool:
+    rid = int(path.split(".")[0].split("r")[-1])
+    return _requests(upstream)[rid].status == "finished" and bool(up == 0)
+
+
+def _overshoot_skipped(path: str, ref: Any, up: Any, reference: ObservableState,
+                       upstream: ObservableState) -> bool:
+    """Some request the release finished got one more decode in the reference: it sits in
+    the reference's launched batch (spec) or committed one more slot (non-spec)."""
+    ref_reqs = _requests(reference)
+    launched = set(reference.last_batch.rids) if reference.last_batch is not None else set()
+    if reference.running is not None:
+        launched |= set(reference.running.rids)
+    for rid, u in _requests(upstream).items():
+        r = ref_reqs[rid]
+        if u.status != "finished":
+            continue
+        if r.kv_committed_len == u.kv_committed_len + 1 or rid in launched:
+            return True
+        # The reference retracted it for the decode the release skipped (its queued
+        # result finished it); outputs agree up to that result.
+        if r.status == "waiting" and u.output_ids[:len(r.output_ids)] == r.output_ids:
+            return True
+    return False
+
+
+def _non_spec_counters(path: str, ref: Any, up: Any, reference: ObservableState,
+                       upstream: ObservableState) -> bool:
+    return bool(up == (0, 0) and ref[0] == 0)
+
+
+def _admission_held_back(path: str, ref: Any, up: Any, reference: ObservableState,
+                         upstream: ObservableState) -> bool:
+    """The release left a waiting request waiting that the reference admitted."""
+    ref_reqs = _requests(reference)
+    return any(u.status == "waiting" and ref_reqs[rid].status != "waiting"
+               for rid, u in _requests(upstream).items())
+
+
+def _sum_not_backfilled(path: str, ref: Any, up: Any, reference: ObservableState,
+                       upstream: ObservableState) -> bool:
+    return up is None and ref is not None
+
+
+ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
+    AllowedDivergence(
+        "A1", r"request r\d+\.kv_allocated_len",
+        "python/sglang/srt/managers/schedule_batch.py ReqKvInfo.mark_kv_released "
+        "(called at the end of mem_cache/common.py:444 release_kv_cache)",
+        "a release sets kv_allocated_len to 0; the reference leaves it as it was (D1)",
+        True, _released_by_upstream),
+    AllowedDivergence(
+        "A2", r"request r\d+\..*|accept_counters|"
+        r"(running|last_batch)(\..*)?|free_pages",
+        "python/sglang/srt/managers/scheduler.py:4444 (_reqs_finishing_inflight), 2063 "
+        "(event_loop_overlap sets enable_skip_finishing_decode)",
+        "under overlap the release does not decode a request whose queued result finishes it "
+        "by length; the reference models that overshoot decode (D2)",
+        True, _overshoot_skipped),
+    AllowedDivergence(
+        "A3", r"accept_counters",
+        "python/sglang/srt/managers/scheduler_components/batch_result_processor.py:985 "
+        "(update_spec_metrics only for spec)",
+        "results that feed no spec metrics (non-spec, and prefill results with spec): the "
+        "release leaves its accept counters alone; the reference reports the live batch "
+        "size with no correct draft",
+        False, _non_spec_counters),
+    AllowedDivergence(
+        "A4", r"(running|last_batch)\.seq_lens_sum",
+        "python/sglang/srt/model_executor/forward_batch_info.py ForwardBatch.init_new "
+        "(back-fills ScheduleBatch.seq_lens_sum)",
+        "a stand-in of the environment: the real forward's ForwardBatch.init_new back-fills "
+        "the lazy seq_lens_sum onto the batch; the stand-in forward builds no ForwardBatch, "
+        "so it stays None (D5)",
+        False, _sum_not_backfilled),
+    AllowedDivergence(
+        "A5", r"request r\d+\..*|accept_counters|(running|last_batch)(\..*)?|free_pages",
+        "python/sglang/srt/managers/schedule_policy.py PrefillAdder (add_one_req, "
+        "rem_total_tokens) via scheduler.py:4052 get_new_batch_prefill",
+        "admission policy: the release admits a waiting request only if its prompt plus an "
+        "estimate of the decode tokens still to come for every running and admitted "
+        "request (new_token_ratio x remaining max_new_tokens, page-rounded) fits; the "
+        "reference admits while a row and the prompt's pages are free",
+        True, _admission_held_back),
+)
+
+
+def get_allowed(path: str, reference_value: Any, upstream_value: Any,
+                reference: ObservableState, upstream: ObservableState
+                ) -> AllowedDivergence | None:
+    for entry in ALLOWED_DIVERGENCES:
+        if re.fullmatch(entry.field, path) and entry.when(path, reference_value, upstream_value,
+                                                         reference, upstream):
+            return entry
+    return None

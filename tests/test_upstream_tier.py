@@ -1,0 +1,167 @@
+"""The upstream tier on sglang 0.5.23 itself (marked ``upstream``: ``./dev upstream test``).
+
+Each real ``Scheduler`` needs its own process, so every check here runs the CLI in a
+subprocess. The broken copies are the release with one mechanism removed, placed first
+via ``--sglang-src``: each must fail the tier with the invariant that mechanism protects.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.upstream
+
+HAS_SGLANG = importlib.util.find_spec("sglang") is not None
+needs_sglang = pytest.mark.skipif(
+    not HAS_SGLANG, reason="sglang 0.5.23 is not installed here (build it with ./dev upstream)")
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    full_env = dict(os.environ if env is None else env)
+    full_env["PYTHONPATH"] = os.pathsep.join(
+        [p for p in [full_env.get("PYTHONPATH", ""), str(REPO)] if p])
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", "harness.upstream_cli", *args],
+                          capture_output=True, text=True, env=full_env, timeout=1200,
+                          check=False, cwd=REPO)
+
+
+def get_release_dir() -> Path:
+    spec = importlib.util.find_spec("sglang")
+    assert spec is not None and spec.submodule_search_locations
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def make_broken_copy(root: Path, relative: str, old: str, new: str) -> Path:
+    """The installed release, hard-linked into ``root/sglang``, with one file edited."""
+    tree = root / "tree"
+    shutil.copytree(get_release_dir(), tree / "sglang", copy_function=os.link,
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    target = tree / "sglang" / relative
+    text = target.read_text()
+    assert text.count(old) == 1, f"{relative}: the text to break is not there exactly once"
+    target.unlink()  # a new inode: the release's own file stays intact
+    target.write_text(text.replace(old, new))
+    return tree
+
+
+BREAKAGES = {
+    # The spec-v2 result path no longer skips a request retracted while its verify flew.
+    "retracted-row-committed": (
+        "srt/managers/scheduler_components/batch_result_processor.py",
+        "            if req.is_retracted or req.finished():\n",
+        "            if req.finished():\n",
+        "ov-p1-v2chain-cpu-honest", {"RP1"}),
+    # The decode reserve without its double buffer: one draft+verify ahead, not two.
+    "reserve-halved": (
+        "srt/mem_cache/allocation_sizing.py",
+        "    return 2 * get_alloc_len_per_decode()\n",
+        "    return get_alloc_len_per_decode()\n",
+        "ov-p1-v2chain-cpu-honest", {"KV3"}),
+    # release_kv_cache forgets the over-allocated tail past owned_kv_len (a leak).
+    "release-leaks-tail": (
+        "srt/mem_cache/common.py",
+        "    _release_overallocated_kv_indices(\n"
+        "        req, owned_kv_len, req.kv.kv_allocated_len, tree_cache\n"
+        "    )\n",
+        "",
+        "ov-p4-v2chain-cpu-honest", {"KV7", "UC"}),
+}
+
+
+@needs_sglang
+def test_release_passes_with_listed_findings(tmp_path: Path) -> None:
+    report_path = tmp_path / "r.json"
+    done = run_cli("check", "--cells", "ov-p1-none,ov-p4-v2chain-cpu-honest,nov-p1-none",
+                   "--json", str(report_path), "--out", str(tmp_path), "-q")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(report_path.read_text())
+    assert report["ok"] is True and report["version"] == 1
+    assert report["sglang"]["version"] == "0.5.23"
+    for cell in ("ov-p1-none", "ov-p4-v2chain-cpu-honest", "nov-p1-none"):
+        entry = report["cells"][cell]
+        assert entry["verdict"] == "pass"
+        assert "vacuous" not in entry["invariants"].values()
+        assert report["differential"]["cells"][cell]["verdict"] == "pass"
+        assert report["differential"]["cells"][cell]["operations_agreed"] > 0
+    assert {a["id"] for a in report["differential"]["allowed"]} >= {"A1", "A2"}
+    listed = {f["id"] for f in report["findings"] if f["listed"]}
+    assert {"U1", "U2", "U3", "U4"} <= listed
+    assert all(f["listed"] for f in report["findings"])
+    # Every finding carries a minimised script that reproduces it on the release.
+    spec_finding = next(f for f in report["findings"] if f["id"] == "U3")
+    replay = run_cli("replay", spec_finding["script"])
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert "listed finding U3" in replay.stdout
+
+
+@needs_sglang
+@pytest.mark.parametrize("name", sorted(BREAKAGES))
+def test_broken_copy_fails_with_the_right_invariant(tmp_path: Path, name: str) -> None:
+    relative, old, new, cell, expected = BREAKAGES[name]
+    tree = make_broken_copy(tmp_path, relative, old, new)
+    report_path = tmp_path / "r.json"
+    done = run_cli("check", "--cells", cell, "--sglang-src", str(tree), "--json",
+                   str(report_path), "--out", str(tmp_path), "-q")
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(report_path.read_text())
+    assert report["sglang"]["source"] == str(tree / "sglang")
+    new_ids = {f["invariant"] for f in report["findings"] if not f["listed"]}
+    assert new_ids & expected, (new_ids, report["cells"][cell])
+    new_finding = next(f for f in report["findings"] if not f["listed"])
+    assert new_finding["script"] and Path(new_finding["script"]).exists()
+
+
+@needs_sglang
+def test_copy_first_on_pythonpath_is_the_one_driven(tmp_path: Path) -> None:
+    relative, old, new, cell, expected = BREAKAGES["reserve-halved"]
+    tree = make_broken_copy(tmp_path, relative, old, new)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(tree)
+    report_path = tmp_path / "r.json"
+    done = run_cli("check", "--cells", cell, "--json", str(report_path), "--out",
+                   str(tmp_path), "-q", env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(report_path.read_text())
+    assert report["sglang"]["source"] == str(tree / "sglang")
+
+
+@needs_sglang
+@pytest.mark.parametrize("case", ["missing", "not-a-tree", "wrong-version", "import-fails"])
+def test_bad_sglang_input_exits_2_with_one_line(tmp_path: Path, case: str) -> None:
+    env = dict(os.environ)
+    args = ["check", "--cells", "ov-p1-none", "-q"]
+    if case == "missing":
+        args += ["--sglang-src", str(tmp_path / "nowhere")]
+    elif case == "not-a-tree":
+        args += ["--sglang-src", str(tmp_path)]
+    else:
+        fake = tmp_path / "fake" / "sglang"
+        (fake / "srt" / "managers").mkdir(parents=True)
+        (fake / "srt" / "__init__.py").write_text("")
+        (fake / "srt" / "managers" / "__init__.py").write_text("")
+        if case == "wrong-version":
+            (fake / "__init__.py").write_text("__version__ = '0.4.0'\n")
+            (fake / "srt" / "managers" / "scheduler.py").write_text("")
+            env["PYTHONPATH"] = str(fake.parent)
+        else:
+            (fake / "__init__.py").write_text("__version__ = '0.5.23'\n")
+            (fake / "srt" / "managers" / "scheduler.py").write_text(
+                "import sglang_missing_dependency\n")
+            args += ["--sglang-src", str(fake.parent)]
+    done = run_cli(*args, env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    lines = [x for x in done.stderr.splitlines() if x.strip() and not x.startswith("[20")]
+    assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
+    expected = {"missing": "no such directory", "not-a-tree": "not an SGLang tree",
+                "wrong-version": "sglang 0.4.0 is installed",
+                "import-fails": "sglang does not import"}[case]
+    assert expected in lines[0]

@@ -1,0 +1,499 @@
+"""``UpstreamScheduler``: sglang's own scheduler behind :class:`spec.interface.SchedulerModel`.
+
+The third implementation of the interface, after ``reference/`` and ``gpu_impl/``. Nothing
+here decides anything the scheduler decides: operations go to the release's code
+(``Scheduler._add_request_to_queue``, ``Scheduler.abort_request``, one pass of
+``run_event_loop``), and this class only maps upstream state to the spec's observations
+(the refinement function) at upstream's observation points.
+
+Refinement (upstream → spec), the field mapping a reviewer checks:
+
+============================  ============================================================
+spec                          upstream 0.5.23
+============================  ============================================================
+RequestView.rid               ``Req.rid`` = ``"r<n>"``, n the spec's id
+prompt_len                    ``len(req.origin_input_ids)``
+output_len                    ``len(req.output_ids_through_stop)``: the visible output
+                              (``output_ids`` may run past ``finished_len``, D3)
+kv_committed/allocated_len    ``req.kv.kv_committed_len`` / ``req.kv.kv_allocated_len``
+req_pool_idx, holds_kv        ``req.kv.req_pool_idx``, ``req.kv.holds_kv``
+finished, is_retracted        ``req.finished()``, ``req.is_retracted``
+waiting                       ``req`` in ``Scheduler.waiting_queue``
+row_slots                     ``req_to_token[row, 0:kv_allocated_len]``
+owned_pages                   pages of those slots (upstream keeps no owner table; a page
+                              no row reaches and no free list holds is a KV7 leak)
+release_count, cached_len,    counted by the ``tree_cache.on_release`` hook inside
+committed_at_release          ``release_kv_cache``; cached = ``owned_kv_len()`` when
+                              checkpointed (finish)
+BatchView                     ``ScheduleBatch``: ``forward_mode``, ``reqs``, ``seq_lens``,
+                              ``seq_lens_cpu``, ``seq_lens_sum``, ``req_pool_indices``,
+                              ``spec_info.future_indices``; ``seq_len_cpu_ub`` is None (the
+                              field exists only in the closed PR #27979)
+AllocatorView                 allocator free pages (``free_pages`` + ``release_pages``, or
+                              ``get_all_free_pages()``), ``ReqToTokenPool.free_slots``; the
+                              disabled radix cache holds no pages
+ghost                         the stand-in worker's :class:`~upstream.worker.Ghost`
+============================  ============================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from spec.config import ModelConfig
+from spec.interface import BatchState, ObservableState, Observer, RequestState
+from spec.invariants import InvariantViolation
+from spec.state import (
+    AllocatorView,
+    BatchView,
+    GhostView,
+    IsolationView,
+    IterationChoices,
+    KvWrite,
+    LaunchMember,
+    LaunchView,
+    Observation,
+    ObservationPoint,
+    ProcessedEntry,
+    PublishRecord,
+    RequestView,
+    ResultView,
+)
+from spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
+from upstream import hooks
+from upstream.session import Session, UpstreamCrash, get_session
+from upstream.worker import EOS_TOKEN, Ghost, StepRecord
+
+
+class _Track:
+    """Per request: the upstream ``Req``, the ghost and what the release hook recorded."""
+
+    def __init__(self, rid: RequestId, req: Any) -> None:
+        self.rid = rid
+        self.req = req
+        self.ghost = Ghost()
+        self.release_count = 0
+        self.cached_len: int | None = None
+        self.committed_at_release: int | None = None
+        # Aborted while waiting: Scheduler.abort_request pops it and sends the abort to the
+        # client (send_abort_output) without setting finished_reason; it has left.
+        self.left = False
+
+    def is_finished(self) -> bool:
+        return bool(self.req.finished()) or self.left
+
+
+class UpstreamScheduler:
+    """The release's scheduler, one cell per process (see :mod:`upstream.session`)."""
+
+    def __init__(self, config: ModelConfig, faults: frozenset[str] = frozenset(),
+                 observer: Observer | None = None) -> None:
+        if faults:
+            raise ValueError(
+                f"the upstream adapter has no fault switches (asked for {sorted(faults)}); "
+                "to check a broken sglang, pass its tree with --sglang-src")
+        self.config = config
+        self.observer = observer
+        self.session: Session = get_session(config)
+        self.session.reset()
+        self.scheduler = self.session.scheduler
+        self.tracks: dict[RequestId, _Track] = {}
+        self.by_req: dict[int, _Track] = {}
+        self.step_index = 0
+        self.next_step = 0
+        self.last_processed_step: StepId | None = None
+        self.result_steps: dict[int, StepRecord] = {}
+        self.launch: LaunchView | None = None
+        self.launch_entry: BatchView | None = None
+        self.members: tuple[LaunchMember, ...] = ()
+        self.publishes: list[PublishRecord] = []
+        self.kv_write_fault_count = 0
+        self.accept_counters = (0, 0)
+        self.spec_metrics: tuple[int, int] | None = None
+        self.launched = False
+        self.pending: InvariantViolation | None = None
+        hooks.HOST.attach(self)
+
+    # ------------------------------------------------------------------ interface
+    def admit(self, prompt_len: int, max_new_tokens: int) -> RequestId:
+        from array import array
+
+        from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.sampling.sampling_params import SamplingParams
+
+        rid = RequestId(len(self.tracks))
+        params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
+        params.normalize(None)
+        prompt = array("q", [100 + (int(rid) * 13 + k) % 800 for k in range(prompt_len)])
+        # abort_request matches rids by prefix ("r1" would also abort "r10"): end with ":".
+        req = Req(f"r{rid}:", "", prompt, params, vocab_size=1000, eos_token_ids={EOS_TOKEN})
+        track = _Track(rid, req)
+        self.tracks[rid] = track
+        self.by_req[id(req)] = track
+        self.scheduler._add_request_to_queue(req)
+        return rid
+
+    def admit_prebuilt(self, prompt_len: int, max_new_tokens: int) -> RequestId:
+        raise NotImplementedError(
+            "PD prebuilt admission is not driven by the upstream adapter (it needs the "
+            "disaggregation decode queues)")
+
+    def abort(self, rid: RequestId) -> None:
+        from sglang.srt.managers.io_struct import AbortReq
+
+        track = self.tracks.get(rid)
+        if track is None or track.is_finished():
+            return
+        waiting = self._is_waiting(track.req)
+        track.ghost.abort_requested = True
+        if waiting:
+            track.ghost.finished = True
+        self.scheduler.abort_request(AbortReq(rid=track.req.rid))
+        if waiting and not self._is_waiting(track.req):
+            track.left = True
+        self.observe(ObservationPoint.ABORT)
+        self._raise_pending()
+
+    def run_iteration(self, choices: IterationChoices) -> None:
+        self.launched = False
+        try:
+            self.session.step(choices)
+        finally:
+            hooks.HOST.retract_pending = None
+        self.observe(ObservationPoint.ITERATION_END, launched_this_iteration=self.launched)
+        self._raise_pending()
+        self.run_upstream_checker()
+
+    def run_upstream_checker(self) -> None:
+        """Upstream's own runtime checker, when the observer asks for it (``UC``)."""
+        hook = getattr(self.observer, "on_upstream_check", None)
+        if hook is None or self.scheduler.last_batch is None:
+            return
+        try:
+            self.scheduler.invariant_checker.self_check_during_busy()
+            message = None
+        except (AssertionError, ValueError) as error:
+            message = str(error)[:400]
+        hook(message, self.step_index)
+
+    def get_request_ids(self) -> tuple[RequestId, ...]:
+        return tuple(self.tracks)
+
+    def set_step_index(self, index: int) -> None:
+        self.step_index = index
+
+    def get_observable_state(self) -> ObservableState:
+        requests = []
+        for track in self.tracks.values():
+            req = track.req
+            status = ("finished" if track.is_finished() else "waiting" if self._is_waiting(req)
+                      else "running")
+            row = tuple(int(s) for s in self._row_slots(req))
+            requests.append(RequestState(track.rid, status,
+                                         tuple(int(t) for t in req.output_ids_through_stop),
+                                         int(req.kv.kv_committed_len),
+                                         int(req.kv.kv_allocated_len), row, track.cached_len))
+        sched = self.scheduler
+        return ObservableState(
+            requests=tuple(requests),
+            running=self._batch_state(sched.running_batch),
+            last_batch=self._batch_state(sched.last_batch),
+            free_pages=int(sched.token_to_kv_pool_allocator.available_size())
+            // self.config.page_size,
+            kv_write_faults=self.kv_write_fault_count,
+            accept_counters=self.accept_counters,
+        )
+
+    # ------------------------------------------------------------------ host: the worker
+    def get_choices(self) -> IterationChoices:
+        return self.session.choices
+
+    def next_step_id(self) -> StepId:
+        step = StepId(self.next_step)
+        self.next_step += 1
+        return step
+
+    def get_rid(self, req: Any) -> RequestId:
+        return self.by_req[id(req)].rid
+
+    def get_ghost(self, req: Any) -> Ghost:
+        return self.by_req[id(req)].ghost
+
+    def on_launch(self, step: StepId, batch: Any, reqs: Sequence[Any], seq_lens: list[int],
+                  widths: list[int], is_extend: bool) -> None:
+        self.launched = True
+        self.publishes = []
+        self.launch_entry = self.get_batch_view(batch)
+        spec_overlap = self.config.cell.is_spec and self.config.cell.overlap
+        buf = self.scheduler.future_map.new_seq_lens_buf if spec_overlap else None
+        members = []
+        for req, seq_len, width in zip(reqs, seq_lens, widths, strict=True):
+            ghost = self.get_ghost(req)
+            row = req.kv.req_pool_idx
+            published = int(buf[row]) if buf is not None and row is not None else None
+            members.append(LaunchMember(
+                rid=self.get_rid(req), holds_kv=bool(req.kv.holds_kv), seq_len=seq_len,
+                published_seq_len=published, kv_allocated_len=int(req.kv.kv_allocated_len),
+                ghost_kv_len=TokenCount(ghost.kv_len_true), write_width=TokenCount(width)))
+            ghost.on_launch(step, is_extend)
+        self.members = tuple(members)
+
+    def write_kv(self, req: Any, rid: RequestId, start: int, end: int) -> list[KvWrite]:
+        """The forward writes positions [start, end) through the request's row."""
+        faults: list[KvWrite] = []
+        row = req.kv.req_pool_idx
+        allocated = int(req.kv.kv_allocated_len)
+        table = self.scheduler.req_to_token_pool.req_to_token
+        page = self.config.page_size
+        mine = {int(s) // page for s in self._row_slots(req)}
+        for position in range(start, end):
+            if row is None or position < 0 or position >= table.shape[1]:
+                faults.append(KvWrite(rid, position, None, "outside the req_to_token row"))
+                continue
+            slot = int(table[row, position])
+            if position >= allocated:
+                faults.append(KvWrite(rid, position, slot, "beyond kv_allocated_len"))
+            elif slot <= 0 or slot // page not in mine or self._is_free(slot // page):
+                faults.append(KvWrite(rid, position, slot, "slot not owned by the request"))
+        return faults
+
+    def record_step(self, record: StepRecord, faults: list[KvWrite]) -> None:
+        self.result_steps[record.step] = record
+        self.kv_write_fault_count += len(faults)
+        self.launch = LaunchView(step=record.step, forward_mode=record.forward_mode,
+                                 members=self.members, kv_write_faults=tuple(faults),
+                                 relay_gathers=(), unseeded_spec_rows=(),
+                                 publishes=tuple(self.publishes))
+        self.observe(ObservationPoint.LAUNCH, launch=self.launch)
+
+    def on_publish(self, step: StepId, reqs: Sequence[Any], seq_lens: list[int],
+                   accept_lens: list[int] | None, values: list[int]) -> None:
+        rows = [int(req.kv.req_pool_idx) for req in reqs]
+        for j, req in enumerate(reqs):
+            self.publishes.append(PublishRecord(
+                self.get_rid(req), PoolRow(rows[j]), seq_lens[j],
+                None if accept_lens is None else accept_lens[j], values[j]))
+
+    # ------------------------------------------------------------------ host: hooks
+    def on_prepare_extend(self, batch: Any) -> None:
+        """A prefill claims its fill length at prepare time; nothing is settled yet."""
+        for req in batch.reqs:
+            self.get_ghost(req).extend_inflight = True
+
+    def on_prepare_decode(self, batch: Any) -> None:
+        for req in batch.reqs:
+            self.get_ghost(req).prepared_steps = 1
+
+    def on_retract(self, retracted: list[Any], aborted: list[Any]) -> None:
+        for req in retracted:
+            self.get_ghost(req).on_retract()
+            self.by_req[id(req)].release_count = 0  # a new holding starts at re-admission
+        for req in aborted:
+            ghost = self.get_ghost(req)
+            ghost.abort_requested = ghost.finished = True
+
+    def on_release(self, req: Any, checkpointed: bool) -> None:
+        track = self.by_req.get(id(req))
+        if track is None:
+            return
+        track.release_count += 1
+        if req.finished():
+            track.committed_at_release = int(req.kv.kv_committed_len)
+            track.cached_len = int(req.owned_kv_len()) if checkpointed else 0
+            track.ghost.on_release()
+
+    def on_run_batch_exit(self, batch: Any, result: Any) -> None:
+        if self.launch is None:
+            return
+        self.result_steps[StepId(-1 - id(result))] = self.result_steps[self.launch.step]
+        isolation = None
+        if self.config.cell.is_spec and self.launch_entry is not None:
+            isolation = IsolationView(self.launch_entry, self.get_batch_view(batch), None)
+        self.observe(ObservationPoint.RUN_BATCH, batch=batch, launch=self.launch,
+                     isolation=isolation)
+
+    def before_result(self, batch: Any, result: Any) -> Any:
+        record = self.result_steps.pop(StepId(-1 - id(result)), None)
+        self.spec_metrics = None
+        before = []
+        for j, req in enumerate(batch.reqs):
+            track = self.by_req[id(req)]
+            before.append((req.finished() or bool(req.is_retracted), req.finished(),
+                           len(req.output_ids), int(req.kv.kv_committed_len)))
+            if record is not None:
+                eos = record.eos_at[j]
+                track.ghost.on_result(record.step, int(req.sampling_params.max_new_tokens),
+                                      record.accept_lens[j], eos)
+        return record, before
+
+    def after_result(self, batch: Any, result: Any, token: Any) -> None:
+        record, before = token
+        if record is None:
+            return
+        entries = []
+        for j, req in enumerate(batch.reqs):
+            stale, finished_before, out_before, committed_before = before[j]
+            out_after = len(req.output_ids)
+            entries.append(ProcessedEntry(
+                rid=self.get_rid(req), stale=stale, finished_before=finished_before,
+                accept_len=record.accept_lens[j], run_len=out_after - out_before,
+                stride=record.stride, output_before=out_before, output_after=out_after,
+                committed_before=committed_before,
+                committed_after=int(req.kv.kv_committed_len)))
+        if self.spec_metrics is not None:
+            batch_size, correct = self.spec_metrics
+        else:
+            batch_size, correct = 0, 0
+        self.accept_counters = (correct, batch_size)
+        view = ResultView(step=record.step, entries=tuple(entries), num_correct_drafts=correct,
+                          metrics_batch_size=batch_size,
+                          previous_step=self.last_processed_step,
+                          pending_after=len(getattr(self.scheduler, "result_queue", ())))
+        self.last_processed_step = record.step
+        if self.spec_metrics is None:
+            # Upstream feeds its spec metrics from decode results only: this result
+            # makes no counter claim for RP3 to judge.
+            hook = getattr(self.observer, "on_unmetered_result", None)
+            if hook is not None:
+                hook(record.step)
+        self.observe(ObservationPoint.PROCESS_RESULT, result=view)
+
+    def on_spec_metrics(self, batch_size: int, num_correct_drafts: int) -> None:
+        self.spec_metrics = (batch_size, num_correct_drafts)
+
+    # ------------------------------------------------------------------ refinement
+    def observe(self, point: ObservationPoint, batch: Any = None, **parts: Any) -> None:
+        if self.observer is None:
+            return
+        obs = Observation(
+            point=point,
+            step_index=self.step_index,
+            requests=tuple(self.get_request_view(t) for t in self.tracks.values()),
+            batch=None if batch is None else self.get_batch_view(batch),
+            allocator=self.get_allocator_view(),
+            races=(),
+            **parts,
+        )
+        try:
+            self.observer(obs)
+        except InvariantViolation as violation:
+            # Never raise inside sglang's loop: the violation ends the operation when the
+            # loop is parked again (run_iteration / abort).
+            if self.pending is None:
+                self.pending = violation
+
+    def _raise_pending(self) -> None:
+        if self.pending is not None:
+            pending, self.pending = self.pending, None
+            raise pending
+
+    def get_request_view(self, track: _Track) -> RequestView:
+        req, g = track.req, track.ghost
+        slots = self._row_slots(req)
+        page = self.config.page_size
+        pages = tuple(dict.fromkeys(PageId(int(s) // page) for s in slots))
+        return RequestView(
+            rid=track.rid,
+            prompt_len=TokenCount(len(req.origin_input_ids)),
+            output_len=TokenCount(len(req.output_ids_through_stop)),
+            max_new_tokens=TokenCount(int(req.sampling_params.max_new_tokens)),
+            kv_committed_len=int(req.kv.kv_committed_len),
+            kv_allocated_len=int(req.kv.kv_allocated_len),
+            req_pool_idx=None if req.kv.req_pool_idx is None else PoolRow(req.kv.req_pool_idx),
+            finished=track.is_finished(),
+            is_retracted=bool(req.is_retracted) and not track.left,
+            waiting=self._is_waiting(req),
+            holds_kv=bool(req.kv.holds_kv),
+            row_slots=tuple(SlotId(int(s)) for s in slots),
+            owned_pages=pages,
+            release_count=track.release_count,
+            cached_len=track.cached_len,
+            committed_at_release=track.committed_at_release,
+            inflight_at_release=g.inflight_at_release,
+            claimed_at_release=g.claimed_at_release,
+            ghost=GhostView(
+                epoch=g.epoch, kv_len_true=TokenCount(g.kv_len_true),
+                settled_len=TokenCount(g.settled_len),
+                inflight_steps=g.inflight_steps + g.prepared_steps,
+                extend_inflight=g.extend_inflight,
+                output_len_true=TokenCount(g.output_len_true), finished=g.finished),
+        )
+
+    def get_batch_view(self, batch: Any) -> BatchView:
+        mode = batch.forward_mode
+        name = ("extend" if mode is not None and mode.is_extend() else
+                "decode" if mode is not None and mode.is_decode() else "idle")
+        spec_info = batch.spec_info
+        future = getattr(spec_info, "future_indices", None) if spec_info is not None else None
+        cpu_indices = getattr(batch, "req_pool_indices_cpu", None)
+        if cpu_indices is None:
+            cpu_indices = batch.req_pool_indices
+        return BatchView(
+            forward_mode=name,
+            rids=tuple(self.by_req[id(r)].rid for r in batch.reqs if id(r) in self.by_req),
+            seq_lens=_ints(batch.seq_lens),
+            seq_lens_cpu=None if batch.seq_lens_cpu is None else _ints(batch.seq_lens_cpu),
+            seq_lens_sum=None if batch.seq_lens_sum is None else int(batch.seq_lens_sum),
+            req_pool_indices=tuple(PoolRow(v) for v in _ints(batch.req_pool_indices)),
+            req_pool_indices_cpu=tuple(PoolRow(v) for v in _ints(cpu_indices)),
+            future_indices=None if future is None else tuple(PoolRow(v) for v in _ints(future)),
+            seq_len_cpu_ub=None,
+        )
+
+    def get_allocator_view(self) -> AllocatorView:
+        pool = self.scheduler.req_to_token_pool
+        return AllocatorView(
+            total_pages=self.config.preset.kv_tokens // self.config.page_size,
+            page_size=self.config.page_size,
+            free_pages=tuple(PageId(p) for p in self._free_pages()),
+            tree_pages=(),
+            free_pool_rows=tuple(PoolRow(r) for r in pool.free_slots),
+            pool_rows=int(pool.size),
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _free_pages(self) -> list[int]:
+        import torch
+
+        alloc = self.scheduler.token_to_kv_pool_allocator
+        if hasattr(alloc, "get_all_free_pages") and self.config.page_size > 1:
+            return [int(p) for p in alloc.get_all_free_pages().tolist()]
+        return [int(p) for p in torch.cat((alloc.free_pages, alloc.release_pages)).tolist()]
+
+    def _is_free(self, page: int) -> bool:
+        return page in set(self._free_pages())
+
+    def _row_slots(self, req: Any) -> list[int]:
+        row = req.kv.req_pool_idx
+        if row is None:
+            return []
+        allocated = max(int(req.kv.kv_allocated_len), 0)
+        table = self.scheduler.req_to_token_pool.req_to_token
+        return [int(s) for s in table[row, :allocated].tolist()]
+
+    def _is_waiting(self, req: Any) -> bool:
+        return any(r is req for r in self.scheduler.waiting_queue)
+
+    def _batch_state(self, batch: Any) -> BatchState | None:
+        if batch is None or batch.is_empty():
+            return None
+        view = self.get_batch_view(batch)
+        return BatchState(view.rids, view.seq_lens, view.seq_lens_cpu, view.seq_lens_sum)
+
+
+def _ints(tensor: Any) -> tuple[int, ...]:
+    if tensor is None:
+        return ()
+    if hasattr(tensor, "tolist"):
+        return tuple(int(v) for v in tensor.tolist())
+    return tuple(int(v) for v in tensor)
+
+
+def make_upstream(config: ModelConfig, faults: frozenset[str],
+                  observer: Observer | None) -> UpstreamScheduler:
+    """The :data:`spec.interface.SchedulerFactory` of the upstream tier."""
+    return UpstreamScheduler(config, faults, observer)
+
+
+__all__ = ["UpstreamCrash", "UpstreamScheduler", "make_upstream"]

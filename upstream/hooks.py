@@ -1,0 +1,227 @@
+"""Observation hooks on the release's classes: the real method runs, then the spec observes.
+
+Installed once per process (:func:`install`). Each wrapper calls the real method unchanged
+and tells :data:`HOST` (the active :class:`~upstream.adapter.UpstreamScheduler`, or a quiet
+stand-in while a session drains between examples) what happened. Only the outermost
+wrapped ``ScheduleBatch`` call observes: ``retract_decode`` calls ``filter_batch`` inside,
+and that intermediate state is not an observation point upstream promises anything about.
+
+Retraction is observed once the retracted requests are back in the waiting queue
+(``update_running_batch`` re-queues them after ``retract_decode`` returns): just before the
+``prepare_for_decode`` that follows, or when ``update_running_batch`` returns without one.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+from spec.state import IterationChoices, ObservationPoint
+
+
+class _QuietHost:
+    """Serves the stand-in worker while no adapter is attached (draining between examples)."""
+
+    def __init__(self) -> None:
+        from upstream.worker import Ghost
+
+        self._ghost_type = Ghost
+        self._ghosts: dict[int, Any] = {}
+        self._steps = 0
+
+    def __getattr__(self, item: str) -> Any:
+        return lambda *args, **kwargs: None  # every observation is dropped
+
+    def get_choices(self) -> IterationChoices:
+        return IterationChoices(allow_prefill=False)
+
+    def next_step_id(self) -> int:
+        self._steps += 1
+        return -self._steps
+
+    def get_rid(self, req: Any) -> int:
+        return -1
+
+    def get_ghost(self, req: Any) -> Any:
+        return self._ghosts.setdefault(id(req), self._ghost_type())
+
+    def write_kv(self, *args: Any) -> list[Any]:
+        return []
+
+    def allow_prefill(self) -> bool:
+        return False
+
+
+class _Host:
+    """Forwards to the attached adapter, or to the quiet host."""
+
+    def __init__(self) -> None:
+        self.target: Any = None
+        self.quiet = _QuietHost()
+        self.depth = 0  # nesting of wrapped ScheduleBatch calls
+        self.retract_pending: Any = None
+
+    def attach(self, target: Any) -> None:
+        self.target = target
+        self.depth = 0
+        self.retract_pending = None
+
+    def detach(self) -> None:
+        self.target = None
+        self.quiet = _QuietHost()
+        self.depth = 0
+        self.retract_pending = None
+
+    def __getattr__(self, item: str) -> Any:
+        return getattr(self.target if self.target is not None else self.quiet, item)
+
+
+HOST = _Host()
+_INSTALLED = False
+
+
+def _batch_call(point: ObservationPoint | None, before: Any = None, after: Any = None
+                ) -> Any:
+    """Wrap a ScheduleBatch method: observe ``point`` after it when outermost."""
+
+    def decorate(original: Any) -> Any:
+        @functools.wraps(original)
+        def wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+            outermost = HOST.depth == 0
+            if outermost and before is not None:
+                before(self)
+            HOST.depth += 1
+            try:
+                value = original(self, *args, **kwargs)
+            finally:
+                HOST.depth -= 1
+            if outermost:
+                if after is not None:
+                    after(self, value)
+                if point is not None:
+                    HOST.observe(point, batch=self)
+            return value
+
+        wrapper.__wrapped_by_overlap_spec__ = True  # type: ignore[attr-defined]
+        return wrapper
+
+    return decorate
+
+
+def _flush_retract(batch: Any) -> None:
+    if HOST.retract_pending is not None:
+        pending, HOST.retract_pending = HOST.retract_pending, None
+        HOST.observe(ObservationPoint.RETRACT_DECODE, batch=pending)
+
+
+def _after_retract(batch: Any, value: Any) -> None:
+    retracted, _ratio, to_abort = value
+    HOST.on_retract(list(retracted), list(to_abort))
+    HOST.retract_pending = batch
+
+
+def _after_prepare_decode(batch: Any, value: Any) -> None:
+    HOST.on_prepare_decode(batch)
+
+
+def _after_prepare_extend(batch: Any, value: Any) -> None:
+    HOST.on_prepare_extend(batch)
+
+
+def install(scheduler_module: Any) -> None:
+    """Wrap the release's classes once (idempotent)."""
+    global _INSTALLED
+    if _INSTALLED:
+        return
+    from sglang.srt.managers import overlap_utils
+    from sglang.srt.managers.schedule_batch import NextBatchPlan, ScheduleBatch
+    from sglang.srt.managers.scheduler_components.metrics_reporter import (
+        SchedulerMetricsReporter,
+    )
+
+    sb = ScheduleBatch
+    sb.prepare_for_extend = _batch_call(ObservationPoint.PREPARE_FOR_EXTEND,
+                                        after=_after_prepare_extend)(sb.prepare_for_extend)
+    sb.prepare_for_decode = _batch_call(ObservationPoint.PREPARE_FOR_DECODE,
+                                        before=_flush_retract,
+                                        after=_after_prepare_decode)(sb.prepare_for_decode)
+    sb.filter_batch = _batch_call(ObservationPoint.FILTER_BATCH)(sb.filter_batch)
+    sb.merge_batch = _batch_call(ObservationPoint.MERGE_BATCH)(sb.merge_batch)
+    sb.retract_decode = _batch_call(None, after=_after_retract)(sb.retract_decode)
+
+    resolve = overlap_utils.FutureMap.resolve_seq_lens_cpu
+
+    @functools.wraps(resolve)
+    def resolve_seq_lens_cpu(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        value = resolve(self, batch, *args, **kwargs)
+        if batch.spec_info is not None and getattr(batch.spec_info, "future_indices",
+                                                   None) is not None:
+            HOST.observe(ObservationPoint.RESOLVE_SEQ_LENS_CPU, batch=batch)
+        return value
+
+    overlap_utils.FutureMap.resolve_seq_lens_cpu = resolve_seq_lens_cpu
+
+    cls = scheduler_module.Scheduler
+    update = cls.update_running_batch
+
+    @functools.wraps(update)
+    def update_running_batch(self: Any, batch: Any) -> Any:
+        value = update(self, batch)
+        _flush_retract(batch)
+        return value
+
+    cls.update_running_batch = update_running_batch
+
+    prefill = cls.get_new_batch_prefill
+
+    @functools.wraps(prefill)
+    def get_new_batch_prefill(self: Any, running_batch: Any) -> Any:
+        if not HOST.get_choices().allow_prefill:
+            return NextBatchPlan(batch_to_run=None, running_batch=running_batch)
+        return prefill(self, running_batch)
+
+    cls.get_new_batch_prefill = get_new_batch_prefill
+
+    run_batch = cls.run_batch
+
+    @functools.wraps(run_batch)
+    def run_batch_wrapper(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        value = run_batch(self, batch, *args, **kwargs)
+        HOST.on_run_batch_exit(batch, value)
+        return value
+
+    cls.run_batch = run_batch_wrapper
+
+    process = cls.process_batch_result
+
+    @functools.wraps(process)
+    def process_batch_result(self: Any, batch: Any, result: Any, *args: Any,
+                             **kwargs: Any) -> Any:
+        token = HOST.before_result(batch, result)
+        value = process(self, batch, result, *args, **kwargs)
+        HOST.after_result(batch, result, token)
+        return value
+
+    cls.process_batch_result = process_batch_result
+
+    update_spec = SchedulerMetricsReporter.update_spec_metrics
+
+    @functools.wraps(update_spec)
+    def update_spec_metrics(self: Any, bs: int, num_correct_drafts: int, *args: Any,
+                            **kwargs: Any) -> Any:
+        HOST.on_spec_metrics(int(bs), int(num_correct_drafts))
+        return update_spec(self, bs, num_correct_drafts, *args, **kwargs)
+
+    SchedulerMetricsReporter.update_spec_metrics = update_spec_metrics
+    _INSTALLED = True
+
+
+def watch_tree_cache(tree_cache: Any) -> None:
+    """Every ``release_kv_cache`` calls ``tree_cache.on_release(req, checkpointed=...)``."""
+    original = tree_cache.on_release
+
+    def on_release(req: Any, *args: Any, **kwargs: Any) -> Any:
+        HOST.on_release(req, bool(kwargs.get("checkpointed", args[0] if args else False)))
+        return original(req, *args, **kwargs)
+
+    tree_cache.on_release = on_release

@@ -1,0 +1,80 @@
+"""Every stand-in and monkeypatch the upstream tier applies to sglang, in one place.
+
+The tier drives the release's own ``Scheduler`` (``__init__``, ``run_event_loop`` →
+``event_loop_overlap`` / ``event_loop_normal``), ``ScheduleBatch``, ``Req``,
+``ReqToTokenPool``, the token-to-KV allocators, ``release_kv_cache``, ``EagleDraftInput``
+and its reserve (``eagle_prepare_for_decode``), ``FutureMap`` and the batch result
+processor. What is replaced is what needs a model or a GPU, plus hooks that only observe.
+:data:`STAND_INS` is the list a reader checks; ``overlap-spec upstream check`` prints it
+with ``--list-stand-ins`` and the JSON report carries it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Final
+
+
+@dataclass(frozen=True)
+class StandIn:
+    target: str  # the upstream name replaced or wrapped
+    kind: str  # "replaced" (behaviour differs from upstream) | "observed" (wrapped, unchanged)
+    reason: str
+
+
+STAND_INS: Final[tuple[StandIn, ...]] = (
+    StandIn("torchvision (module)", "replaced",
+            "the registry's torchvision builds are CUDA builds that do not load on torch "
+            "2.13.0+cpu; sglang imports torchvision.transforms at module level and never "
+            "calls it on this path (upstream/bootstrap.py)"),
+    StandIn("Scheduler.init_model_worker", "replaced",
+            "needs a model: replaced by the stand-in worker (upstream/worker.py) plus the "
+            "attributes the real method sets (limits, streams, process groups)"),
+    StandIn("scheduler.kv_cache_builder.build_kv_cache", "replaced",
+            "needs model shapes: returns the real ReqToTokenPool, MHATokenToKVPool, "
+            "TokenToKVPoolAllocator / PagedTokenToKVPoolAllocator and a disabled "
+            "UnifiedRadixCache sized from the preset"),
+    StandIn("mem_cache.allocation.assign_req_to_token_pool_func", "replaced",
+            "a @triton.jit kernel on the spec-decode reserve path; replaced by the same "
+            "row writes in torch (no CPU triton driver)"),
+    StandIn("model forward (tp_worker.forward_batch_generation)", "replaced",
+            "the environment: tokens, accept lengths, EOS; publishes where eagle_worker_v2 "
+            "does; writes KV slots through req_to_token and counts writes outside what a "
+            "request owns; keeps the ghost truth (upstream/worker.py)"),
+    StandIn("Scheduler.ingest_requests", "replaced",
+            "the per-iteration request-ingest hook is the iteration boundary: the loop "
+            "thread parks there; admissions and aborts are applied by the driver while it "
+            "is parked (Scheduler._add_request_to_queue, Scheduler.abort_request)"),
+    StandIn("Scheduler.get_new_batch_prefill", "observed",
+            "returns an empty plan when the environment's choice allow_prefill is False "
+            "(the PrefillAdder budget is the environment's, as in the reference); otherwise "
+            "the real method"),
+    StandIn("scheduler.TEST_RETRACT / TEST_RETRACT_INTERVAL", "replaced",
+            "upstream's own retraction test knob, set for one iteration when the "
+            "environment asks for a retraction (choices.retract > 0)"),
+    StandIn("envs.SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP", "replaced",
+            "set for one iteration when the environment asks to disable overlap "
+            "(choices.disable_overlap): upstream's only non-grammar early-processing path"),
+    StandIn("speculative_hook: disable_overlap_schedule for spec on CPU", "replaced",
+            "0.5.23 turns overlap off for speculative decoding on device=cpu; the "
+            "ov-*-v2chain cells force it back on (runtime_context override)"),
+    StandIn("ScheduleBatch.prepare_for_extend / prepare_for_decode / filter_batch / "
+            "merge_batch / retract_decode, FutureMap.resolve_seq_lens_cpu, "
+            "Scheduler.process_batch_result, Scheduler.run_batch", "observed",
+            "wrapped to build the spec's observation after the real call; the real method "
+            "runs unchanged"),
+    StandIn("tree_cache.on_release (instance)", "observed",
+            "every release_kv_cache calls it: records the release count, committed length "
+            "and (checkpointed) cached length per request"),
+    StandIn("Scheduler.update_spec_metrics", "observed",
+            "records the (batch size, num_correct_drafts) upstream feeds its accept counters "
+            "(RP3)"),
+    StandIn("model_config (hf config.json)", "replaced",
+            "a one-layer llama config written to a temporary folder; no weights are loaded"),
+)
+
+
+def describe_stand_ins() -> str:
+    width = max(len(s.target) for s in STAND_INS)
+    lines = [f"{s.target:<{width}}  {s.kind:<8}  {s.reason}" for s in STAND_INS]
+    return "\n".join(lines)

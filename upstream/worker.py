@@ -1,0 +1,207 @@
+"""The stand-in model worker: the environment the real scheduler runs against.
+
+Upstream's ``tp_worker.forward_batch_generation`` (non-spec) and ``EAGLEWorkerV2``'s
+(spec v2) need a model. This worker replaces only that: it takes accept lengths and EOS
+positions from the environment's :class:`~spec.state.IterationChoices`, produces tokens,
+publishes where ``eagle_worker_v2`` publishes (``on_publish(seq_lens)`` after a spec
+prefill, ``on_publish(seq_lens + accept_lens)`` between verify and draft-extend; the
+scheduler itself publishes ``seq_lens + 1`` for non-spec), writes each position's KV slot
+through ``req_to_token`` and records every write outside what the request owns, and keeps
+the ghost truth (:class:`Ghost`) beside each request.
+
+The ghost is the environment's own account (what it emitted, what KV it really wrote), kept
+here and never read from a scheduler field it could get wrong.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from spec.config import ModelConfig
+from spec.state import IterationChoices, KvWrite
+from spec.units import RequestId, StepId
+
+EOS_TOKEN = 0
+
+
+def token_for(rid: int, index: int) -> int:
+    """A deterministic non-EOS token: the same function as the reference's, so a
+    differential run compares output_ids token for token."""
+    return 1 + (rid * 31 + index * 7) % 97
+
+
+@dataclass
+class Ghost:
+    """Truth per request the scheduler does not keep (see :class:`spec.state.GhostView`)."""
+
+    epoch: int = 0
+    kv_len_true: int = 0
+    settled_len: int = 0
+    inflight_steps: int = 0
+    prepared_steps: int = 0  # a decode prepared (claim made) but not yet launched
+    extend_inflight: bool = False
+    output_len_true: int = 0
+    finished: bool = False
+    abort_requested: bool = False
+    inflight_at_release: int = 0
+    claimed_at_release: int = 0
+    step_epoch: dict[StepId, int] = field(default_factory=dict)
+    step_kv_len: dict[StepId, int] = field(default_factory=dict)
+    step_kind: dict[StepId, str] = field(default_factory=dict)
+
+    def on_retract(self) -> None:
+        self.epoch += 1
+        self.kv_len_true = self.settled_len = 0
+        self.inflight_steps = self.prepared_steps = 0
+        self.extend_inflight = False
+
+    def on_launch(self, step: StepId, is_extend: bool) -> None:
+        self.inflight_steps += 1
+        self.prepared_steps = 0
+        self.step_epoch[step] = self.epoch
+        if is_extend:
+            self.extend_inflight = True
+
+    def on_result(self, step: StepId, max_new_tokens: int, accept_len: int,
+                  eos_at: int | None) -> None:
+        """Settle a step by the environment's own cut: EOS and max_new_tokens end the
+        visible output (the scheduler may keep more; that is what the checks compare)."""
+        epoch = self.step_epoch.pop(step, None)
+        kv_len = self.step_kv_len.pop(step, None)
+        kind = self.step_kind.pop(step, "")
+        if epoch != self.epoch:
+            return
+        self.inflight_steps -= 1
+        if kind == "extend":
+            self.extend_inflight = False
+        if self.finished:
+            return
+        run_len = min(accept_len, max(max_new_tokens - self.output_len_true, 0))
+        if eos_at is not None and eos_at + 1 < run_len:
+            run_len = eos_at + 1
+        if kv_len is not None:
+            self.settled_len = kv_len
+        self.output_len_true += run_len
+        hit_eos = eos_at is not None and eos_at < run_len
+        if hit_eos or self.abort_requested or self.output_len_true >= max_new_tokens:
+            self.finished = True
+
+    def on_release(self) -> None:
+        self.inflight_at_release = self.inflight_steps
+        self.claimed_at_release = self.inflight_steps + self.prepared_steps
+
+
+@dataclass
+class StepRecord:
+    """What the environment produced for one launched batch (read at result time)."""
+
+    step: StepId
+    forward_mode: str
+    rids: tuple[RequestId, ...]
+    accept_lens: tuple[int, ...]
+    eos_at: tuple[int | None, ...]
+    stride: int
+
+
+class StandInWorker:
+    """What ``Scheduler`` reads off ``tp_worker`` plus the forward.
+
+    ``host`` is the adapter (upstream/adapter.py): it maps upstream ``Req`` objects to the
+    spec's request ids and ghosts, and builds the LAUNCH observation.
+    """
+
+    weight_load_time = 0.0
+    graph_time_usage: dict[str, float] = {}
+
+    def __init__(self, config: ModelConfig, model_runner: Any, model_config: Any,
+                 host: Any) -> None:
+        self.config = config
+        self.model_runner = model_runner
+        self.model_config = model_config
+        self.host = host
+
+    def __getattr__(self, item: str) -> Any:
+        raise AttributeError(f"the stand-in worker has no {item!r} (upstream/worker.py)")
+
+    def on_verify_complete_cpu(self, *args: Any, **kwargs: Any) -> None:
+        return None  # the adaptive controller's feed; the rung is fixed in this tier
+
+    # ------------------------------------------------------------------ forward
+    def forward_batch_generation(self, batch: Any, on_publish: Any = None,
+                                 grammar_barrier: Any = None, **kwargs: Any) -> Any:
+        import torch
+        from sglang.srt.managers.utils import GenerationBatchResult
+
+        host = self.host
+        choices: IterationChoices = host.get_choices()
+        step = host.next_step_id()
+        is_extend = bool(batch.forward_mode.is_extend())
+        reqs = list(batch.reqs)
+        rids = tuple(host.get_rid(req) for req in reqs)
+        seq_lens = [int(v) for v in batch.seq_lens.tolist()]
+        spec = self.config.cell.is_spec
+        stride = 1 if (is_extend or not spec) else self.config.draft_tokens
+        max_accept = self.config.max_accept_len
+        accept_lens = [1 if is_extend else choices.get_accept_len(j, max_accept)
+                       for j in range(len(reqs))]
+        if is_extend:
+            widths = [0] * len(reqs)
+        elif spec:
+            widths = [int(self.config.alloc_len_per_decode)] * len(reqs)
+        else:
+            widths = [1] * len(reqs)
+        host.on_launch(step, batch, reqs, seq_lens, widths, is_extend)
+        faults: list[KvWrite] = []
+        tokens: list[int] = []
+        eos_at: list[int | None] = []
+        for j, (req, rid, seq_len) in enumerate(zip(reqs, rids, seq_lens, strict=True)):
+            ghost: Ghost = host.get_ghost(req)
+            if is_extend:
+                start, end = 0, seq_len  # the prefill writes every position it fills
+            elif spec:
+                start, end = seq_len, seq_len + widths[j]  # draft + verify, A positions
+            else:
+                start, end = seq_len - 1, seq_len  # the token being processed
+            faults += host.write_kv(req, rid, start, end)
+            if is_extend:
+                ghost.kv_len_true = len(req.origin_input_ids) + ghost.output_len_true
+                ghost.step_kind[step] = "extend"
+            else:
+                ghost.kv_len_true += accept_lens[j]
+            ghost.step_kv_len[step] = ghost.kv_len_true
+            base = len(req.output_ids)
+            run = [token_for(int(rid), base + k) for k in range(stride)]
+            eos = choices.get_eos_index(j, accept_lens[j])
+            if eos is not None:
+                run[eos] = EOS_TOKEN
+            tokens += run
+            eos_at.append(eos)
+        host.record_step(StepRecord(step, "extend" if is_extend else "decode", rids,
+                                    tuple(accept_lens), tuple(eos_at), stride), faults)
+        ids = torch.tensor(tokens, dtype=torch.int64)
+        if not spec:
+            return GenerationBatchResult(next_token_ids=ids)
+        from sglang.srt.speculative.eagle_info import EagleDraftInput
+
+        if is_extend:
+            new_seq_lens = batch.seq_lens.clone()
+            bonus = ids.to(torch.int32)
+        else:
+            new_seq_lens = batch.seq_lens + torch.tensor(accept_lens, dtype=batch.seq_lens.dtype)
+            bonus = torch.tensor([tokens[j * stride + a - 1] for j, a in enumerate(accept_lens)],
+                                 dtype=torch.int32)
+        host.on_publish(step, reqs, seq_lens, None if is_extend else accept_lens,
+                        [int(v) for v in new_seq_lens.tolist()])
+        if on_publish is not None:
+            on_publish(new_seq_lens)
+        if is_extend:
+            return GenerationBatchResult(next_token_ids=ids, new_seq_lens=new_seq_lens,
+                                         next_draft_input=EagleDraftInput(bonus_tokens=bonus))
+        return GenerationBatchResult(
+            next_token_ids=ids,
+            accept_lens=torch.tensor(accept_lens, dtype=torch.int64),
+            new_seq_lens=new_seq_lens,
+            speculative_num_draft_tokens=stride,
+            next_draft_input=EagleDraftInput(bonus_tokens=bonus),
+        )
