@@ -1,4 +1,5 @@
-"""Imports go one way: spec <- reference/gpu_impl/proofs <- harness <- tests (GUIDE.md)."""
+"""Imports go one way: spec <- reference/gpu_impl/proofs/upstream <- harness <- tests
+(GUIDE.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,9 @@ ALLOWED = {
     "reference": {"spec", "reference"},
     "gpu_impl": {"spec", "gpu_impl"},
     "proofs": {"spec", "proofs"},
-    "harness": {"spec", "reference", "gpu_impl", "proofs", "harness"},
+    # The third implementation: sglang's own scheduler behind the spec's interface.
+    "upstream": {"spec", "upstream"},
+    "harness": {"spec", "reference", "gpu_impl", "proofs", "upstream", "harness"},
 }
 PROJECT = set(ALLOWED)
 

@@ -59,7 +59,7 @@ BREAKAGES = {
         "srt/managers/scheduler_components/batch_result_processor.py",
         "            if req.is_retracted or req.finished():\n",
         "            if req.finished():\n",
-        "ov-p1-v2chain-cpu-honest", {"RP1"}),
+        "ov-p1-v2chain-cpu-honest", {"RP1", "KV5"}),
     # The decode reserve without its double buffer: one draft+verify ahead, not two.
     "reserve-halved": (
         "srt/mem_cache/allocation_sizing.py",

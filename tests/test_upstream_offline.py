@@ -1,0 +1,149 @@
+"""The upstream tier's parts that need no sglang: CLI errors, the catalogue and its doc,
+the allow-list, the checker's handling of listed findings. (The tier itself on the
+release: tests/test_upstream_tier.py, marked ``upstream``.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from harness.upstream_findings import (
+    ALLOWED_DIVERGENCES,
+    KNOWN_FINDINGS,
+    UPSTREAM_NOT_APPLICABLE,
+    match_finding,
+)
+from harness.upstream_tier import UpstreamChecker, explain, get_differences
+from spec.config import MINIMAL, ModelConfig, get_cell
+from spec.interface import BatchState, ObservableState, RequestState
+from spec.invariants import INVARIANT_IDS, InvariantViolation
+from spec.units import RequestId
+from upstream.session import is_drivable
+from upstream.standins import STAND_INS
+
+ROOT = Path(__file__).resolve().parent.parent
+DOC = (ROOT / "docs" / "upstream-findings.md").read_text()
+
+
+def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True,
+                          text=True, env=env, timeout=120, check=False, cwd=ROOT)
+
+
+def test_without_an_upstream_environment_the_tier_exits_2_with_one_line(tmp_path: Path) -> None:
+    env = dict(os.environ, OVERLAP_SPEC_UPSTREAM_PYTHON=str(tmp_path / "no-python"))
+    done = run_cli("upstream", "check", "--cells", "ov-p1-none", env=env)
+    assert done.returncode == 2
+    assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
+    assert "cannot run the upstream interpreter" in done.stderr
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["upstream", "check", "--sglang-src", "/nonexistent/tree"], "no such directory"),
+    (["upstream", "check", "--sglang-src", "."], "not an SGLang tree"),
+    (["upstream", "check", "--cells", "no-such-cell"], "no cell matches"),
+    (["upstream", "check", "--json", "."], "is a directory"),
+    (["upstream", "check", "--json", "/nonexistent/dir/r.json"], "does not exist"),
+    (["upstream", "replay"], "needs a script file"),
+    (["upstream", "replay", "/nonexistent.json"], "no such file"),
+])
+def test_bad_input_exits_2_before_running(args: list[str], message: str) -> None:
+    done = run_cli(*args, env=dict(os.environ))
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert message in done.stderr and "Traceback" not in done.stderr
+    assert done.stderr.count("\n") == 1
+
+
+def test_stand_ins_and_findings_are_listed() -> None:
+    done = run_cli("upstream", "stand-ins", env=dict(os.environ))
+    assert done.returncode == 0
+    assert len(done.stdout.splitlines()) == len(STAND_INS)
+    assert "Scheduler.init_model_worker" in done.stdout
+    listing = run_cli("upstream", "findings", env=dict(os.environ))
+    assert listing.returncode == 0
+    for known in KNOWN_FINDINGS:
+        assert known.id in listing.stdout
+
+
+def test_doc_lists_every_finding_allowed_divergence_and_unjudged_id() -> None:
+    for known in KNOWN_FINDINGS:
+        row = re.search(rf"^\| {known.id} \| {known.invariant} \|", DOC, re.MULTILINE)
+        assert row, f"docs/upstream-findings.md has no row for {known.id}"
+    for entry in ALLOWED_DIVERGENCES:
+        assert re.search(rf"^\| {entry.id} \|", DOC, re.MULTILINE), entry.id
+    for invariant_id in UPSTREAM_NOT_APPLICABLE:
+        assert invariant_id in INVARIANT_IDS
+        assert invariant_id in DOC
+
+
+def test_findings_match_by_id_text_and_cell() -> None:
+    spec = get_cell("ov-p1-v2chain-cpu-honest")
+    non_spec = get_cell("ov-p1-none")
+    rp3 = InvariantViolation("RP3", "for the result of step 2: num_correct_drafts=3, batch "
+                                    "size 1; live requests give 0 and 0 at process_result")
+    assert match_finding(rp3, spec) is not None and match_finding(rp3, spec).id == "U3"
+    assert match_finding(rp3, non_spec) is None  # U3 is a spec finding
+    other = InvariantViolation("SL4", "for the batch: lengths differ {'reqs': 2, 'seq_lens': 1}")
+    assert match_finding(other, spec) is None  # only the emptied batch is U1
+
+
+def _state(requests: tuple[RequestState, ...], running: BatchState | None = None,
+           free: int = 30) -> ObservableState:
+    return ObservableState(requests, running, None, free, 0, (0, 0))
+
+
+def _request(rid: int, status: str, committed: int, allocated: int,
+             output: tuple[int, ...] = (5,)) -> RequestState:
+    return RequestState(RequestId(rid), status, output, committed, allocated,
+                        tuple(range(1, allocated + 1)) if status != "finished" else (), 1)
+
+
+def test_allowed_divergences_explain_only_what_they_name() -> None:
+    # A1: released upstream, allocated 0; the reference keeps its length.
+    ref = _state((_request(0, "finished", 3, 3),))
+    up = _state((_request(0, "finished", 3, 0),))
+    used, unexplained = explain(get_differences(ref, up), ref, up)
+    assert unexplained is None and [e.id for e in used] == ["A1"]
+    # A different committed length of a running request is explained by nothing.
+    ref = _state((_request(0, "running", 4, 4),))
+    up = _state((_request(0, "running", 3, 4),))
+    used, unexplained = explain(get_differences(ref, up), ref, up)
+    assert unexplained is not None and unexplained[0] == "request r0.kv_committed_len"
+
+
+def test_slot_numbering_is_not_a_divergence_but_layout_is() -> None:
+    a = _state((RequestState(RequestId(0), "running", (), 2, 2, (4, 5), None),))
+    b = _state((RequestState(RequestId(0), "running", (), 2, 2, (9, 10), None),))
+    assert get_differences(a, b, page_size=1) == []
+    shared = _state((RequestState(RequestId(0), "running", (), 2, 2, (4, 4), None),))
+    assert get_differences(a, shared, page_size=1)
+
+
+def test_checker_sets_listed_findings_aside_and_raises_the_rest() -> None:
+    from harness.script import Script
+
+    checker = UpstreamChecker(ModelConfig(get_cell("ov-p1-v2chain-cpu-honest"), MINIMAL))
+    checker.script = Script("ov-p1-v2chain-cpu-honest", "minimal", [])
+    assert not {i.id for i in checker.applicable} & set(UPSTREAM_NOT_APPLICABLE)
+    checker.on_upstream_check(None, 0)
+    assert checker.exercised["UC"] == 1
+    with pytest.raises(InvariantViolation) as raised:
+        checker.on_upstream_check("Full Pool Mem Leak Detected! ...", 3)
+    assert raised.value.invariant_id == "UC"
+
+
+def test_cells_the_adapter_cannot_drive_say_why() -> None:
+    drivable = [c for c in ("ov-p1-none", "ov-p4-none", "nov-p1-none", "nov-p4-none",
+                            "ov-p1-v2chain-cpu-honest", "ov-p1-v2chain-nocpu-honest",
+                            "ov-p4-v2chain-cpu-honest", "ov-p4-v2chain-nocpu-honest")]
+    for name in drivable:
+        assert is_drivable(ModelConfig(get_cell(name), MINIMAL)) is None, name
+    for name in ("ov-p1-v2chain-cpu-preclaim", "ov-p1-v2tree-cpu-honest",
+                 "nov-p1-v2chain-cpu-honest"):
+        reason = is_drivable(ModelConfig(get_cell(name), MINIMAL))
+        assert reason and len(reason) > 20, name
