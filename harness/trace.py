@@ -27,10 +27,11 @@ import argparse
 import json
 import re
 import sys
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from harness.checker import InvariantChecker
 from harness.script import (
@@ -49,8 +50,16 @@ from spec.config import PRESETS, get_cell
 from spec.happens_before import PARTICIPANTS, Access, HappensBefore, Race
 from spec.interface import SchedulerModel
 from spec.invariants import INVARIANTS, InvariantViolation, classify_race
-from spec.state import AllocatorView, BatchView, Observation, ObservationPoint
-from spec.units import RequestId
+from spec.state import (
+    AllocatorView,
+    BatchView,
+    GhostView,
+    Observation,
+    ObservationPoint,
+    RequestView,
+    ResultView,
+)
+from spec.units import RequestId, TokenCount
 
 SCHEMA = "overlap-spec-trace"
 SCHEMA_VERSION = 1
@@ -58,6 +67,12 @@ EVENT_KINDS = ("header", "op", "stream", "observe", "call", "end")
 # Invariants whose predicates read only the ScheduleBatch or the races: what a ``call``
 # event of the live-process shim (harness/trace_shim.py) lets the spec check.
 CALL_INVARIANTS = ("SL2", "SL3", "SL4", "SL5", "FM1", "FM3", "ST1", "ST2", "ST4")
+# Invariants that read request views, the allocator or a result view: what a ``call``
+# event carrying request views (the shim on a real sglang scheduler) lets the spec check
+# besides CALL_INVARIANTS. A live process has no ghost truth; at a call where one of these
+# needs it, that one is not judged (never passed, never failed; the verdict counts it).
+STATE_CALL_INVARIANTS = ("KV1", "KV2", "KV4", "KV5", "KV6", "KV7", "KV9", "RP1", "RP2",
+                         "RP3", "ST5")
 # Stream event kind -> its fields besides id/event/step/kind: (name, JSON type).
 STREAM_FIELDS: dict[str, tuple[tuple[str, type], ...]] = {
     "enqueue": (("stream", str),),
@@ -85,6 +100,30 @@ class TraceFormatError(ValueError):
         self.line = line
         self.field = field_name
         self.message = message
+
+
+class NotRecorded(Exception):
+    """A check read a part of the state the trace does not carry (the ghost truth of a live
+    process, the allocator where a tree cache holds pages)."""
+
+
+class _Unrecorded:
+    """Stands in for a state part a call event does not carry: any read raises
+    :class:`NotRecorded`, so a check that needs the part cannot pass or fail on a guess."""
+
+    def __init__(self, part: str) -> None:
+        self.part = part
+
+    def __getattr__(self, name: str) -> Any:
+        raise NotRecorded(f"{self.part}.{name}")
+
+
+NO_GHOST = cast(GhostView, _Unrecorded("ghost"))
+NO_ALLOCATOR = cast(AllocatorView, _Unrecorded("allocator"))
+# Stands in while a ghost-less request view is decoded; replaced by NO_GHOST.
+_ZERO_GHOST = encode_value(GhostView(0, TokenCount(0), TokenCount(0), 0, False,
+                                     TokenCount(0), False))
+_CALL_POINTS = {"process_batch_result": ObservationPoint.PROCESS_RESULT}
 
 
 # ----------------------------------------------------------------------------- recording
@@ -336,6 +375,7 @@ class TraceVerdict:
     events: int = 0
     observations: int = 0
     notes: tuple[str, ...] = ()
+    exercised: dict[str, int] = field(default_factory=dict)  # instances judged per ID
 
     @property
     def ok(self) -> bool:
@@ -348,6 +388,7 @@ class TraceVerdict:
     def to_json(self) -> dict[str, Any]:
         return {"status": self.status, "inferred": self.inferred, "events": self.events,
                 "observations": self.observations, "notes": list(self.notes),
+                "exercised": dict(sorted(self.exercised.items())),
                 "violation": None if self.violation is None else encode_value(self.violation)}
 
     def describe(self) -> str:
@@ -379,8 +420,9 @@ class ParsedTrace:
     events: list[TraceEvent]  # op, stream and observe events, in order
     script: Script
     states: dict[int, Observation] = field(default_factory=dict)  # observe id -> snapshot
-    calls: dict[int, Observation] = field(default_factory=dict)  # call id -> batch-only view
+    calls: dict[int, Observation] = field(default_factory=dict)  # call id -> its view
     end_line: int = 0
+    state_calls: set[int] = field(default_factory=set)  # calls carrying request views
 
 
 def _require(raw: dict[str, Any], name: str, kind: type, line: int,
@@ -447,6 +489,7 @@ def parse_trace(text: str) -> ParsedTrace:
     ops: list[Op] = []
     states: dict[int, Observation] = {}
     calls: dict[int, Observation] = {}
+    state_calls: set[int] = set()
     expected_id = 0
     end_line: int | None = None
     for number, line in lines:
@@ -514,8 +557,9 @@ def parse_trace(text: str) -> ParsedTrace:
                 states[event_id] = _decode_state(raw["state"], point, step, number)
         elif kind == "call":
             method = _require(raw, "method", str, number)
-            if raw.get("batch") is not None:
-                calls[event_id] = _decode_call(raw["batch"], method, step, number)
+            calls[event_id] = _decode_call(raw, method, step, number)
+            if "requests" in raw:
+                state_calls.add(event_id)
         events.append(TraceEvent(number, event_id, kind, step, raw))
     assert header is not None
     if end_line is None:
@@ -523,7 +567,7 @@ def parse_trace(text: str) -> ParsedTrace:
                                "'end' line")
     script = Script(header.cell, header.preset, ops, header.faults, header.seed,
                     header.implementation)
-    return ParsedTrace(header, events, script, states, calls, end_line)
+    return ParsedTrace(header, events, script, states, calls, end_line, state_calls)
 
 
 def _validate_stream(raw: dict[str, Any], line: int) -> None:
@@ -552,16 +596,50 @@ def _decode_state(raw: Any, point: str, step: int, line: int) -> Observation:
     return obs
 
 
-def _decode_call(raw: Any, method: str, step: int, line: int) -> Observation:
-    """A shim call's batch snapshot as an observation with no request or allocator view."""
+def _decode_call(raw: dict[str, Any], method: str, step: int, line: int) -> Observation:
+    """A shim call as an observation: its batch and, where recorded, request views (ghost
+    null), the allocator and the result; parts not recorded read as :data:`NO_GHOST` /
+    :data:`NO_ALLOCATOR`. ``running_batch`` is validated, not checked: the running batch is
+    checked where it is prepared, filtered or merged."""
     try:
-        batch = decode_dataclass(BatchView, raw, "batch")
+        batch = _decode_optional(BatchView, raw, "batch")
+        _decode_optional(BatchView, raw, "running_batch")
+        result = _decode_optional(ResultView, raw, "result")
+        allocator = _decode_optional(AllocatorView, raw, "allocator")
+        requests = _decode_requests(raw)
     except CodecError as error:
         raise TraceFormatError(line, error.path, error.message) from None
+    if requests is None:  # a batch-only call: the batch-only invariants never read these
+        requests, allocator = (), AllocatorView(0, 1, (), (), (), 0)
     name = method.rsplit(".", 1)[-1]
     points = {p.value: p for p in ObservationPoint}
-    point = points.get(name, ObservationPoint.ITERATION_END)
-    return Observation(point, step, (), batch, AllocatorView(0, 1, (), (), (), 0), ())
+    point = _CALL_POINTS.get(name) or points.get(name, ObservationPoint.ITERATION_END)
+    return Observation(point, step, requests, batch, allocator or NO_ALLOCATOR, (),
+                       result=result)
+
+
+def _decode_optional(cls: type[Any], raw: dict[str, Any], name: str) -> Any:
+    return None if raw.get(name) is None else decode_dataclass(cls, raw[name], name)
+
+
+def _decode_requests(raw: dict[str, Any]) -> tuple[RequestView, ...] | None:
+    """A call's request views: RequestView objects whose ``ghost`` is null (a live process
+    has no truth), or None when the call carries none."""
+    if "requests" not in raw:
+        return None
+    if not isinstance(raw["requests"], list):
+        raise CodecError("requests", f"expected a list, got {json.dumps(raw['requests'])[:40]}")
+    views = []
+    for index, item in enumerate(raw["requests"]):
+        path = f"requests[{index}]"
+        if not isinstance(item, dict):
+            raise CodecError(path, "expected an object")
+        if item.get("ghost", 0) is not None:
+            raise CodecError(f"{path}.ghost", "expected null: a call's request views carry "
+                             "no ghost truth")
+        view = decode_dataclass(RequestView, {**item, "ghost": _ZERO_GHOST}, path)
+        views.append(replace(view, ghost=NO_GHOST))
+    return tuple(views)
 
 
 def read_trace(path: Path) -> ParsedTrace:
@@ -691,13 +769,11 @@ def check_trace(parsed: ParsedTrace, context: int = 8) -> TraceVerdict:
     if pending and not observe_ids and not parsed.calls:
         # No observation to attach the races to (a gpu_impl trace): the first one decides.
         return _race_verdict(parsed, pending[0], race_event, access_event, context)
-    call_verdict = _check_calls(parsed, races_at, race_event, access_event, context)
+    tally = _CallTally()
+    call_verdict = _check_calls(parsed, races_at, race_event, access_event, context, tally)
     if call_verdict is not None:
         return call_verdict
-    notes: list[str] = []
-    if parsed.calls:
-        notes.append(f"{len(parsed.calls)} call events checked with the batch-only and race "
-                     "invariants")
+    notes = tally.describe()
     inferred = bool(parsed.script.ops) and (
         not observe_ids or any(i not in parsed.states for i in observe_ids))
     checked = len(parsed.calls)
@@ -717,6 +793,7 @@ def check_trace(parsed: ParsedTrace, context: int = 8) -> TraceVerdict:
             states.setdefault(event_id, obs)
     config = parsed.script.get_config()
     checker = InvariantChecker(config)
+    checker.exercised.update(tally.exercised)
     by_id = {e.id: e for e in parsed.events}
     order = sorted(states, key=lambda i: (i < 0, abs(i)))
     if any(i < 0 for i in order):
@@ -731,31 +808,70 @@ def check_trace(parsed: ParsedTrace, context: int = 8) -> TraceVerdict:
             anchor = by_id.get(event_id) or _op_event(parsed, obs.step_index)
             return TraceVerdict(VIOLATION, _build_violation(parsed, anchor, obs, violation,
                                                             race_event, access_event, context),
-                                inferred, len(parsed.events), count, tuple(notes))
+                                inferred, len(parsed.events), count, tuple(notes),
+                                dict(checker.exercised))
     return TraceVerdict(OK, None, inferred, len(parsed.events), len(order) + checked,
-                        tuple(notes))
+                        tuple(notes), dict(checker.exercised))
+
+
+@dataclass
+class _CallTally:
+    """What the call checks judged: instances per ID, and checks not judged at a call
+    because they needed a part it does not carry (the ghost truth, the allocator)."""
+
+    exercised: Counter[str] = field(default_factory=Counter)
+    unjudged: Counter[str] = field(default_factory=Counter)
+    checked_ids: tuple[str, ...] = ()
+    calls: int = 0
+    state_calls: int = 0
+
+    def describe(self) -> list[str]:
+        if not self.calls:
+            return []
+        notes = [f"{self.calls} call events checked with the batch-only and race invariants"]
+        if self.state_calls:
+            notes.append(f"{self.state_calls} of them carry request views, also checked "
+                         f"with {', '.join(self.checked_ids)}")
+        if self.unjudged:
+            notes.append("not judged where they needed the ghost truth or the allocator, "
+                         "which the trace does not carry: " + ", ".join(
+                             f"{i} at {n} calls" for i, n in sorted(self.unjudged.items())))
+        return notes
 
 
 def _check_calls(parsed: ParsedTrace, races_at: dict[int, tuple[Race, ...]],
                  race_event: dict[int, int], access_event: dict[int, int],
-                 context: int) -> TraceVerdict | None:
-    """Check the shim's call events with the batch-only and race invariants of the cell."""
+                 context: int, tally: _CallTally) -> TraceVerdict | None:
+    """Check the shim's call events with the batch-only and race invariants of the cell,
+    and those carrying request views also with :data:`STATE_CALL_INVARIANTS`."""
     if not parsed.calls:
         return None
     config = parsed.script.get_config()
-    checks = [inv for inv in INVARIANTS
-              if inv.id in CALL_INVARIANTS and inv.applies(config.cell)]
+    applicable = [inv for inv in INVARIANTS if inv.applies(config.cell)]
+    batch_only = [inv for inv in applicable if inv.id in CALL_INVARIANTS]
+    with_state = batch_only + [inv for inv in applicable if inv.id in STATE_CALL_INVARIANTS]
+    tally.checked_ids = tuple(inv.id for inv in with_state[len(batch_only):])
     by_id = {e.id: e for e in parsed.events}
     for count, (event_id, obs) in enumerate(sorted(parsed.calls.items()), 1):
         obs = replace(obs, races=races_at.get(event_id, ()))
-        for inv in checks:
+        failures: list[InvariantViolation] = []
+        with_views = event_id in parsed.state_calls
+        tally.calls += 1
+        tally.state_calls += with_views
+        for inv in with_state if with_views else batch_only:
             try:
-                inv.check(config, obs)
+                tally.exercised[inv.id] += inv.check(config, obs)
+            except NotRecorded:
+                tally.unjudged[inv.id] += 1
             except InvariantViolation as violation:
-                return TraceVerdict(VIOLATION, _build_violation(
-                    parsed, by_id[event_id], obs, violation, race_event, access_event, context),
-                    False, len(parsed.events), count,
-                    (f"call events checked with {', '.join(i.id for i in checks)}",))
+                failures.append(violation)
+        if failures:
+            first = InvariantViolation(failures[0].invariant_id, failures[0].message,
+                                       all_ids=tuple(f.invariant_id for f in failures))
+            return TraceVerdict(VIOLATION, _build_violation(
+                parsed, by_id[event_id], obs, first, race_event, access_event, context),
+                False, len(parsed.events), count, tuple(tally.describe()),
+                dict(tally.exercised))
     return None
 
 

@@ -138,66 +138,144 @@ def get_known_finding(finding_id: str) -> KnownFinding:
 
 
 @dataclass(frozen=True)
+class DivergenceContext:
+    """What an allow-list predicate may look at: both states after the operation, and
+    which requests each side retracted during it (a retraction is the one event the
+    states alone cannot tell apart from a request not yet admitted)."""
+
+    reference: ObservableState
+    upstream: ObservableState
+    reference_retracted: frozenset[int]
+    upstream_retracted: frozenset[int]
+    is_spec: bool
+    reference_before: ObservableState | None = None  # the reference before the operation
+
+
+@dataclass(frozen=True)
 class AllowedDivergence:
     id: str  # A1, A2, ...
     field: str  # the ObservableState path pattern (regular expression)
     upstream: str  # file:line in sglang 0.5.23
     reason: str
     realign: bool  # the realignment issue is meant to remove it (the reference changes)
-    when: Callable[[str, Any, Any, ObservableState, ObservableState], bool]
+    when: Callable[[str, Any, Any, DivergenceContext], bool]
 
     def to_json(self) -> dict[str, Any]:
         return {"id": self.id, "field": self.field, "upstream": self.upstream,
                 "reason": self.reason, "realign": self.realign}
 
 
+OPERATION_WIDE: Final = r"request r\d+\..*|accept_counters|(running|last_batch)(\..*)?|free_pages"
+"""The field pattern of an entry that explains every field at the operation where its
+mechanism is visibly active."""
+
+
 def _requests(state: ObservableState) -> dict[int, RequestState]:
     return {int(r.rid): r for r in state.requests}
 
 
-def _released_by_upstream(path: str, ref: Any, up: Any, reference: ObservableState,
-                          upstream: ObservableState) -> bool:
+def _released_by_upstream(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
     rid = int(path.split(".")[0].split("r")[-1])
-    return _requests(upstream)[rid].status == "finished" and bool(up == 0)
+    return _requests(ctx.upstream)[rid].status == "finished" and bool(up == 0)
 
 
-def _overshoot_skipped(path: str, ref: Any, up: Any, reference: ObservableState,
-                       upstream: ObservableState) -> bool:
+def _overshoot_skipped(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
     """Some request the release finished got one more decode in the reference: it sits in
-    the reference's launched batch (spec) or committed one more slot (non-spec)."""
-    ref_reqs = _requests(reference)
-    launched = set(reference.last_batch.rids) if reference.last_batch is not None else set()
-    if reference.running is not None:
-        launched |= set(reference.running.rids)
-    for rid, u in _requests(upstream).items():
+    the reference's launched batch (spec) or committed one more slot (non-spec), or the
+    reference retracted it for that decode."""
+    ref_reqs = _requests(ctx.reference)
+    ref_launched = set(ctx.reference.last_batch.rids) if ctx.reference.last_batch else set()
+    up_launched = set(ctx.upstream.last_batch.rids) if ctx.upstream.last_batch else set()
+    for rid, u in _requests(ctx.upstream).items():
         r = ref_reqs[rid]
         if u.status != "finished":
             continue
-        if r.kv_committed_len == u.kv_committed_len + 1 or rid in launched:
+        if r.kv_committed_len == u.kv_committed_len + 1:
             return True
-        # The reference retracted it for the decode the release skipped (its queued
-        # result finished it); outputs agree up to that result.
-        if r.status == "waiting" and u.output_ids[:len(r.output_ids)] == r.output_ids:
+        if rid in ref_launched and rid not in up_launched:
             return True
-    return False
+        if rid in ctx.reference_retracted and u.output_ids[:len(r.output_ids)] == r.output_ids:
+            return True
+    # The reference reserved decode room for requests whose queued result finished them
+    # (the release skipped them) and so retracted another request the release kept.
+    before = _requests(ctx.reference_before) if ctx.reference_before is not None else {}
+    finished_now = any(u.status == "finished" and before.get(rid) is not None
+                       and before[rid].status == "running"
+                       for rid, u in _requests(ctx.upstream).items())
+    return finished_now and bool(ctx.reference_retracted - ctx.upstream_retracted)
 
 
-def _non_spec_counters(path: str, ref: Any, up: Any, reference: ObservableState,
-                       upstream: ObservableState) -> bool:
+def _counters_not_fed(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
     return bool(up == (0, 0) and ref[0] == 0)
 
 
-def _admission_held_back(path: str, ref: Any, up: Any, reference: ObservableState,
-                         upstream: ObservableState) -> bool:
-    """The release left a waiting request waiting that the reference admitted."""
-    ref_reqs = _requests(reference)
+def _admission_held_back(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
+    """The release left a request waiting (not retracted by this operation) that the
+    reference admitted or re-admitted."""
+    ref_reqs = _requests(ctx.reference)
     return any(u.status == "waiting" and ref_reqs[rid].status != "waiting"
-               for rid, u in _requests(upstream).items())
+               and rid not in ctx.upstream_retracted
+               for rid, u in _requests(ctx.upstream).items())
 
 
-def _sum_not_backfilled(path: str, ref: Any, up: Any, reference: ObservableState,
-                       upstream: ObservableState) -> bool:
+def _admitted_past_stale_rows(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
+    """The release admitted a request the reference held back while finished requests
+    still sat in the reference's running batch (counted against max_running_requests)."""
+    before = ctx.reference_before
+    if before is None or before.running is None:
+        return False
+    ref_reqs = _requests(ctx.reference)
+    up_reqs = _requests(ctx.upstream)
+    before_reqs = _requests(before)
+    stale = any(before_reqs[int(rid)].status == "finished" for rid in before.running.rids)
+    admitted = any(r.status == "waiting" and up_reqs[rid].status != "waiting"
+                   for rid, r in ref_reqs.items())
+    return stale and admitted
+
+
+def _stale_rows_counted(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
+    return ctx.is_spec and up[1] > ref[1] and up[0] >= ref[0]
+
+
+def _finish_keeps_more(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
+    rid = int(path.split(".")[0].split("r")[-1])
+    both_finished = (_requests(ctx.upstream)[rid].status == "finished"
+                     and _requests(ctx.reference)[rid].status == "finished")
+    return both_finished and isinstance(up, int) and isinstance(ref, int) and up > ref
+
+
+def _stale_batch_members(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
+    """The reference's batch still lists requests that finished; without them it is the
+    release's (which filters the running batch at every step)."""
+    name = path.split(".")[0]
+    ref_batch, up_batch = getattr(ctx.reference, name), getattr(ctx.upstream, name)
+    finished = {int(r.rid) for r in ctx.reference.requests if r.status == "finished"}
+    finished &= {int(r.rid) for r in ctx.upstream.requests if r.status == "finished"}
+    ref_rids = set() if ref_batch is None else {int(rid) for rid in ref_batch.rids}
+    up_rids = set() if up_batch is None else {int(rid) for rid in up_batch.rids}
+    return ref_rids != up_rids and ref_rids - finished == up_rids - finished
+
+
+def is_launch_order_different(reference: ObservableState, upstream: ObservableState) -> bool:
+    """Both launched the same requests in a different order (A11)."""
+    ref_batch, up_batch = reference.last_batch, upstream.last_batch
+    if ref_batch is None or up_batch is None:
+        return False
+    return set(ref_batch.rids) == set(up_batch.rids) and ref_batch.rids != up_batch.rids
+
+
+def _launch_order(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
+    return is_launch_order_different(ctx.reference, ctx.upstream)
+
+
+def _sum_not_backfilled(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
     return up is None and ref is not None
+
+
+def _spec_retraction_order(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
+    """With speculation both retracted in this operation, but not the same requests."""
+    return (ctx.is_spec and bool(ctx.upstream_retracted) and bool(ctx.reference_retracted)
+            and ctx.upstream_retracted != ctx.reference_retracted)
 
 
 ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
@@ -208,8 +286,7 @@ ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
         "a release sets kv_allocated_len to 0; the reference leaves it as it was (D1)",
         True, _released_by_upstream),
     AllowedDivergence(
-        "A2", r"request r\d+\..*|accept_counters|"
-        r"(running|last_batch)(\..*)?|free_pages",
+        "A2", OPERATION_WIDE,
         "python/sglang/srt/managers/scheduler.py:4444 (_reqs_finishing_inflight), 2063 "
         "(event_loop_overlap sets enable_skip_finishing_decode)",
         "under overlap the release does not decode a request whose queued result finishes it "
@@ -222,7 +299,7 @@ ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
         "results that feed no spec metrics (non-spec, and prefill results with spec): the "
         "release leaves its accept counters alone; the reference reports the live batch "
         "size with no correct draft",
-        False, _non_spec_counters),
+        False, _counters_not_fed),
     AllowedDivergence(
         "A4", r"(running|last_batch)\.seq_lens_sum",
         "python/sglang/srt/model_executor/forward_batch_info.py ForwardBatch.init_new "
@@ -232,7 +309,7 @@ ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
         "so it stays None (D5)",
         False, _sum_not_backfilled),
     AllowedDivergence(
-        "A5", r"request r\d+\..*|accept_counters|(running|last_batch)(\..*)?|free_pages",
+        "A5", OPERATION_WIDE,
         "python/sglang/srt/managers/schedule_policy.py PrefillAdder (add_one_req, "
         "rem_total_tokens) via scheduler.py:4052 get_new_batch_prefill",
         "admission policy: the release admits a waiting request only if its prompt plus an "
@@ -240,14 +317,64 @@ ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
         "request (new_token_ratio x remaining max_new_tokens, page-rounded) fits; the "
         "reference admits while a row and the prompt's pages are free",
         True, _admission_held_back),
+    AllowedDivergence(
+        "A6", OPERATION_WIDE,
+        "python/sglang/srt/managers/schedule_batch.py:3453 (retract_decode: "
+        "_get_decode_retraction_order, #32023)",
+        "spec retraction order: the release retracts by the same policy sort as non-spec "
+        "(fewest outputs, then longest prompt, last); the reference retracts spec requests "
+        "from the back of the batch",
+        True, _spec_retraction_order),
+    AllowedDivergence(
+        "A7", OPERATION_WIDE,
+        "python/sglang/srt/managers/scheduler.py:3963 (get_next_batch_to_run filters the "
+        "running batch at every step, before get_new_batch_prefill)",
+        "the release drops finished requests from the running batch before it admits; the "
+        "reference filters only in update_running_batch, so finished requests still count "
+        "against max_running_requests for one more iteration and hold a prefill back",
+        True, _admitted_past_stale_rows),
+    AllowedDivergence(
+        "A8", r"accept_counters",
+        "python/sglang/srt/managers/scheduler_components/batch_result_processor.py:785, :986",
+        "finding U3 seen by the differential: the release's accept counters count the rows "
+        "of requests that finished or were retracted while the verify flew; the reference "
+        "counts live requests only",
+        False, _stale_rows_counted),
+    AllowedDivergence(
+        "A9", r"request r\d+\.(kv_committed_len|cached_len)",
+        "python/sglang/srt/managers/scheduler_components/batch_result_processor.py:831; "
+        "mem_cache/common.py:421",
+        "findings U2 and U4 as the differential sees them: at a finish the release has "
+        "committed (spec: the whole accepted run) and caches more than the reference, which "
+        "cuts the run before committing and caches prompt + output - 1",
+        True, _finish_keeps_more),
+    AllowedDivergence(
+        "A10", r"running(\..*)?",
+        "python/sglang/srt/managers/scheduler.py:3963 (get_next_batch_to_run: "
+        "running_batch.filter_batch() at every step)",
+        "the release filters finished requests out of the running batch at every step; the "
+        "reference's batch still lists them until its next update_running_batch (a launched "
+        "batch that differs is A2: the reference decoded them)",
+        True, _stale_batch_members),
+    AllowedDivergence(
+        "A11", OPERATION_WIDE,
+        "python/sglang/srt/managers/schedule_batch.py:3453 (retract_decode keeps the "
+        "policy's order: filter_batch(keep_indices=sorted_indices))",
+        "after a retraction the release's batch is in the retraction policy's order, the "
+        "reference's in batch order: the environment's per-position choices (accept "
+        "lengths, EOS) then land on different requests, so the example ends where the "
+        "launched orders part",
+        True, _launch_order),
 )
 
 
 def get_allowed(path: str, reference_value: Any, upstream_value: Any,
-                reference: ObservableState, upstream: ObservableState
-                ) -> AllowedDivergence | None:
-    for entry in ALLOWED_DIVERGENCES:
+                ctx: DivergenceContext) -> AllowedDivergence | None:
+    # Entries about one field first; the ones that explain a whole operation (A2, A5, A6:
+    # a mechanism whose consequences reach any field) only for what no field entry names.
+    ordered = sorted(ALLOWED_DIVERGENCES, key=lambda e: e.field == OPERATION_WIDE)
+    for entry in ordered:
         if re.fullmatch(entry.field, path) and entry.when(path, reference_value, upstream_value,
-                                                         reference, upstream):
+                                                         ctx):
             return entry
     return None

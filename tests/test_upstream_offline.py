@@ -16,6 +16,7 @@ from harness.upstream_findings import (
     ALLOWED_DIVERGENCES,
     KNOWN_FINDINGS,
     UPSTREAM_NOT_APPLICABLE,
+    DivergenceContext,
     match_finding,
 )
 from harness.upstream_tier import UpstreamChecker, explain, get_differences
@@ -103,17 +104,31 @@ def _request(rid: int, status: str, committed: int, allocated: int,
                         tuple(range(1, allocated + 1)) if status != "finished" else (), 1)
 
 
+def _context(ref: ObservableState, up: ObservableState, ref_retracted: set[int] | None = None,
+             up_retracted: set[int] | None = None, is_spec: bool = False) -> DivergenceContext:
+    return DivergenceContext(ref, up, frozenset(ref_retracted or ()),
+                             frozenset(up_retracted or ()), is_spec)
+
+
 def test_allowed_divergences_explain_only_what_they_name() -> None:
     # A1: released upstream, allocated 0; the reference keeps its length.
     ref = _state((_request(0, "finished", 3, 3),))
     up = _state((_request(0, "finished", 3, 0),))
-    used, unexplained = explain(get_differences(ref, up), ref, up)
+    used, unexplained = explain(get_differences(ref, up), _context(ref, up))
     assert unexplained is None and [e.id for e in used] == ["A1"]
     # A different committed length of a running request is explained by nothing.
     ref = _state((_request(0, "running", 4, 4),))
     up = _state((_request(0, "running", 3, 4),))
-    used, unexplained = explain(get_differences(ref, up), ref, up)
+    used, unexplained = explain(get_differences(ref, up), _context(ref, up))
     assert unexplained is not None and unexplained[0] == "request r0.kv_committed_len"
+    # A retraction of a different request is the spec retraction order (A6) only with
+    # speculation, and only when both sides retracted in that operation.
+    ref = _state((_request(0, "running", 4, 4), _request(1, "waiting", 0, 0)))
+    up = _state((_request(0, "waiting", 0, 0), _request(1, "running", 4, 4)))
+    spec = _context(ref, up, {1}, {0}, is_spec=True)
+    assert [e.id for e in explain(get_differences(ref, up), spec)[0]] == ["A6"]
+    non_spec = _context(ref, up, {1}, {0}, is_spec=False)
+    assert explain(get_differences(ref, up), non_spec)[1] is not None
 
 
 def test_slot_numbering_is_not_a_divergence_but_layout_is() -> None:

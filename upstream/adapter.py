@@ -113,12 +113,15 @@ class UpstreamScheduler:
         self.spec_metrics: tuple[int, int] | None = None
         self.launched = False
         self.pending: InvariantViolation | None = None
+        # Requests the release retracted during the latest operation (for the differential).
+        self.retracted_in_operation: frozenset[RequestId] = frozenset()
         hooks.HOST.attach(self)
 
     # ------------------------------------------------------------------ interface
     def admit(self, prompt_len: int, max_new_tokens: int) -> RequestId:
         from array import array
 
+        self.retracted_in_operation = frozenset()
         from sglang.srt.managers.schedule_batch import Req
         from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -142,6 +145,7 @@ class UpstreamScheduler:
     def abort(self, rid: RequestId) -> None:
         from sglang.srt.managers.io_struct import AbortReq
 
+        self.retracted_in_operation = frozenset()
         track = self.tracks.get(rid)
         if track is None or track.is_finished():
             return
@@ -157,6 +161,7 @@ class UpstreamScheduler:
 
     def run_iteration(self, choices: IterationChoices) -> None:
         self.launched = False
+        self.retracted_in_operation = frozenset()
         try:
             self.session.step(choices)
         finally:
@@ -286,6 +291,7 @@ class UpstreamScheduler:
             self.get_ghost(req).prepared_steps = 1
 
     def on_retract(self, retracted: list[Any], aborted: list[Any]) -> None:
+        self.retracted_in_operation |= {self.get_rid(req) for req in retracted}
         for req in retracted:
             self.get_ghost(req).on_retract()
             self.by_req[id(req)].release_count = 0  # a new holding starts at re-admission

@@ -1,0 +1,187 @@
+"""The trace shim on sglang 0.5.23's own ``Scheduler``: record, then ``trace check``.
+
+Each cell runs in a subprocess (upstream allows one ``Scheduler`` per process): the real
+event loop, driven by the upstream adapter with its stand-in worker, runs a short script
+inside :class:`harness.trace_shim.TraceShim`. The trace must carry request views, so the
+checker judges the KV and RP families besides SL2-SL5, and its verdict must be one the
+upstream tier knows (``harness.upstream_findings``). Needs the upstream environment
+(``./dev upstream``); skipped with the reason elsewhere.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.script import Abort, Admit, Iterate, Op, Script, save_script
+from harness.trace import OK, VIOLATION, TraceVerdict, check_trace, parse_trace
+from harness.upstream_findings import match_finding
+from spec.config import get_cell
+from spec.invariants import InvariantViolation
+from spec.state import IterationChoices
+
+pytestmark = pytest.mark.upstream
+
+ROOT = Path(__file__).resolve().parent.parent
+UNAVAILABLE = 77  # the child's exit code when sglang does not import
+TIMEOUT_S = 600
+# The child: import sglang the way the tier does (torchvision stand-in, version check),
+# then record the script inside the shim.
+CHILD = """
+import sys
+from pathlib import Path
+
+from upstream.bootstrap import UpstreamUnavailable, load_sglang
+
+try:
+    load_sglang()
+except UpstreamUnavailable as error:
+    print(f"sglang does not import here: {error}")
+    sys.exit(77)
+from harness.script import load_script
+from harness.trace_shim import record_shim_trace
+
+record_shim_trace(load_script(Path(sys.argv[1])), Path(sys.argv[2]))
+"""
+NON_SPEC, SPEC = "ov-p1-none", "ov-p1-v2chain-cpu-honest"
+# What the tier knows each run to show first (harness/upstream_findings.py): an emptied
+# batch keeps stale tensors (U1); the accept counters count a retracted row (U3).
+EXPECTED_FINDING = {NON_SPEC: "U1", SPEC: "U3"}
+
+
+def _ops(cell: str) -> list[Op]:
+    """Two requests; a retraction while a decode of the retracted one is in flight (a stale
+    result: RP1); without speculation also a request aborted while waiting."""
+    choose = IterationChoices
+    if cell == NON_SPEC:
+        ops: list[Op] = [Admit(5, 8), Admit(3, 8), Iterate(choose()), Admit(4, 4),
+                         Iterate(choose(allow_prefill=False)), Abort(2), Iterate(choose()),
+                         Iterate(choose(retract=1))]
+    else:
+        ops = [Admit(5, 8), Admit(3, 8), Iterate(choose()), Iterate(choose()),
+               Iterate(choose(accept_lens=(2, 3))), Iterate(choose(retract=1))]
+    return ops + [Iterate(choose(accept_lens=(2, 1))) for _ in range(14)]
+
+
+@pytest.fixture(scope="module")
+def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """Both cells recorded at once, one process each."""
+    if importlib.util.find_spec("sglang") is None:
+        pytest.skip("sglang is not installed in this environment: the upstream environment "
+                    "(./dev upstream) runs these tests")
+    folder = tmp_path_factory.mktemp("upstream-shim")
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    running: dict[str, tuple[subprocess.Popen[str], Path]] = {}
+    for cell in (NON_SPEC, SPEC):
+        script = save_script(Script(cell, "minimal", _ops(cell), implementation="upstream"),
+                             folder / f"{cell}.json")
+        trace = folder / f"{cell}.ndjson"
+        running[cell] = (subprocess.Popen(
+            [sys.executable, "-W", "ignore", "-c", CHILD, str(script), str(trace)], cwd=ROOT,
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True), trace)
+    try:
+        for cell, (process, _trace) in running.items():
+            output, _ = process.communicate(timeout=TIMEOUT_S)
+            if process.returncode == UNAVAILABLE:
+                pytest.skip(output.strip().splitlines()[-1])
+            lines = [line for line in output.splitlines() if not line.startswith("[20")]
+            assert process.returncode == 0, (f"{cell}: the recording run failed:\n"
+                                             + "\n".join(lines[-30:]))
+    finally:
+        for process, _trace in running.values():
+            if process.poll() is None:  # a skip or failure above: do not leave it running
+                process.kill()
+                process.wait()
+    return {cell: trace for cell, (_, trace) in running.items()}
+
+
+def _events(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def _check(events: list[dict[str, Any]]) -> TraceVerdict:
+    return check_trace(parse_trace("".join(json.dumps(e) + "\n" for e in events)))
+
+
+def _get_finding(verdict: TraceVerdict, cell: str) -> str | None:
+    """The listed upstream finding the trace's violation is, or None for an unknown one."""
+    assert verdict.violation is not None
+    violation = InvariantViolation(verdict.violation.invariant_id, verdict.violation.actual)
+    known = match_finding(violation, get_cell(cell))
+    return None if known is None else known.id
+
+
+@pytest.mark.parametrize("cell", [NON_SPEC, SPEC])
+def test_real_scheduler_trace_carries_request_views(cell: str,
+                                                    traces: dict[str, Path]) -> None:
+    calls = [e for e in _events(traces[cell]) if e["event"] == "call"]
+    methods = {e["method"] for e in calls}
+    assert {"ScheduleBatch.prepare_for_extend", "ScheduleBatch.prepare_for_decode",
+            "ScheduleBatch.filter_batch", "ScheduleBatch.merge_batch",
+            "ScheduleBatch.retract_decode", "Scheduler.get_next_batch_to_run",
+            "Scheduler.run_batch", "Scheduler.process_batch_result",
+            "FutureMap.resolve_seq_lens_cpu", "overlap_utils.resolve_forward_inputs"
+            } <= methods, methods
+    # 0.5.23's prepare_for_extend returns None: the batch recorded is the one prepared.
+    assert all(e["batch"] is not None and e["batch"]["rids"] for e in calls
+               if e["method"] == "ScheduleBatch.prepare_for_extend")
+    # get_next_batch_to_run returns a NextBatchPlan: its running batch rides along.
+    assert all("running_batch" in e for e in calls
+               if e["method"] == "Scheduler.get_next_batch_to_run")
+    with_views = [e for e in calls if e.get("requests")]
+    assert len(with_views) > len(calls) // 2
+    assert all("allocator" in e for e in with_views)
+    assert any(r["holds_kv"] and r["row_slots"] for e in with_views for r in e["requests"])
+    assert any(r["is_retracted"] and r["waiting"] for e in with_views for r in e["requests"])
+    results = [e["result"] for e in calls if e.get("result")]
+    assert any(entry["stale"] for result in results for entry in result["entries"])
+
+
+@pytest.mark.parametrize("cell", [NON_SPEC, SPEC])
+def test_trace_check_judges_kv_and_rp_and_knows_the_verdict(cell: str,
+                                                            traces: dict[str, Path]) -> None:
+    verdict = _check(_events(traces[cell]))
+    judged = {i for i, n in verdict.exercised.items() if n > 0}
+    assert {"KV1", "KV4", "KV5"} <= judged, verdict.exercised
+    assert {"RP1"} | ({"RP3"} if get_cell(cell).is_spec else set()) <= judged, (
+        verdict.exercised)
+    if not get_cell(cell).is_spec:
+        assert {"KV2", "KV9"} <= judged, verdict.exercised  # KV9: the finish releases
+    assert verdict.status in (OK, VIOLATION), verdict.describe()
+    if verdict.status == VIOLATION:
+        assert _get_finding(verdict, cell) == EXPECTED_FINDING[cell], verdict.describe()
+
+
+def _first(events: list[dict[str, Any]], accept: Any) -> int:
+    return next(i for i, e in enumerate(events) if e["event"] == "call" and accept(e))
+
+
+def test_corrupted_request_view_is_rejected_as_kv1(traces: dict[str, Path]) -> None:
+    events = _events(traces[NON_SPEC])
+    index = _first(events, lambda e: any(r["holds_kv"] for r in e.get("requests", ())))
+    request = next(r for r in events[index]["requests"] if r["holds_kv"])
+    request["kv_committed_len"] = request["kv_allocated_len"] + 1
+    verdict = _check(events)
+    assert verdict.violation is not None, verdict.describe()
+    assert verdict.violation.invariant_id == "KV1", verdict.describe()
+    assert verdict.violation.event_id == events[index]["id"]
+    assert verdict.violation.request == f"r{request['rid']}"
+
+
+def test_corrupted_stale_result_is_rejected_as_rp1(traces: dict[str, Path]) -> None:
+    events = _events(traces[NON_SPEC])
+    index = _first(events, lambda e: any(x["stale"] for x in (e.get("result") or {}).get(
+        "entries", ())))
+    entry = next(x for x in events[index]["result"]["entries"] if x["stale"])
+    entry["output_after"] = entry["output_before"] + 1  # a late result appended a token
+    verdict = _check(events)
+    assert verdict.violation is not None, verdict.describe()
+    assert verdict.violation.invariant_id == "RP1", verdict.describe()
+    assert verdict.violation.event_id == events[index]["id"]
