@@ -269,6 +269,10 @@ def cmd_replay(args: argparse.Namespace) -> int:
     except ScriptError as error:
         print(f"overlap-spec: {error}", file=sys.stderr)
         return 2
+    if script.implementation.startswith("upstream"):
+        # sglang's own scheduler: its own environment (re-executed there when needed).
+        return cmd_upstream(argparse.Namespace(action="replay", file=args.file,
+                                               sglang_src=None))
     if script.implementation == "gpu_impl":
         # A gpu_impl counterexample: the differential run against the clean reference.
         diff = run_differential(script)

@@ -192,8 +192,10 @@ Factory = Callable[[ModelConfig, frozenset[str], Observer | None], SchedulerMode
 
 # "gpu_impl" scripts are counterexamples of the differential checker: gpu_impl (with the
 # script's faults) against the clean reference (harness.differential.run_differential).
-# "upstream" scripts replay on sglang's own scheduler (upstream/, its own environment).
-IMPLEMENTATIONS = ("reference", "gpu_impl", "upstream")
+# "upstream" scripts replay on sglang's own scheduler (upstream/, its own environment);
+# "upstream-differential" ones replay the reference against it
+# (harness.upstream_tier.replay_differential; 'overlap-spec upstream replay').
+IMPLEMENTATIONS = ("reference", "gpu_impl", "upstream", "upstream-differential")
 
 
 def get_factory(implementation: str) -> Factory:
@@ -206,6 +208,9 @@ def get_factory(implementation: str) -> Factory:
         from upstream.adapter import make_upstream  # needs the upstream environment
 
         return make_upstream
+    if implementation == "upstream-differential":
+        raise ScriptError("an upstream-differential script replays the reference against "
+                          "sglang ('overlap-spec upstream replay')")
     raise ScriptError(f"unknown implementation {implementation!r} "
                       f"(available: {', '.join(IMPLEMENTATIONS)})")
 

@@ -159,7 +159,7 @@ def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, str],
     return {
         "version": 1,
         "ok": ok,
-        "sglang": sglang,
+        "sglang": {**sglang, "tree": None if args.sglang_src is None else str(args.sglang_src)},
         "seed": args.seed,
         "profile": args.profile,
         "preset": args.preset,
@@ -180,6 +180,8 @@ def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, str],
 
 
 def render_report(report: dict[str, Any]) -> str:
+    tree = report["sglang"].get("tree")
+    replay = "overlap-spec upstream replay {}" + (f" --sglang-src {tree}" if tree else "")
     lines = [f"sglang {report['sglang']['version']} ({report['sglang']['source']}), "
              f"seed {report['seed']}, profile {report['profile']}, preset {report['preset']}"]
     width = max(len(c) for c in report["cells"])
@@ -210,17 +212,20 @@ def render_report(report: dict[str, Any]) -> str:
             first = min(group, key=lambda f: f["ops"])
             lines.append(f"  {fid} {first['invariant']}: {', '.join(f['cell'] for f in group)}")
             lines.append(f"     e.g. {first['actual']}")
-            lines.append(f"     replay: overlap-spec upstream replay {first['script']}")
+            lines.append(f"     replay: {replay.format(first['script'])}")
     for f in new:
         lines.append(f"\nNEW upstream finding in {f['cell']}: {f['actual']}")
+        if f.get("upstream"):
+            lines.append(f"  where sglang was: {f['upstream']}")
+        lines.append(f"  the spec expects: {f['expected']}")
         if f.get("script"):
-            lines.append(f"  replay: overlap-spec upstream replay {f['script']}")
+            lines.append(f"  replay: {replay.format(f['script'])}")
     for cell, diff in report["differential"]["cells"].items():
         for div in diff.get("divergences", []):
             lines.append(f"\nunexplained divergence in {cell} at op {div['step']}: "
                          f"{div['field']}: reference {div['reference']}, upstream "
                          f"{div['upstream']}")
-            lines.append(f"  replay: overlap-spec upstream replay {div['script']}")
+            lines.append(f"  replay: {replay.format(div['script'])}")
         if diff.get("error"):
             lines.append(f"\ndifferential crashed in {cell}: {diff['error']}")
     driven = [c for c, r in report["cells"].items() if r["verdict"] != "n/a"]
@@ -342,6 +347,22 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
         source = load_sglang(Path(args.sglang_src) if args.sglang_src else None)
     except (ScriptError, UpstreamUnavailable) as error:
         raise UsageError(str(error.args[0] if error.args else error)) from None
+    if script.implementation == "upstream-differential":
+        from harness.upstream_tier import replay_differential
+
+        compared, divergence, explained = replay_differential(script)
+        print(f"replayed {compared} of {len(script.ops)} ops of the reference against sglang "
+              f"{source.version} ({source.source}) in cell {script.cell}@{script.preset}, "
+              f"seed {script.seed}" + (f"; allowed: {', '.join(explained)}" if explained else ""))
+        if divergence is None:
+            print("no unexplained divergence")
+            return 0
+        print(f"op {divergence['step']}: {divergence['field']}: reference "
+              f"{divergence['reference']}, upstream {divergence['upstream']}")
+        return 1
+    if script.implementation != "upstream":
+        raise UsageError(f"{path}: a {script.implementation} script; replay it with "
+                         "'overlap-spec replay'")
     outcome = replay_on_upstream(script)
     print(f"replayed {len(script.ops)} ops on sglang {source.version} ({source.source}) in "
           f"cell {script.cell}@{script.preset}, seed {script.seed}")

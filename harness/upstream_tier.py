@@ -123,6 +123,14 @@ class UpstreamChecker(InvariantChecker):
 
 
 # ---------------------------------------------------------------------- findings
+def get_invariant_claim(invariant_id: str) -> str:
+    if invariant_id == UPSTREAM_CHECKER_ID:
+        return "UC: upstream's own SchedulerInvariantChecker passes"
+    from spec.invariants import get_invariant
+
+    return " ".join((get_invariant(invariant_id).check.__doc__ or "").split())
+
+
 def replay_on_upstream(script: Script) -> UpstreamChecker | InvariantViolation:
     """Replay a script on upstream: the checker (with its findings), or the violation."""
     from upstream.adapter import make_upstream
@@ -255,12 +263,87 @@ def explain(differences: list[tuple[str, Any, Any]], ctx: DivergenceContext
     return used, None
 
 
+def normalize_differential_op(op: Op) -> Op:
+    """The operation as the differential applies it: never ``disable_overlap``.
+
+    The two read that choice differently: the reference processes the pending result before
+    launching any batch, the release only between two consecutive prefills
+    (SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP; grammar sync is not driven). Until the
+    reference says what the release does, the differential does not ask for it; the
+    invariant check does.
+    """
+    if isinstance(op, Iterate) and op.choices.disable_overlap:
+        return Iterate(replace(op.choices, disable_overlap=False))
+    return op
+
+
+class UpstreamPair:
+    """The reference and the release in lock step; :meth:`apply` compares after each op."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        from reference.scheduler import Scheduler as ReferenceScheduler
+        from upstream.adapter import make_upstream
+
+        self.config = config
+        self.reference = ReferenceScheduler(config, frozenset(), None)
+        self.upstream = make_upstream(config, frozenset(), None)
+        self.ref_admitted: list[RequestId] = []
+        self.up_admitted: list[RequestId] = []
+        self.ref_before = self.reference.get_observable_state()
+        self.steps = 0
+
+    def apply(self, op: Op) -> tuple[list[str], tuple[str, Any, Any] | None, bool]:
+        """Apply one op to both: (allowed entries used, the unexplained difference or None,
+        whether the two runs now differ in what they did, ending the comparison)."""
+        step = self.steps
+        self.steps += 1
+        self.reference.set_step_index(step)
+        self.upstream.set_step_index(step)
+        apply_op(self.reference, op, self.ref_admitted)
+        apply_op(self.upstream, op, self.up_admitted)
+        ref_state = self.reference.get_observable_state()
+        up_state = self.upstream.get_observable_state()
+        ref_before, self.ref_before = self.ref_before, ref_state
+        before = {int(r.rid): r.status for r in ref_before.requests}
+        ref_retracted = frozenset(int(r.rid) for r in ref_state.requests
+                                  if r.status == "waiting" and before.get(int(r.rid)) == "running")
+        if is_launch_order_different(ref_state, up_state):
+            return ["A11"], None, True
+        differences = get_differences(ref_state, up_state, self.config.page_size)
+        if not differences:
+            return [], None, False
+        ctx = DivergenceContext(ref_state, up_state, ref_retracted,
+                                self.upstream.retracted_in_operation,
+                                self.config.cell.is_spec, ref_before)
+        used, unexplained = explain(differences, ctx)
+        # A field-level difference (a value the two report differently) leaves the runs in
+        # step; an operation-wide one means they did different things: comparing further
+        # would only restate it.
+        ended = any(entry.field == OPERATION_WIDE for entry in used)
+        return [entry.id for entry in used], unexplained, ended
+
+
+def replay_differential(script: Script) -> tuple[int, dict[str, Any] | None, list[str]]:
+    """Replay a differential script: (ops compared, the unexplained divergence, the allowed
+    entries that ended or explained the comparison)."""
+    pair = UpstreamPair(script.get_config())
+    explained: list[str] = []
+    for index, op in enumerate(script.ops):
+        op = normalize_differential_op(op)
+        used, unexplained, ended = pair.apply(op)
+        explained += [e for e in used if e not in explained]
+        if unexplained is not None:
+            path, ref_value, up_value = unexplained
+            return index + 1, {"step": index, "field": path, "reference": repr(ref_value),
+                               "upstream": repr(up_value)}, explained
+        if ended:
+            return index + 1, None, explained
+    return len(script.ops), None, explained
+
+
 def run_differential_cell(config: ModelConfig, profile: Profile, seed: int,
                           save_dir: Path, examples: int) -> DifferentialReport:
     """Reference vs upstream on Hypothesis-generated operations (the upstream domain)."""
-    from reference.scheduler import Scheduler as ReferenceScheduler
-    from upstream.adapter import make_upstream
-
     base = make_machine(config, frozenset(), "upstream")
     report = DifferentialReport()
 
@@ -268,60 +351,23 @@ def run_differential_cell(config: ModelConfig, profile: Profile, seed: int,
         def __init__(self) -> None:
             super().__init__()
             report.examples += 1
-            self.reference = ReferenceScheduler(config, frozenset(), None)
-            self.upstream = make_upstream(config, frozenset(), None)
-            self.ref_admitted: list[RequestId] = []
-            self.up_admitted: list[RequestId] = []
+            self.pair = UpstreamPair(config)
             self.done = False
-            self.ref_before = self.reference.get_observable_state()
 
         def _apply(self, op: Op) -> None:
             if self.done:
                 return  # this example already diverged in an explained way
-            if isinstance(op, Iterate) and op.choices.disable_overlap:
-                # The two read this choice differently: the reference processes the pending
-                # result before launching any batch, the release only between two
-                # consecutive prefills (SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP; grammar
-                # sync is not driven). Until the reference says what the release does, the
-                # differential does not ask for it; the invariant check does.
-                op = Iterate(replace(op.choices, disable_overlap=False))
+            op = normalize_differential_op(op)
             self.script.ops.append(op)
-            step = len(self.script.ops) - 1
-            self.reference.set_step_index(step)
-            self.upstream.set_step_index(step)
-            apply_op(self.reference, op, self.ref_admitted)
-            apply_op(self.upstream, op, self.up_admitted)
-            ref_state = self.reference.get_observable_state()
-            up_state = self.upstream.get_observable_state()
-            ref_before = self.ref_before
-            before = {int(r.rid): r.status for r in ref_before.requests}
-            ref_retracted = frozenset(int(r.rid) for r in ref_state.requests
-                                      if r.status == "waiting"
-                                      and before.get(int(r.rid)) == "running")
-            self.ref_before = ref_state
-            if is_launch_order_different(ref_state, up_state):
-                report.explained["A11"] += 1
-                self.done = True
-                return
-            differences = get_differences(ref_state, up_state, config.page_size)
-            if not differences:
-                report.operations += 1
-                return
-            ctx = DivergenceContext(ref_state, up_state, ref_retracted,
-                                    self.upstream.retracted_in_operation,
-                                    config.cell.is_spec, ref_before)
-            used, unexplained = explain(differences, ctx)
+            used, unexplained, ended = self.pair.apply(op)
             if unexplained is not None:
                 path, ref_value, up_value = unexplained
-                raise _Unexplained({"step": step, "op": op, "field": path,
+                raise _Unexplained({"step": len(self.script.ops) - 1, "op": op, "field": path,
                                     "reference": repr(ref_value), "upstream": repr(up_value),
                                     "script": replace(self.script, ops=list(self.script.ops))})
             for entry in used:
-                report.explained[entry.id] += 1
-            if any(entry.field == OPERATION_WIDE for entry in used):
-                # The two runs now differ in what they did: comparing further would only
-                # restate this divergence. A field-level difference (a value the two
-                # report differently) leaves the runs in step, so comparing goes on.
+                report.explained[entry] += 1
+            if ended:
                 self.done = True
             else:
                 report.operations += 1
@@ -334,7 +380,7 @@ def run_differential_cell(config: ModelConfig, profile: Profile, seed: int,
         div = failure.divergence
         script: Script = div.pop("script")
         script.seed = seed
-        script.implementation = "upstream"
+        script.implementation = "upstream-differential"
         path = save_script(script, save_dir / f"{config.cell.name}-differential.json")
         from harness.script import op_to_json
 
@@ -416,10 +462,13 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
                          "actual": messages[known.id], "listed": True,
                          "occurrences": findings_seen[known.id]})
     if violation is not None:
+        failing = getattr(violation, "script", None)
         findings.append({"id": None, "invariant": violation.invariant_id,
                          "cell": config.cell.name,
                          "script": None if failure_script is None else str(failure_script),
-                         "upstream": "", "expected": "the invariant holds",
+                         "ops": None if failing is None else len(failing.ops),
+                         "upstream": getattr(violation, "upstream_location", ""),
+                         "expected": get_invariant_claim(violation.invariant_id),
                          "actual": str(violation), "listed": False, "occurrences": 1})
 
     invariants: dict[str, str] = {}

@@ -57,6 +57,7 @@ from spec.state import (
     ObservationPoint,
     ProcessedEntry,
     PublishRecord,
+    RelayGather,
     RequestView,
     ResultView,
 )
@@ -115,6 +116,13 @@ class UpstreamScheduler:
         self.pending: InvariantViolation | None = None
         # Requests the release retracted during the latest operation (for the differential).
         self.retracted_in_operation: frozenset[RequestId] = frozenset()
+        # The relay rows: stashes since the last gather, who stashed and who published last
+        # (request, epoch), and what the next launch gathered (FM4, FM5).
+        self.stashes: dict[int, int] = {}
+        self.stashed_by: dict[int, tuple[RequestId, int]] = {}
+        self.published_by: dict[int, tuple[RequestId, int]] = {}
+        self.gathers: list[RelayGather] = []
+        self.unseeded: list[tuple[RequestId, PoolRow]] = []
         hooks.HOST.attach(self)
 
     # ------------------------------------------------------------------ interface
@@ -268,8 +276,10 @@ class UpstreamScheduler:
         self.kv_write_fault_count += len(faults)
         self.launch = LaunchView(step=record.step, forward_mode=record.forward_mode,
                                  members=self.members, kv_write_faults=tuple(faults),
-                                 relay_gathers=(), unseeded_spec_rows=(),
+                                 relay_gathers=tuple(self.gathers),
+                                 unseeded_spec_rows=tuple(self.unseeded),
                                  publishes=tuple(self.publishes))
+        self.gathers, self.unseeded = [], []
         self.observe(ObservationPoint.LAUNCH, launch=self.launch)
 
     def on_publish(self, step: StepId, reqs: Sequence[Any], seq_lens: list[int],
@@ -281,6 +291,51 @@ class UpstreamScheduler:
                 None if accept_lens is None else accept_lens[j], values[j]))
 
     # ------------------------------------------------------------------ host: hooks
+    def _get_row_owner(self, row: int) -> tuple[RequestId, int] | None:
+        for track in self.tracks.values():
+            if track.req.kv.req_pool_idx == row:
+                return track.rid, track.ghost.epoch
+        return None
+
+    def on_stash(self, indices: Any) -> None:
+        for row in (int(r) for r in indices.tolist()):
+            owner = self._get_row_owner(row)
+            if owner != self.stashed_by.get(row):
+                # A new owner's first stash: what a previous owner left is overwritten.
+                self.stashes[row] = 0
+            self.stashes[row] = self.stashes.get(row, 0) + 1
+            if owner is not None:
+                self.stashed_by[row] = owner
+
+    def on_future_publish(self, indices: Any) -> None:
+        for row in (int(r) for r in indices.tolist()):
+            owner = self._get_row_owner(row)
+            if owner is not None:
+                self.published_by[row] = owner
+
+    def on_relay_gather(self, batch: Any, rows: list[int]) -> None:
+        """resolve_forward_inputs gathered these rows for the batch about to launch."""
+        self.gathers = []
+        for req, row in zip(batch.reqs, rows, strict=False):
+            track = self.by_req.get(id(req))
+            if track is None:
+                continue
+            owner = (track.rid, track.ghost.epoch)
+            self.gathers.append(RelayGather(
+                row=PoolRow(row), rid=track.rid,
+                stashes_since_last_gather=self.stashes.get(row, 0),
+                written_by_current_owner=self.stashed_by.get(row) == owner))
+            self.stashes[row] = 0
+        spec_overlap = self.config.cell.is_spec and self.config.cell.overlap
+        if spec_overlap and batch.forward_mode.is_decode():
+            # resolve_seq_lens_cpu read new_seq_lens_buf at these rows: each must have been
+            # published by its current owner.
+            self.unseeded = [(self.by_req[id(req)].rid, PoolRow(row))
+                             for req, row in zip(batch.reqs, rows, strict=False)
+                             if id(req) in self.by_req
+                             and self.published_by.get(row) != (self.by_req[id(req)].rid,
+                                                                self.by_req[id(req)].ghost.epoch)]
+
     def on_prepare_extend(self, batch: Any) -> None:
         """A prefill claims its fill length at prepare time; nothing is settled yet."""
         for req in batch.reqs:
@@ -387,6 +442,7 @@ class UpstreamScheduler:
             # Never raise inside sglang's loop: the violation ends the operation when the
             # loop is parked again (run_iteration / abort).
             if self.pending is None:
+                violation.upstream_location = _get_upstream_caller()  # type: ignore[attr-defined]
                 self.pending = violation
 
     def _raise_pending(self) -> None:
@@ -486,6 +542,18 @@ class UpstreamScheduler:
             return None
         view = self.get_batch_view(batch)
         return BatchState(view.rids, view.seq_lens, view.seq_lens_cpu, view.seq_lens_sum)
+
+
+def _get_upstream_caller() -> str:
+    """``file:line in function`` of the innermost sglang frame on the stack: where the
+    release was when the spec observed the violation (the caller of the wrapped method)."""
+    import traceback
+
+    frames = [f for f in traceback.extract_stack() if "/sglang/" in f.filename]
+    if not frames:
+        return ""
+    frame = frames[-1]
+    return f"{frame.filename.split('/sglang/', 1)[-1]}:{frame.lineno} in {frame.name}"
 
 
 def _ints(tensor: Any) -> tuple[int, ...]:

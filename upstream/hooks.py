@@ -128,6 +128,22 @@ def _after_prepare_extend(batch: Any, value: Any) -> None:
     HOST.on_prepare_extend(batch)
 
 
+def _get_gathered_rows(batch: Any, future_map: Any) -> list[int]:
+    """The output_tokens_buf rows resolve_forward_inputs is about to gather (0.5.23
+    overlap_utils.py:113): a decode's req_pool_indices without speculation, the draft
+    input's future_indices with it. Mixed prefill batches are not driven."""
+    if batch.prefill_input_ids_cpu is not None:
+        return []
+    if batch.input_ids is None and future_map.spec_algo.is_none():
+        return [int(r) for r in batch.req_pool_indices.tolist()]
+    spec_info = batch.spec_info
+    if batch.enable_overlap and spec_info is not None:
+        indices = getattr(spec_info, "future_indices", None)
+        if indices is not None:
+            return [int(r) for r in indices.tolist()]
+    return []
+
+
 def install(scheduler_module: Any) -> None:
     """Wrap the release's classes once (idempotent)."""
     global _INSTALLED
@@ -160,6 +176,39 @@ def install(scheduler_module: Any) -> None:
         return value
 
     overlap_utils.FutureMap.resolve_seq_lens_cpu = resolve_seq_lens_cpu
+
+    stash = overlap_utils.FutureMap.stash
+
+    @functools.wraps(stash)
+    def stash_wrapper(self: Any, future_indices: Any, payload: Any) -> Any:
+        value = stash(self, future_indices, payload)
+        HOST.on_stash(future_indices)
+        return value
+
+    overlap_utils.FutureMap.stash = stash_wrapper
+
+    publish = overlap_utils.FutureMap.publish
+
+    @functools.wraps(publish)
+    def publish_wrapper(self: Any, future_indices: Any, *args: Any, **kwargs: Any) -> Any:
+        value = publish(self, future_indices, *args, **kwargs)
+        HOST.on_future_publish(future_indices)
+        return value
+
+    overlap_utils.FutureMap.publish = publish_wrapper
+
+    # A module function the scheduler calls through the name it imported: wrap that name.
+    resolve_inputs = scheduler_module.resolve_forward_inputs
+
+    @functools.wraps(resolve_inputs)
+    def resolve_forward_inputs(batch: Any, future_map: Any) -> Any:
+        rows = _get_gathered_rows(batch, future_map)
+        value = resolve_inputs(batch, future_map)
+        if rows:
+            HOST.on_relay_gather(batch, rows)
+        return value
+
+    scheduler_module.resolve_forward_inputs = resolve_forward_inputs
 
     cls = scheduler_module.Scheduler
     update = cls.update_running_batch
