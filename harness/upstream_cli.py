@@ -21,7 +21,6 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -261,8 +260,7 @@ def run_upstream_check(args: argparse.Namespace, progress: bool = True) -> dict[
     cells = select_cells(args.cells)
     python = _require_python()
     sglang = _preflight(python, args.sglang_src)
-    out = Path(args.out) if args.out else Path(tempfile.mkdtemp(prefix="overlap-spec-up-"))
-    out = out / "upstream"
+    out = Path(args.out or os.environ.get("OVERLAP_SPEC_OUT", ".overlap-spec")) / "upstream"
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
@@ -391,7 +389,7 @@ def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
                              "the installed release")
     parser.add_argument("--json", metavar="PATH", help="write the JSON report here")
     parser.add_argument("--out", metavar="DIR",
-                        help="where scripts are saved (default: a temporary directory)")
+                        help="scripts are saved under DIR/upstream (default: .overlap-spec)")
     parser.add_argument("--seed", type=int, default=DEFAULT_UPSTREAM_SEED,
                         help=f"hypothesis seed (default {DEFAULT_UPSTREAM_SEED})")
     parser.add_argument("--profile", default="ci", help="hypothesis budget (default ci)")
