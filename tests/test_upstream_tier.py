@@ -184,3 +184,40 @@ def test_bad_sglang_input_exits_2_with_one_line(tmp_path: Path, case: str) -> No
                 "wrong-version": "sglang 0.4.0 is installed",
                 "import-fails": "sglang does not import"}[case]
     assert expected in lines[0]
+
+
+UPSTREAM_CHECKER_PROBE = """
+import json
+from spec.config import MINIMAL, ModelConfig, get_cell
+from spec.state import IterationChoices
+from upstream.adapter import UpstreamScheduler
+
+class Listener:
+    def __init__(self):
+        self.messages = []
+    def __call__(self, obs):
+        pass
+    def on_upstream_check(self, message, step_index):
+        self.messages.append(message)
+
+listener = Listener()
+model = UpstreamScheduler(ModelConfig(get_cell("ov-p1-none"), MINIMAL), frozenset(), listener)
+model.admit(3, 6)
+for _ in range(3):
+    model.run_iteration(IterationChoices(allow_prefill=True))
+clean = list(listener.messages)
+model.scheduler.token_to_kv_pool_allocator.alloc(1)  # a slot nobody owns: a leak
+model.run_iteration(IterationChoices(allow_prefill=True))
+print(json.dumps({"clean": clean, "after": listener.messages[len(clean):]}))
+"""
+
+
+@needs_sglang
+def test_upstreams_own_checker_runs_and_can_fail() -> None:
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", UPSTREAM_CHECKER_PROBE],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["clean"] and all(m is None for m in result["clean"])
+    assert result["after"] and "Leak" in (result["after"][-1] or "")
