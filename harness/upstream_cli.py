@@ -32,6 +32,7 @@ from harness.upstream_findings import (
     UPSTREAM_NOT_APPLICABLE,
 )
 from spec.config import PRESETS, ModelConfig, enumerate_cells
+from upstream.standins import STAND_INS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CELL_TIMEOUT_S = 900
@@ -175,6 +176,8 @@ def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, str],
         },
         "findings": findings,
         "not_applicable": dict(UPSTREAM_NOT_APPLICABLE),
+        "stand_ins": [{"target": x.target, "kind": x.kind, "reason": x.reason}
+                      for x in STAND_INS],
     }
 
 

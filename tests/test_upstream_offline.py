@@ -63,7 +63,9 @@ def test_bad_input_exits_2_before_running(args: list[str], message: str) -> None
 def test_stand_ins_and_findings_are_listed() -> None:
     done = run_cli("upstream", "stand-ins", env=dict(os.environ))
     assert done.returncode == 0
-    assert len(done.stdout.splitlines()) == len(STAND_INS)
+    headers = [line for line in done.stdout.splitlines() if not line.startswith(" ")]
+    assert len(headers) == len(STAND_INS)
+    assert all(line.endswith(("[replaced]", "[observed]")) for line in headers)
     assert "Scheduler.init_model_worker" in done.stdout
     listing = run_cli("upstream", "findings", env=dict(os.environ))
     assert listing.returncode == 0

@@ -5,8 +5,8 @@ The tier drives the release's own ``Scheduler`` (``__init__``, ``run_event_loop`
 ``ReqToTokenPool``, the token-to-KV allocators, ``release_kv_cache``, ``EagleDraftInput``
 and its reserve (``eagle_prepare_for_decode``), ``FutureMap`` and the batch result
 processor. What is replaced is what needs a model or a GPU, plus hooks that only observe.
-:data:`STAND_INS` is the list a reader checks; ``overlap-spec upstream check`` prints it
-with ``--list-stand-ins`` and the JSON report carries it.
+:data:`STAND_INS` is the list a reader checks; ``overlap-spec upstream stand-ins`` prints it
+and the JSON report of ``overlap-spec upstream check`` carries it.
 """
 
 from __future__ import annotations
@@ -59,22 +59,44 @@ STAND_INS: Final[tuple[StandIn, ...]] = (
             "0.5.23 turns overlap off for speculative decoding on device=cpu; the "
             "ov-*-v2chain cells force it back on (runtime_context override)"),
     StandIn("ScheduleBatch.prepare_for_extend / prepare_for_decode / filter_batch / "
-            "merge_batch / retract_decode, FutureMap.resolve_seq_lens_cpu, "
-            "Scheduler.process_batch_result, Scheduler.run_batch", "observed",
-            "wrapped to build the spec's observation after the real call; the real method "
-            "runs unchanged"),
+            "merge_batch / retract_decode, Scheduler.update_running_batch, "
+            "FutureMap.resolve_seq_lens_cpu, Scheduler.process_batch_result, "
+            "Scheduler.run_batch", "observed",
+            "wrapped to build the spec's observation after the real call (retraction is "
+            "observed once update_running_batch has re-queued the retracted requests); the "
+            "real method runs unchanged"),
+    StandIn("FutureMap.stash / FutureMap.publish, scheduler.resolve_forward_inputs",
+            "observed",
+            "record which relay rows were stashed, published and gathered, and for which "
+            "owner (FM4, FM5); the real calls run unchanged"),
     StandIn("tree_cache.on_release (instance)", "observed",
             "every release_kv_cache calls it: records the release count, committed length "
             "and (checkpointed) cached length per request"),
-    StandIn("Scheduler.update_spec_metrics", "observed",
+    StandIn("SchedulerMetricsReporter.update_spec_metrics", "observed",
             "records the (batch size, num_correct_drafts) upstream feeds its accept counters "
             "(RP3)"),
+    StandIn("SchedulerInvariantChecker.self_check_during_busy", "observed",
+            "called by the adapter after every iteration with "
+            "SGLANG_CHECK_KV_PAGE_INVARIANTS=1 and strict idle checks (UC), never inside "
+            "the loop"),
+    StandIn("Scheduler state between examples", "replaced",
+            "abort_request(abort_all) and drained iterations, flush_cache, then the "
+            "constructor's values for what flush_cache keeps (running_batch, "
+            "new_token_ratio, forward_ct), so an example replays the same after any other"),
+    StandIn("PortArgs.nccl_port", "replaced",
+            "a port the OS just handed out: several cells (one process each) run at once"),
     StandIn("model_config (hf config.json)", "replaced",
             "a one-layer llama config written to a temporary folder; no weights are loaded"),
 )
 
 
 def describe_stand_ins() -> str:
-    width = max(len(s.target) for s in STAND_INS)
-    lines = [f"{s.target:<{width}}  {s.kind:<8}  {s.reason}" for s in STAND_INS]
-    return "\n".join(lines)
+    """One block per stand-in: the upstream name and kind, then the reason, indented."""
+    import textwrap
+
+    blocks = []
+    for stand_in in STAND_INS:
+        reason = textwrap.fill(stand_in.reason, width=88, initial_indent="    ",
+                               subsequent_indent="    ")
+        blocks.append(f"{stand_in.target} [{stand_in.kind}]\n{reason}")
+    return "\n".join(blocks)
