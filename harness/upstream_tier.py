@@ -177,10 +177,6 @@ class _Unexplained(Exception):
         self.divergence = divergence
 
 
-class _Explained(Exception):
-    pass
-
-
 def normalize_slots(state: ObservableState, page_size: int) -> ObservableState:
     """Rows with pages renumbered by first appearance (request order), offsets kept, and
     batches in request-id order.

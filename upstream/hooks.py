@@ -48,9 +48,6 @@ class _QuietHost:
     def write_kv(self, *args: Any) -> list[Any]:
         return []
 
-    def allow_prefill(self) -> bool:
-        return False
-
 
 class _Host:
     """Forwards to the attached adapter, or to the quiet host."""
