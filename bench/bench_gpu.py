@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from harness.cli import main
+from overlap_spec.harness.cli import main
 
 if __name__ == "__main__":
     results = Path(__file__).resolve().parent / "results"

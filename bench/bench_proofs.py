@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from harness.prove import (
+from overlap_spec.harness.prove import (
     DEFAULT_BMC_TIMEOUT_MS,
     DEFAULT_TIMEOUT_MS,
     ProveJob,
@@ -31,11 +31,11 @@ from harness.prove import (
     run_z3_mutant_column,
     select_cells,
 )
-from proofs import bmc
-from proofs import solver as zs
-from proofs.induction import DEFAULT_BATCH_BOUND
-from proofs.model import Context
-from spec.config import MINIMAL, Cell, ModelConfig, enumerate_cells
+from overlap_spec.proofs import bmc
+from overlap_spec.proofs import solver as zs
+from overlap_spec.proofs.induction import DEFAULT_BATCH_BOUND
+from overlap_spec.proofs.model import Context
+from overlap_spec.spec.config import MINIMAL, Cell, ModelConfig, enumerate_cells
 
 
 def bench_prove(jobs: int) -> float:

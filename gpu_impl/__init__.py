@@ -6,6 +6,6 @@ design is upstream's (``gpu_impl/streams.py``); on CPU the streams are virtual a
 lock step with ``reference.scheduler.Scheduler``. Start at ``gpu_impl/scheduler.py``.
 """
 
-from spec.interface import SchedulerModel
+from overlap_spec.spec.interface import SchedulerModel
 
 __all__ = ["SchedulerModel"]

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import torch
 
-from gpu_impl.runtime import Runtime
-from gpu_impl.schedule_batch import ScheduleBatch
-from spec.happens_before import D2H, SCHEDULE
+from overlap_spec.gpu_impl.runtime import Runtime
+from overlap_spec.gpu_impl.schedule_batch import ScheduleBatch
+from overlap_spec.spec.happens_before import D2H, SCHEDULE
 
 PUBLISH_READY = "publish_ready"
 

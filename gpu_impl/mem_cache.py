@@ -12,16 +12,16 @@ All of it runs on the schedule stream.
 
 from __future__ import annotations
 
-from gpu_impl.memory import OutOfMemory
-from gpu_impl.req import Req
-from gpu_impl.runtime import Runtime
-from spec.transitions import (
+from overlap_spec.gpu_impl.memory import OutOfMemory
+from overlap_spec.gpu_impl.req import Req
+from overlap_spec.gpu_impl.runtime import Runtime
+from overlap_spec.spec.transitions import (
     compute_cached_len,
     compute_ns_decode_pages_needed,
     compute_pages_for_len,
     compute_v2_decode_pages_needed,
 )
-from spec.units import PageId
+from overlap_spec.spec.units import PageId
 
 
 def get_available_pages(rt: Runtime) -> int:

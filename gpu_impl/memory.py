@@ -30,9 +30,9 @@ from collections import deque
 
 import torch
 
-from gpu_impl.streams import Streams
-from spec.happens_before import SCHEDULE
-from spec.units import PageId, PoolRow
+from overlap_spec.gpu_impl.streams import Streams
+from overlap_spec.spec.happens_before import SCHEDULE
+from overlap_spec.spec.units import PageId, PoolRow
 
 
 class OutOfMemory(Exception):

@@ -44,8 +44,8 @@ import torch
 import torch.cuda._sanitizer as csan
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from spec.happens_before import COPY, D2H, FORWARD, HOST, SCHEDULE, Access, Race
-from spec.invariants import classify_race
+from overlap_spec.spec.happens_before import COPY, D2H, FORWARD, HOST, SCHEDULE, Access, Race
+from overlap_spec.spec.invariants import classify_race
 
 TESTED_TORCH = ("2.13",)  # major.minor versions this module was run against
 STREAM_IDS: dict[str, int] = {SCHEDULE: 1, FORWARD: 2, COPY: 3, D2H: 4, HOST: 5}

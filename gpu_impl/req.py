@@ -18,7 +18,7 @@ from typing import TypeVar
 
 import torch
 
-from spec.units import PageId, PoolRow, RequestId, TokenCount
+from overlap_spec.spec.units import PageId, PoolRow, RequestId, TokenCount
 
 EOS_TOKEN = 0
 

@@ -6,10 +6,10 @@ non-overlap forward on the scheduler's own stream), exactly as in the reference.
 
 from __future__ import annotations
 
-from gpu_impl.memory import KvPages, ReqToTokenPool, TokenToKVPoolAllocator, TreeCache
-from gpu_impl.streams import Streams
-from spec.config import ModelConfig, SpecShape
-from spec.happens_before import FORWARD, SCHEDULE
+from overlap_spec.gpu_impl.memory import KvPages, ReqToTokenPool, TokenToKVPoolAllocator, TreeCache
+from overlap_spec.gpu_impl.streams import Streams
+from overlap_spec.spec.config import ModelConfig, SpecShape
+from overlap_spec.spec.happens_before import FORWARD, SCHEDULE
 
 
 class Runtime:

@@ -25,10 +25,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from gpu_impl.mem_cache import alloc_for_decode, alloc_for_extend, grow_to
-from gpu_impl.req import Req
-from gpu_impl.runtime import Runtime
-from spec.transitions import (
+from overlap_spec.gpu_impl.mem_cache import alloc_for_decode, alloc_for_extend, grow_to
+from overlap_spec.gpu_impl.req import Req
+from overlap_spec.gpu_impl.runtime import Runtime
+from overlap_spec.spec.transitions import (
     compute_decode_seq_len_ns,
     compute_fill_len,
     compute_page_align_up,

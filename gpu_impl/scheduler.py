@@ -31,25 +31,29 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_impl.future_map import FutureMap
-from gpu_impl.mem_cache import get_available_pages, get_decode_pages_needed, release_kv_cache
-from gpu_impl.req import Req, compute_token
-from gpu_impl.runtime import Runtime
-from gpu_impl.schedule_batch import ResultBatch, ScheduleBatch
-from gpu_impl.streams import Streams
-from gpu_impl.worker import READ_DONE, ForwardResult, ModelWorker
-from spec.bugs import BUG_IDS
-from spec.config import ModelConfig
-from spec.happens_before import COPY, FORWARD, SCHEDULE
-from spec.interface import BatchState, ObservableState, Observer, RequestState
-from spec.state import IterationChoices
-from spec.transitions import (
+from overlap_spec.gpu_impl.future_map import FutureMap
+from overlap_spec.gpu_impl.mem_cache import (
+    get_available_pages,
+    get_decode_pages_needed,
+    release_kv_cache,
+)
+from overlap_spec.gpu_impl.req import Req, compute_token
+from overlap_spec.gpu_impl.runtime import Runtime
+from overlap_spec.gpu_impl.schedule_batch import ResultBatch, ScheduleBatch
+from overlap_spec.gpu_impl.streams import Streams
+from overlap_spec.gpu_impl.worker import READ_DONE, ForwardResult, ModelWorker
+from overlap_spec.spec.bugs import BUG_IDS
+from overlap_spec.spec.config import ModelConfig
+from overlap_spec.spec.happens_before import COPY, FORWARD, SCHEDULE
+from overlap_spec.spec.interface import BatchState, ObservableState, Observer, RequestState
+from overlap_spec.spec.state import IterationChoices
+from overlap_spec.spec.transitions import (
     compute_committed_after_result,
     compute_fill_len,
     compute_pages_for_len,
     compute_run_len,
 )
-from spec.units import RequestId, StepId, TokenCount
+from overlap_spec.spec.units import RequestId, StepId, TokenCount
 
 # Historical bugs (spec/bugs.py) gpu_impl can re-introduce, by ID.
 SUPPORTED_FAULTS = frozenset(BUG_IDS)

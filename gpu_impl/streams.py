@@ -31,7 +31,7 @@ from typing import Any, Protocol
 import torch
 from torch.utils._python_dispatch import _disable_current_modes
 
-from spec.happens_before import COPY, D2H, FORWARD, SCHEDULE
+from overlap_spec.spec.happens_before import COPY, D2H, FORWARD, SCHEDULE
 
 DEVICE_STREAMS = (SCHEDULE, FORWARD, COPY, D2H)
 

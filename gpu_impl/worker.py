@@ -26,11 +26,11 @@ from dataclasses import dataclass
 
 import torch
 
-from gpu_impl.req import EOS_TOKEN, compute_token
-from gpu_impl.runtime import Runtime
-from gpu_impl.schedule_batch import ScheduleBatch
-from spec.state import IterationChoices
-from spec.units import StepId
+from overlap_spec.gpu_impl.req import EOS_TOKEN, compute_token
+from overlap_spec.gpu_impl.runtime import Runtime
+from overlap_spec.gpu_impl.schedule_batch import ScheduleBatch
+from overlap_spec.spec.state import IterationChoices
+from overlap_spec.spec.units import StepId
 
 READ_DONE = "shared_read_done"  # reference.worker.READ_DONE
 

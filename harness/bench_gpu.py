@@ -26,8 +26,8 @@ from typing import Any
 
 import torch
 
-from harness.sync_contract import measure_steady_state
-from spec.config import get_cell
+from overlap_spec.harness.sync_contract import measure_steady_state
+from overlap_spec.spec.config import get_cell
 
 BENCH_BATCH_SIZES = (1, 16, 64, 256, 1024)
 BENCH_CELL = "ov-p1-v2chain-cpu-honest"  # v2 chain, overlap, the CPU mirror: where eras differ

@@ -5,9 +5,9 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from spec.config import ModelConfig
-from spec.invariants import INVARIANTS, Invariant, InvariantViolation
-from spec.state import Observation
+from overlap_spec.spec.config import ModelConfig
+from overlap_spec.spec.invariants import INVARIANTS, Invariant, InvariantViolation
+from overlap_spec.spec.state import Observation
 
 
 @dataclass

@@ -15,16 +15,21 @@ from typing import Any
 
 import torch
 
-from gpu_impl.scheduler import SUPPORTED_FAULTS as GPU_SUPPORTED_FAULTS
-from harness.bench_gpu import BENCH_BATCH_SIZES, render_bench, run_bench_gpu, write_bench
-from harness.differential import (
+from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS as GPU_SUPPORTED_FAULTS
+from overlap_spec.harness.bench_gpu import (
+    BENCH_BATCH_SIZES,
+    render_bench,
+    run_bench_gpu,
+    write_bench,
+)
+from overlap_spec.harness.differential import (
     DifferentialResult,
     check_cell_differential,
     get_default_device,
     get_differential_examples,
     run_differential,
 )
-from harness.mutants import (
+from overlap_spec.harness.mutants import (
     CHECKERS,
     KILLED,
     NOT_APPLICABLE,
@@ -34,15 +39,15 @@ from harness.mutants import (
     render_mutants,
     run_mutants,
 )
-from harness.prove import (
+from overlap_spec.harness.prove import (
     add_prove_arguments,
     cmd_prove,
     get_default_jobs,
     run_proofs_for_check,
 )
-from harness.report import build_json, is_clean, render_table, write_json
-from harness.script import ScriptError, load_script, run_script, save_script
-from harness.stateful import (
+from overlap_spec.harness.report import build_json, is_clean, render_table, write_json
+from overlap_spec.harness.script import ScriptError, load_script, run_script, save_script
+from overlap_spec.harness.stateful import (
     PROFILES,
     CellResult,
     Profile,
@@ -50,12 +55,12 @@ from harness.stateful import (
     get_failure_dir,
     get_profile,
 )
-from harness.sync_contract import (
+from overlap_spec.harness.sync_contract import (
     get_sync_table,
     render_sync_table,
 )
-from harness.trace import add_trace_arguments, cmd_trace
-from harness.upstream_cli import (
+from overlap_spec.harness.trace import add_trace_arguments, cmd_trace
+from overlap_spec.harness.upstream_cli import (
     UsageError,
     add_upstream_arguments,
     cmd_upstream,
@@ -63,12 +68,12 @@ from harness.upstream_cli import (
     render_report,
     run_upstream_check,
 )
-from harness.vectors import add_vectors_arguments, cmd_vectors
-from reference.scheduler import SUPPORTED_FAULTS
-from spec.bugs import BUG_IDS, Bug
-from spec.config import PRESETS, ModelConfig, enumerate_cells
-from spec.invariants import INVARIANTS
-from spec.transitions import compute_host_sync_budget
+from overlap_spec.harness.vectors import add_vectors_arguments, cmd_vectors
+from overlap_spec.reference.scheduler import SUPPORTED_FAULTS
+from overlap_spec.spec.bugs import BUG_IDS, Bug
+from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells
+from overlap_spec.spec.invariants import INVARIANTS
+from overlap_spec.spec.transitions import compute_host_sync_budget
 
 DEFAULT_SEED = 20261122
 

@@ -21,16 +21,16 @@ from typing import Any
 
 import torch
 
-from gpu_impl.race import RaceDetector, RaceReport
-from gpu_impl.scheduler import Scheduler as GpuScheduler
-from gpu_impl.streams import Streams
-from harness.checker import InvariantChecker
-from harness.script import Op, Script, apply_op, op_to_json
-from harness.stateful import Profile, get_machine_test, make_machine
-from reference.scheduler import Scheduler as ReferenceScheduler
-from spec.config import ModelConfig
-from spec.interface import ObservableState
-from spec.units import RequestId
+from overlap_spec.gpu_impl.race import RaceDetector, RaceReport
+from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
+from overlap_spec.gpu_impl.streams import Streams
+from overlap_spec.harness.checker import InvariantChecker
+from overlap_spec.harness.script import Op, Script, apply_op, op_to_json
+from overlap_spec.harness.stateful import Profile, get_machine_test, make_machine
+from overlap_spec.reference.scheduler import Scheduler as ReferenceScheduler
+from overlap_spec.spec.config import ModelConfig
+from overlap_spec.spec.interface import ObservableState
+from overlap_spec.spec.units import RequestId
 
 
 @dataclass(frozen=True)

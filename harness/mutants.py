@@ -19,20 +19,29 @@ from typing import Any
 
 import torch
 
-from gpu_impl.scheduler import SUPPORTED_FAULTS as GPU_SUPPORTED_FAULTS
-from harness.differential import (
+from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS as GPU_SUPPORTED_FAULTS
+from overlap_spec.harness.differential import (
     check_cell_differential,
     get_finding_kind,
     get_gpu_mutant_examples,
     run_differential,
 )
-from harness.prove import run_z3_mutant_column
-from harness.script import Abort, Admit, AdmitPrebuilt, Iterate, Op, Script, run_script, save_script
-from harness.stateful import Profile, check_cell, get_failure_dir
-from harness.trace import get_trace_path, record_script_trace
-from spec.bugs import BUGS, Bug
-from spec.config import PRESETS, Cell, ModelConfig, enumerate_cells
-from spec.state import IterationChoices
+from overlap_spec.harness.prove import run_z3_mutant_column
+from overlap_spec.harness.script import (
+    Abort,
+    Admit,
+    AdmitPrebuilt,
+    Iterate,
+    Op,
+    Script,
+    run_script,
+    save_script,
+)
+from overlap_spec.harness.stateful import Profile, check_cell, get_failure_dir
+from overlap_spec.harness.trace import get_trace_path, record_script_trace
+from overlap_spec.spec.bugs import BUGS, Bug
+from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, enumerate_cells
+from overlap_spec.spec.state import IterationChoices
 
 KILLED, SURVIVED, NOT_APPLICABLE = "killed", "survived", "n/a"
 CHECKERS = ("hypothesis", "gpu_impl", "z3")

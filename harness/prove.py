@@ -21,7 +21,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Final
 
-from harness.script import (
+from overlap_spec.harness.script import (
     Admit,
     AdmitPrebuilt,
     Iterate,
@@ -30,20 +30,20 @@ from harness.script import (
     run_script,
     save_script,
 )
-from proofs import bmc
-from proofs import solver as zs
-from proofs.induction import DEFAULT_BATCH_BOUND, prove_cell
-from proofs.induction import Cell as MatrixCell
-from proofs.model import Context
-from proofs.streams import STREAM_MUTANTS, get_expected_ids, prove_protocol
-from spec.bugs import BUGS, Bug
-from spec.config import PRESETS, Cell, ModelConfig, enumerate_cells, get_cell
-from spec.state import IterationChoices
+from overlap_spec.proofs import bmc
+from overlap_spec.proofs import solver as zs
+from overlap_spec.proofs.induction import DEFAULT_BATCH_BOUND, prove_cell
+from overlap_spec.proofs.induction import Cell as MatrixCell
+from overlap_spec.proofs.model import Context
+from overlap_spec.proofs.streams import STREAM_MUTANTS, get_expected_ids, prove_protocol
+from overlap_spec.spec.bugs import BUGS, Bug
+from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, enumerate_cells, get_cell
+from overlap_spec.spec.state import IterationChoices
 
 
 def get_representative_cells(bug: Bug) -> list[Cell]:
     """harness.mutants.get_representative_cells (imported late: mutants imports this)."""
-    from harness.mutants import get_representative_cells as representative
+    from overlap_spec.harness.mutants import get_representative_cells as representative
 
     return representative(bug)
 

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from harness.stateful import CellResult, describe_failure
-from spec.invariants import INVARIANTS
+from overlap_spec.harness.stateful import CellResult, describe_failure
+from overlap_spec.spec.invariants import INVARIANTS
 
 REPORT_VERSION = 1
 PASS, FAIL, NOT_APPLICABLE, VACUOUS = "pass", "fail", "n/a", "vacuous"

@@ -20,13 +20,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.checker import InvariantChecker
-from reference.scheduler import SUPPORTED_FAULTS, Scheduler
-from spec.config import PRESETS, ModelConfig, get_cell
-from spec.interface import Observer, SchedulerModel
-from spec.invariants import InvariantViolation
-from spec.state import IterationChoices
-from spec.units import RequestId
+from overlap_spec.harness.checker import InvariantChecker
+from overlap_spec.reference.scheduler import SUPPORTED_FAULTS, Scheduler
+from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
+from overlap_spec.spec.interface import Observer, SchedulerModel
+from overlap_spec.spec.invariants import InvariantViolation
+from overlap_spec.spec.state import IterationChoices
+from overlap_spec.spec.units import RequestId
 
 SCRIPT_VERSION = 1
 
@@ -205,7 +205,7 @@ def get_factory(implementation: str) -> Factory:
         raise ScriptError("a gpu_impl script replays against the reference "
                           "(harness.differential.run_differential; 'overlap-spec replay')")
     if implementation == "upstream":
-        from upstream.adapter import make_upstream  # needs the upstream environment
+        from overlap_spec.upstream.adapter import make_upstream  # needs the upstream environment
 
         return make_upstream
     if implementation == "upstream-differential":

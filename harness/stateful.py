@@ -28,8 +28,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from harness.checker import InvariantChecker
-from harness.script import (
+from overlap_spec.harness.checker import InvariantChecker
+from overlap_spec.harness.script import (
     Abort,
     Admit,
     AdmitPrebuilt,
@@ -40,11 +40,11 @@ from harness.script import (
     get_factory,
     save_script,
 )
-from harness.trace import get_trace_path, record_script_trace
-from spec.config import ModelConfig, SpecMode
-from spec.invariants import InvariantViolation
-from spec.state import IterationChoices
-from spec.units import RequestId
+from overlap_spec.harness.trace import get_trace_path, record_script_trace
+from overlap_spec.spec.config import ModelConfig, SpecMode
+from overlap_spec.spec.invariants import InvariantViolation
+from overlap_spec.spec.state import IterationChoices
+from overlap_spec.spec.units import RequestId
 
 
 @dataclass(frozen=True)

@@ -20,14 +20,14 @@ from typing import Any
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from gpu_impl.race import RaceDetector, count_as_launch
-from gpu_impl.scheduler import Scheduler as GpuScheduler
-from gpu_impl.streams import Streams
-from spec.config import Cell, ModelConfig, Preset, SpecMode, enumerate_cells
-from spec.happens_before import SCHEDULE
-from spec.state import IterationChoices
-from spec.transitions import compute_host_sync_budget
-from spec.units import TokenCount
+from overlap_spec.gpu_impl.race import RaceDetector, count_as_launch
+from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
+from overlap_spec.gpu_impl.streams import Streams
+from overlap_spec.spec.config import Cell, ModelConfig, Preset, SpecMode, enumerate_cells
+from overlap_spec.spec.happens_before import SCHEDULE
+from overlap_spec.spec.state import IterationChoices
+from overlap_spec.spec.transitions import compute_host_sync_budget
+from overlap_spec.spec.units import TokenCount
 
 
 def make_steady_preset(batch_size: int) -> Preset:

@@ -33,8 +33,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
-from harness.checker import InvariantChecker
-from harness.script import (
+from overlap_spec.harness.checker import InvariantChecker
+from overlap_spec.harness.script import (
     Op,
     Script,
     ScriptError,
@@ -44,13 +44,13 @@ from harness.script import (
     op_from_json,
     op_to_json,
 )
-from harness.trace_codec import CodecError, decode_dataclass, encode_value
-from reference.scheduler import SUPPORTED_FAULTS
-from spec.config import PRESETS, get_cell
-from spec.happens_before import PARTICIPANTS, Access, HappensBefore, Race
-from spec.interface import SchedulerModel
-from spec.invariants import INVARIANTS, InvariantViolation, classify_race
-from spec.state import (
+from overlap_spec.harness.trace_codec import CodecError, decode_dataclass, encode_value
+from overlap_spec.reference.scheduler import SUPPORTED_FAULTS
+from overlap_spec.spec.config import PRESETS, get_cell
+from overlap_spec.spec.happens_before import PARTICIPANTS, Access, HappensBefore, Race
+from overlap_spec.spec.interface import SchedulerModel
+from overlap_spec.spec.invariants import INVARIANTS, InvariantViolation, classify_race
+from overlap_spec.spec.state import (
     AllocatorView,
     BatchView,
     GhostView,
@@ -59,7 +59,7 @@ from spec.state import (
     RequestView,
     ResultView,
 )
-from spec.units import RequestId, TokenCount
+from overlap_spec.spec.units import RequestId, TokenCount
 
 SCHEMA = "overlap-spec-trace"
 SCHEMA_VERSION = 1
@@ -958,7 +958,9 @@ def record_script_trace(script: Script, path: Path, snapshots: bool = True) -> T
     crashed is inconclusive.
     """
     if script.implementation == "gpu_impl":
-        from harness.trace_gpu import record_gpu_script  # gpu_impl traces: the race detector
+        from overlap_spec.harness.trace_gpu import (
+            record_gpu_script,  # gpu_impl traces: the race detector
+        )
 
         run = record_gpu_script(script)
     else:
@@ -1017,7 +1019,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
                 Path(args.json).write_text(json.dumps(verdict.to_json(), indent=1) + "\n")
             return 0 if verdict.ok else 1
         if args.trace_command == "render":
-            from harness.trace_render import render_trace_file
+            from overlap_spec.harness.trace_render import render_trace_file
 
             written = render_trace_file(Path(args.file),
                                         Path(args.out) if args.out else None, args.window)

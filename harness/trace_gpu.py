@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from gpu_impl.race import FREE_OPERATION, RaceDetector
-from gpu_impl.scheduler import Scheduler as GpuScheduler
-from gpu_impl.streams import Streams
-from harness.script import Script, apply_op
-from harness.trace import RecordedRun, TraceHeader, TraceRecorder
-from spec.happens_before import HOST
-from spec.units import RequestId
+from overlap_spec.gpu_impl.race import FREE_OPERATION, RaceDetector
+from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
+from overlap_spec.gpu_impl.streams import Streams
+from overlap_spec.harness.script import Script, apply_op
+from overlap_spec.harness.trace import RecordedRun, TraceHeader, TraceRecorder
+from overlap_spec.spec.happens_before import HOST
+from overlap_spec.spec.units import RequestId
 
 Listener = Callable[[dict[str, Any]], None]
 

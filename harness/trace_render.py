@@ -15,8 +15,14 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from harness.trace import ParsedTrace, TraceEvent, TraceVerdict, check_trace, read_trace
-from spec.happens_before import HOST, PARTICIPANTS
+from overlap_spec.harness.trace import (
+    ParsedTrace,
+    TraceEvent,
+    TraceVerdict,
+    check_trace,
+    read_trace,
+)
+from overlap_spec.spec.happens_before import HOST, PARTICIPANTS
 
 LANE_X0 = 330
 LANE_DX = 190

@@ -53,11 +53,11 @@ from pathlib import Path
 from types import ModuleType, TracebackType
 from typing import Any, cast
 
-from harness.script import Script, apply_op, get_factory, load_script
-from harness.trace import TraceHeader, attach_recorder
-from harness.trace_codec import encode_value
-from spec.config import get_cell
-from spec.state import (
+from overlap_spec.harness.script import Script, apply_op, get_factory, load_script
+from overlap_spec.harness.trace import TraceHeader, attach_recorder
+from overlap_spec.harness.trace_codec import encode_value
+from overlap_spec.spec.config import get_cell
+from overlap_spec.spec.state import (
     AllocatorView,
     BatchView,
     GhostView,
@@ -65,7 +65,7 @@ from spec.state import (
     RequestView,
     ResultView,
 )
-from spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
+from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
 
 BATCH_METHODS = ("prepare_for_extend", "prepare_for_decode", "filter_batch", "merge_batch",
                  "retract_decode")

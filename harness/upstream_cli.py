@@ -26,13 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from harness.upstream_findings import (
+from overlap_spec.harness.upstream_findings import (
     ALLOWED_DIVERGENCES,
     KNOWN_FINDINGS,
     UPSTREAM_NOT_APPLICABLE,
 )
-from spec.config import PRESETS, ModelConfig, enumerate_cells
-from upstream.standins import STAND_INS
+from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells
+from overlap_spec.upstream.standins import STAND_INS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CELL_TIMEOUT_S = 900
@@ -125,7 +125,7 @@ def _validate_output(path: str | None) -> Path | None:
 def run_cell_process(python: str, cell: str, args: argparse.Namespace, out: Path
                      ) -> dict[str, Any]:
     """One cell in its own process; a crash or a timeout is a failing cell, never a pass."""
-    command = [python, "-W", "ignore", "-m", "harness.upstream_tier", "--cell", cell,
+    command = [python, "-W", "ignore", "-m", "overlap_spec.harness.upstream_tier", "--cell", cell,
                "--out", str(out), "--seed", str(args.seed), "--profile", args.profile,
                "--preset", args.preset]
     if args.sglang_src:
@@ -240,8 +240,8 @@ def render_report(report: dict[str, Any]) -> str:
 
 def run_upstream_check(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
     """Validate, preflight, run every selected cell, and build the report."""
-    from upstream.bootstrap import UpstreamUnavailable, find_package_dir
-    from upstream.session import is_drivable
+    from overlap_spec.upstream.bootstrap import UpstreamUnavailable, find_package_dir
+    from overlap_spec.upstream.session import is_drivable
 
     if args.sglang_src is not None:
         src = Path(args.sglang_src)
@@ -254,7 +254,7 @@ def run_upstream_check(args: argparse.Namespace, progress: bool = True) -> dict[
         args.sglang_src = src.resolve()
     if args.preset not in PRESETS:
         raise UsageError(f"unknown preset {args.preset!r}; choose {', '.join(PRESETS)}")
-    from harness.stateful import PROFILES
+    from overlap_spec.harness.stateful import PROFILES
 
     if args.profile not in PROFILES:
         raise UsageError(f"unknown profile {args.profile!r}; choose {', '.join(PROFILES)}")
@@ -299,7 +299,7 @@ def run_upstream_check(args: argparse.Namespace, progress: bool = True) -> dict[
 def cmd_upstream(args: argparse.Namespace) -> int:
     try:
         if args.action == "stand-ins":
-            from upstream.standins import describe_stand_ins
+            from overlap_spec.upstream.standins import describe_stand_ins
 
             print(describe_stand_ins())
             return 0
@@ -333,15 +333,16 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
         raise UsageError(f"no such file {path}")
     if importlib.util.find_spec("sglang") is None:
         python = _require_python()
-        command = [python, "-W", "ignore", "-m", "harness.upstream_cli", "replay", str(path)]
+        command = [python, "-W", "ignore", "-m", "overlap_spec.harness.upstream_cli", "replay",
+                   str(path)]
         if args.sglang_src:
             command += ["--sglang-src", str(args.sglang_src)]
         done = subprocess.run(command, env=_child_env(), check=False)
         return done.returncode
-    from harness.script import ScriptError, load_script
-    from harness.upstream_findings import get_known_finding
-    from harness.upstream_tier import UpstreamChecker, replay_on_upstream
-    from upstream.bootstrap import UpstreamUnavailable, load_sglang
+    from overlap_spec.harness.script import ScriptError, load_script
+    from overlap_spec.harness.upstream_findings import get_known_finding
+    from overlap_spec.harness.upstream_tier import UpstreamChecker, replay_on_upstream
+    from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
 
     try:
         script = load_script(path)
@@ -349,7 +350,7 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
     except (ScriptError, UpstreamUnavailable) as error:
         raise UsageError(str(error.args[0] if error.args else error)) from None
     if script.implementation == "upstream-differential":
-        from harness.upstream_tier import replay_differential
+        from overlap_spec.harness.upstream_tier import replay_differential
 
         compared, divergence, explained = replay_differential(script)
         print(f"replayed {compared} of {len(script.ops)} ops of the reference against sglang "

@@ -18,9 +18,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from spec.config import Cell
-from spec.interface import ObservableState, RequestState
-from spec.invariants import InvariantViolation
+from overlap_spec.spec.config import Cell
+from overlap_spec.spec.interface import ObservableState, RequestState
+from overlap_spec.spec.invariants import InvariantViolation
 
 UPSTREAM_CHECKER_ID: Final = "UC"
 """Upstream's own ``SchedulerInvariantChecker.self_check_during_busy`` (pool conservation,

@@ -30,10 +30,10 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from harness.checker import InvariantChecker
-from harness.script import Iterate, Op, Script, apply_op, save_script
-from harness.stateful import Profile, get_machine_test, get_profile, make_machine
-from harness.upstream_findings import (
+from overlap_spec.harness.checker import InvariantChecker
+from overlap_spec.harness.script import Iterate, Op, Script, apply_op, save_script
+from overlap_spec.harness.stateful import Profile, get_machine_test, get_profile, make_machine
+from overlap_spec.harness.upstream_findings import (
     KNOWN_FINDINGS,
     OPERATION_WIDE,
     UPSTREAM_CHECKER_ID,
@@ -45,11 +45,11 @@ from harness.upstream_findings import (
     is_launch_order_different,
     match_finding,
 )
-from spec.config import PRESETS, ModelConfig, get_cell
-from spec.interface import BatchState, ObservableState
-from spec.invariants import INVARIANTS, InvariantViolation
-from spec.state import Observation
-from spec.units import RequestId
+from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
+from overlap_spec.spec.interface import BatchState, ObservableState
+from overlap_spec.spec.invariants import INVARIANTS, InvariantViolation
+from overlap_spec.spec.state import Observation
+from overlap_spec.spec.units import RequestId
 
 
 class UpstreamChecker(InvariantChecker):
@@ -126,14 +126,14 @@ class UpstreamChecker(InvariantChecker):
 def get_invariant_claim(invariant_id: str) -> str:
     if invariant_id == UPSTREAM_CHECKER_ID:
         return "UC: upstream's own SchedulerInvariantChecker passes"
-    from spec.invariants import get_invariant
+    from overlap_spec.spec.invariants import get_invariant
 
     return " ".join((get_invariant(invariant_id).check.__doc__ or "").split())
 
 
 def replay_on_upstream(script: Script) -> UpstreamChecker | InvariantViolation:
     """Replay a script on upstream: the checker (with its findings), or the violation."""
-    from upstream.adapter import make_upstream
+    from overlap_spec.upstream.adapter import make_upstream
 
     config = script.get_config()
     checker = UpstreamChecker(config)
@@ -152,7 +152,7 @@ def replay_on_upstream(script: Script) -> UpstreamChecker | InvariantViolation:
 
 def minimize_finding(script: Script, finding_id: str, budget: int = 200) -> Script:
     """The smallest script (greedy) that still shows the finding on upstream."""
-    from harness.mutants import minimize_script
+    from overlap_spec.harness.mutants import minimize_script
 
     def still_fails(trial: Script) -> bool:
         outcome = replay_on_upstream(trial)
@@ -277,8 +277,8 @@ class UpstreamPair:
     """The reference and the release in lock step; :meth:`apply` compares after each op."""
 
     def __init__(self, config: ModelConfig) -> None:
-        from reference.scheduler import Scheduler as ReferenceScheduler
-        from upstream.adapter import make_upstream
+        from overlap_spec.reference.scheduler import Scheduler as ReferenceScheduler
+        from overlap_spec.upstream.adapter import make_upstream
 
         self.config = config
         self.reference = ReferenceScheduler(config, frozenset(), None)
@@ -378,7 +378,7 @@ def run_differential_cell(config: ModelConfig, profile: Profile, seed: int,
         script.seed = seed
         script.implementation = "upstream-differential"
         path = save_script(script, save_dir / f"{config.cell.name}-differential.json")
-        from harness.script import op_to_json
+        from overlap_spec.harness.script import op_to_json
 
         div["op"] = op_to_json(div["op"])
         div["script"] = str(path)
@@ -391,7 +391,7 @@ def run_differential_cell(config: ModelConfig, profile: Profile, seed: int,
 # ---------------------------------------------------------------------- one cell
 def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -> dict[str, Any]:
     """Everything the tier says about one cell, as the report's JSON fragment."""
-    from upstream.session import UpstreamCrash, is_drivable
+    from overlap_spec.upstream.session import UpstreamCrash, is_drivable
 
     started = time.perf_counter()
     reason = is_drivable(config)
@@ -530,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sglang-src", type=Path, default=None)
     args = parser.parse_args(argv)
-    from upstream.bootstrap import UpstreamUnavailable, load_sglang
+    from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
 
     try:
         source = load_sglang(args.sglang_src)

@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.checker import InvariantChecker
-from harness.script import (
+from overlap_spec.harness.checker import InvariantChecker
+from overlap_spec.harness.script import (
     Abort,
     Admit,
     AdmitPrebuilt,
@@ -36,12 +36,12 @@ from harness.script import (
     op_from_json,
     op_to_json,
 )
-from harness.trace import RecordedRun, TraceFormatError, record_script
-from harness.trace_codec import CodecError, decode_dataclass, encode_value
-from spec.bugs import BUGS
-from spec.config import PRESETS, ModelConfig, SpecMode, enumerate_cells
-from spec.invariants import InvariantViolation
-from spec.state import IterationChoices, Observation
+from overlap_spec.harness.trace import RecordedRun, TraceFormatError, record_script
+from overlap_spec.harness.trace_codec import CodecError, decode_dataclass, encode_value
+from overlap_spec.spec.bugs import BUGS
+from overlap_spec.spec.config import PRESETS, ModelConfig, SpecMode, enumerate_cells
+from overlap_spec.spec.invariants import InvariantViolation
+from overlap_spec.spec.state import IterationChoices, Observation
 
 VECTOR_FORMAT = "overlap-spec-vector"
 VECTOR_VERSION = 1

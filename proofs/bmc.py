@@ -47,14 +47,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Final
 
-from proofs import solver as zs
-from proofs.claims import (
+from overlap_spec.proofs import solver as zs
+from overlap_spec.proofs.claims import (
     POINT_INVARIANTS,
     get_antecedent,
     get_state_invariants,
     get_strengthened,
 )
-from proofs.model import (
+from overlap_spec.proofs.model import (
     Context,
     Record,
     Step,
@@ -67,10 +67,10 @@ from proofs.model import (
     resolve_seq_lens_cpu,
     retract,
 )
-from proofs.solver import Term
-from proofs.symbolic import lift
-from spec import transitions as tr
-from spec.config import SpecMode, SpecShape
+from overlap_spec.proofs.solver import Term
+from overlap_spec.proofs.symbolic import lift
+from overlap_spec.spec import transitions as tr
+from overlap_spec.spec.config import SpecMode, SpecShape
 
 # The default bound is the issue's: K=6 iterations of B=3 requests. In every cell it is
 # proved by the inductive step (check_inductive_step) plus iteration 0, about 2 s per

@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from proofs import solver as zs
-from proofs.model import Context, Record, Step, get_extend_pending, get_lag, is_live
-from proofs.solver import Term
-from proofs.symbolic import lift
-from spec import transitions as tr
-from spec.invariants import get_invariant
+from overlap_spec.proofs import solver as zs
+from overlap_spec.proofs.model import Context, Record, Step, get_extend_pending, get_lag, is_live
+from overlap_spec.proofs.solver import Term
+from overlap_spec.proofs.symbolic import lift
+from overlap_spec.spec import transitions as tr
+from overlap_spec.spec.invariants import get_invariant
 
 StateClaim = Callable[[Context, Record], Term]
 PointClaim = Callable[[Context, Record, Step], Term]

@@ -17,14 +17,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Final
 
-from proofs import solver as zs
-from proofs.claims import (
+from overlap_spec.proofs import solver as zs
+from overlap_spec.proofs.claims import (
     POINT_INVARIANTS,
     get_antecedent,
     get_state_invariants,
     get_strengthened,
 )
-from proofs.model import (
+from overlap_spec.proofs.model import (
     Context,
     Record,
     build_transition,
@@ -33,9 +33,9 @@ from proofs.model import (
     make_record,
     select,
 )
-from proofs.solver import Term
-from proofs.symbolic import lift
-from spec import transitions as tr
+from overlap_spec.proofs.solver import Term
+from overlap_spec.proofs.symbolic import lift
+from overlap_spec.spec import transitions as tr
 
 DEFAULT_BATCH_BOUND: Final = 16
 
@@ -294,8 +294,8 @@ def find_witnesses(ctx: Context, timeout_ms: int = zs.DEFAULT_TIMEOUT_MS) -> dic
     """For each encoded invariant, whether some transition from a strengthened state
     reaches a state that exercises it (its antecedent true): "sat" is a witness; a proof
     whose antecedent is never true would be vacuous."""
-    from proofs.claims import POINT_INVARIANTS as points
-    from proofs.model import get_extend_pending, is_live
+    from overlap_spec.proofs.claims import POINT_INVARIANTS as points
+    from overlap_spec.proofs.model import get_extend_pending, is_live
 
     found: dict[str, str] = {}
     for name in get_request_transitions(ctx):

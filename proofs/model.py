@@ -33,11 +33,11 @@ from dataclasses import dataclass, field
 from itertools import count
 from typing import Final
 
-from proofs import solver as zs
-from proofs.solver import Term
-from proofs.symbolic import lift
-from spec import transitions as tr
-from spec.config import ModelConfig, SpecShape
+from overlap_spec.proofs import solver as zs
+from overlap_spec.proofs.solver import Term
+from overlap_spec.proofs.symbolic import lift
+from overlap_spec.spec import transitions as tr
+from overlap_spec.spec.config import ModelConfig, SpecShape
 
 INT_FIELDS: Final = ("P", "O", "M", "C", "A", "T", "Stl", "k", "q", "a1", "a2", "s", "sc",
                      "pub", "pages", "w", "amax")

@@ -24,12 +24,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
-from proofs import solver as zs
-from proofs.solver import Term
-from spec.config import Cell
-from spec.happens_before import COPY, D2H, FORWARD, HOST, SCHEDULE, Access, Race
-from spec.invariants import classify_race
-from spec.transitions import compute_host_sync_budget
+from overlap_spec.proofs import solver as zs
+from overlap_spec.proofs.solver import Term
+from overlap_spec.spec.config import Cell
+from overlap_spec.spec.happens_before import COPY, D2H, FORWARD, HOST, SCHEDULE, Access, Race
+from overlap_spec.spec.invariants import classify_race
+from overlap_spec.spec.transitions import compute_host_sync_budget
 
 ITERATIONS: Final = 3
 STREAM_MUTANTS: Final = ("B5", "B8", "B9", "B13", "B15")

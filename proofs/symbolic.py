@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from proofs import solver as zs
-from proofs.solver import Term
+from overlap_spec.proofs import solver as zs
+from overlap_spec.proofs.solver import Term
 
 MAX_PATHS = 256
 

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from reference.req import Req
-from reference.runtime import Runtime
-from reference.schedule_batch import ScheduleBatch
-from spec.happens_before import D2H, HOST, SCHEDULE
-from spec.state import RelayGather, ResolveView
-from spec.units import PoolRow, RequestId
+from overlap_spec.reference.req import Req
+from overlap_spec.reference.runtime import Runtime
+from overlap_spec.reference.schedule_batch import ScheduleBatch
+from overlap_spec.spec.happens_before import D2H, HOST, SCHEDULE
+from overlap_spec.spec.state import RelayGather, ResolveView
+from overlap_spec.spec.units import PoolRow, RequestId
 
 PUBLISH_READY = "publish_ready"
 Owner = tuple[RequestId, int]

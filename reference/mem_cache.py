@@ -5,17 +5,17 @@ All allocator and req_to_token writes happen on the schedule stream (S).
 
 from __future__ import annotations
 
-from reference.memory import OutOfMemory
-from reference.req import Req
-from reference.runtime import Runtime
-from spec.happens_before import SCHEDULE
-from spec.transitions import (
+from overlap_spec.reference.memory import OutOfMemory
+from overlap_spec.reference.req import Req
+from overlap_spec.reference.runtime import Runtime
+from overlap_spec.spec.happens_before import SCHEDULE
+from overlap_spec.spec.transitions import (
     compute_cached_len,
     compute_ns_decode_pages_needed,
     compute_pages_for_len,
     compute_v2_decode_pages_needed,
 )
-from spec.units import PageId
+from overlap_spec.spec.units import PageId
 
 
 def alloc_pages(rt: Runtime, pages: int) -> list[PageId]:

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from spec.units import PageId, PoolRow
+from overlap_spec.spec.units import PageId, PoolRow
 
 
 class OutOfMemory(Exception):

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from reference.runtime import Runtime
-from spec.interface import Observer
-from spec.state import (
+from overlap_spec.reference.runtime import Runtime
+from overlap_spec.spec.interface import Observer
+from overlap_spec.spec.state import (
     AllocatorView,
     BatchView,
     ForwardView,
@@ -22,13 +22,13 @@ from spec.state import (
     ObservationPoint,
     RequestView,
 )
-from spec.units import PageId, PoolRow, SlotId, TokenCount
+from overlap_spec.spec.units import PageId, PoolRow, SlotId, TokenCount
 
 if TYPE_CHECKING:
-    from reference.req import Req
-    from reference.schedule_batch import ScheduleBatch
-    from reference.scheduler import Scheduler
-    from reference.worker import ForwardBatch
+    from overlap_spec.reference.req import Req
+    from overlap_spec.reference.schedule_batch import ScheduleBatch
+    from overlap_spec.reference.scheduler import Scheduler
+    from overlap_spec.reference.worker import ForwardBatch
 
 
 class Refinement:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from spec.units import PageId, PoolRow, RequestId, StepId, TokenCount
+from overlap_spec.spec.units import PageId, PoolRow, RequestId, StepId, TokenCount
 
 EOS_TOKEN = 0
 

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from reference.memory import ReqToTokenPool, TokenToKVPoolAllocator, TreeCache
-from reference.req import GhostBook
-from spec.config import ModelConfig, SpecShape
-from spec.happens_before import FORWARD, SCHEDULE, HappensBefore
+from overlap_spec.reference.memory import ReqToTokenPool, TokenToKVPoolAllocator, TreeCache
+from overlap_spec.reference.req import GhostBook
+from overlap_spec.spec.config import ModelConfig, SpecShape
+from overlap_spec.spec.happens_before import FORWARD, SCHEDULE, HappensBefore
 
 
 @dataclass

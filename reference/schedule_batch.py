@@ -9,17 +9,17 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from reference.mem_cache import alloc_for_decode, alloc_for_extend, grow_to
-from reference.req import Req
-from reference.runtime import DeviceTensor, Runtime
-from spec.happens_before import SCHEDULE
-from spec.transitions import (
+from overlap_spec.reference.mem_cache import alloc_for_decode, alloc_for_extend, grow_to
+from overlap_spec.reference.req import Req
+from overlap_spec.reference.runtime import DeviceTensor, Runtime
+from overlap_spec.spec.happens_before import SCHEDULE
+from overlap_spec.spec.transitions import (
     compute_decode_seq_len_ns,
     compute_fill_len,
     compute_page_align_up,
     compute_v2_alloc_target,
 )
-from spec.units import PoolRow
+from overlap_spec.spec.units import PoolRow
 
 
 @dataclass

@@ -21,18 +21,22 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
-from reference.future_map import FutureMap
-from reference.mem_cache import get_available_pages, get_decode_pages_needed, release_kv_cache
-from reference.refinement import Refinement
-from reference.req import Req
-from reference.runtime import Runtime
-from reference.schedule_batch import ScheduleBatch
-from reference.worker import READ_DONE, ForwardResult, ModelWorker, token_for
-from spec.bugs import BUG_IDS
-from spec.config import ModelConfig
-from spec.happens_before import COPY, FORWARD, HOST, SCHEDULE
-from spec.interface import BatchState, ObservableState, Observer, RequestState
-from spec.state import (
+from overlap_spec.reference.future_map import FutureMap
+from overlap_spec.reference.mem_cache import (
+    get_available_pages,
+    get_decode_pages_needed,
+    release_kv_cache,
+)
+from overlap_spec.reference.refinement import Refinement
+from overlap_spec.reference.req import Req
+from overlap_spec.reference.runtime import Runtime
+from overlap_spec.reference.schedule_batch import ScheduleBatch
+from overlap_spec.reference.worker import READ_DONE, ForwardResult, ModelWorker, token_for
+from overlap_spec.spec.bugs import BUG_IDS
+from overlap_spec.spec.config import ModelConfig
+from overlap_spec.spec.happens_before import COPY, FORWARD, HOST, SCHEDULE
+from overlap_spec.spec.interface import BatchState, ObservableState, Observer, RequestState
+from overlap_spec.spec.state import (
     BatchView,
     IsolationView,
     IterationChoices,
@@ -43,14 +47,14 @@ from spec.state import (
     PublishRecord,
     ResultView,
 )
-from spec.transitions import (
+from overlap_spec.spec.transitions import (
     compute_committed_after_result,
     compute_fill_len,
     compute_forward_write_width,
     compute_pages_for_len,
     compute_run_len,
 )
-from spec.units import PoolRow, RequestId, StepId, TokenCount
+from overlap_spec.spec.units import PoolRow, RequestId, StepId, TokenCount
 
 # Historical bugs (digest section 5) this reference can re-introduce, by ID.
 SUPPORTED_FAULTS = frozenset(BUG_IDS)

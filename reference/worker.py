@@ -18,12 +18,12 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from reference.req import EOS_TOKEN, Req
-from reference.runtime import DeviceTensor, Runtime
-from reference.schedule_batch import ScheduleBatch
-from spec.state import IterationChoices, KvWrite, PublishRecord
-from spec.transitions import compute_draft_extend_seq_lens, compute_verify_new_seq_len
-from spec.units import StepId
+from overlap_spec.reference.req import EOS_TOKEN, Req
+from overlap_spec.reference.runtime import DeviceTensor, Runtime
+from overlap_spec.reference.schedule_batch import ScheduleBatch
+from overlap_spec.spec.state import IterationChoices, KvWrite, PublishRecord
+from overlap_spec.spec.transitions import compute_draft_extend_seq_lens, compute_verify_new_seq_len
+from overlap_spec.spec.units import StepId
 
 READ_DONE = "shared_read_done"
 

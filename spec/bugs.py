@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from spec.config import Cell, SpecMode
+from overlap_spec.spec.config import Cell, SpecMode
 
 
 @dataclass(frozen=True)

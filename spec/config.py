@@ -25,7 +25,7 @@ import enum
 from dataclasses import dataclass
 from typing import Final
 
-from spec.units import TokenCount
+from overlap_spec.spec.units import TokenCount
 
 
 class SpecMode(enum.Enum):

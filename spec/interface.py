@@ -10,9 +10,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
-from spec.config import ModelConfig
-from spec.state import IterationChoices, Observation
-from spec.units import RequestId
+from overlap_spec.spec.config import ModelConfig
+from overlap_spec.spec.state import IterationChoices, Observation
+from overlap_spec.spec.units import RequestId
 
 Observer = Callable[[Observation], None]
 

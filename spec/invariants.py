@@ -17,16 +17,16 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
 
-from spec.config import Cell, ModelConfig
-from spec.happens_before import FORWARD, SCHEDULE, Race
-from spec.state import (
+from overlap_spec.spec.config import Cell, ModelConfig
+from overlap_spec.spec.happens_before import FORWARD, SCHEDULE, Race
+from overlap_spec.spec.state import (
     SCHEDULE_SIDE_POINTS,
     BatchView,
     Observation,
     ObservationPoint,
     RequestView,
 )
-from spec.transitions import (
+from overlap_spec.spec.transitions import (
     compute_committed_lead,
     compute_draft_extend_seq_lens,
     compute_host_sync_budget,

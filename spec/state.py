@@ -19,8 +19,8 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from spec.happens_before import Race
-from spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
+from overlap_spec.spec.happens_before import Race
+from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
 
 
 class ObservationPoint(enum.Enum):

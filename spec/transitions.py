@@ -20,8 +20,8 @@ bonus token.
 
 from __future__ import annotations
 
-from spec.config import Cell, SpecShape
-from spec.units import TokenCount
+from overlap_spec.spec.config import Cell, SpecShape
+from overlap_spec.spec.units import TokenCount
 
 
 def compute_ceil_div(value: int, divisor: int) -> int:

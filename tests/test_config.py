@@ -2,7 +2,15 @@ from __future__ import annotations
 
 import pytest
 
-from spec.config import MINIMAL, REALISTIC, Cell, ModelConfig, SpecMode, enumerate_cells, get_cell
+from overlap_spec.spec.config import (
+    MINIMAL,
+    REALISTIC,
+    Cell,
+    ModelConfig,
+    SpecMode,
+    enumerate_cells,
+    get_cell,
+)
 
 
 def test_every_cell_is_valid_named_once_and_covers_each_switch() -> None:

@@ -10,26 +10,26 @@ from pathlib import Path
 import pytest
 import torch
 
-from gpu_impl.race import RaceDetector
-from gpu_impl.scheduler import SUPPORTED_FAULTS
-from gpu_impl.scheduler import Scheduler as GpuScheduler
-from gpu_impl.streams import Streams
-from harness.cli import main
-from harness.differential import (
+from overlap_spec.gpu_impl.race import RaceDetector
+from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS
+from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
+from overlap_spec.gpu_impl.streams import Streams
+from overlap_spec.harness.cli import main
+from overlap_spec.harness.differential import (
     check_cell_differential,
     compare_states,
     run_differential,
 )
-from harness.mutants import KILLED, NOT_APPLICABLE, run_mutants
-from harness.script import Admit, Iterate, Script, load_script, save_script
-from harness.stateful import get_profile
-from harness.sync_contract import measure_steady_state
-from reference.scheduler import Scheduler as ReferenceScheduler
-from spec.bugs import BUG_IDS, BUGS
-from spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell
-from spec.happens_before import D2H, SCHEDULE
-from spec.state import IterationChoices
-from spec.transitions import compute_host_sync_budget
+from overlap_spec.harness.mutants import KILLED, NOT_APPLICABLE, run_mutants
+from overlap_spec.harness.script import Admit, Iterate, Script, load_script, save_script
+from overlap_spec.harness.stateful import get_profile
+from overlap_spec.harness.sync_contract import measure_steady_state
+from overlap_spec.reference.scheduler import Scheduler as ReferenceScheduler
+from overlap_spec.spec.bugs import BUG_IDS, BUGS
+from overlap_spec.spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell
+from overlap_spec.spec.happens_before import D2H, SCHEDULE
+from overlap_spec.spec.state import IterationChoices
+from overlap_spec.spec.transitions import compute_host_sync_budget
 
 SEED = 20261122
 ROOT = Path(__file__).resolve().parent.parent
@@ -49,7 +49,7 @@ def test_gpu_impl_agrees_with_the_reference_and_has_no_race(cell: object) -> Non
 @pytest.mark.slow
 @pytest.mark.parametrize("cell", CELLS, ids=lambda c: c.name)
 def test_gpu_impl_agrees_at_realistic_sizes(cell: object) -> None:
-    from spec.config import REALISTIC
+    from overlap_spec.spec.config import REALISTIC
 
     result = check_cell_differential(ModelConfig(cell, REALISTIC),  # type: ignore[arg-type]
                                      get_profile("ci"), SEED, max_examples=10)
@@ -211,7 +211,7 @@ def test_cuda_sanitizer_suite_is_clean_and_catches_a_stream_bug(tmp_path: Path) 
 
     def diff(*extra: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run(
-            [sys.executable, "-m", "harness.cli", "diff", "--device", "cuda",
+            [sys.executable, "-m", "overlap_spec.harness.cli", "diff", "--device", "cuda",
              "--cuda-sanitizer", "--cells", "ov-p1-none,ov-p1-v2chain-cpu-honest",
              "--out", str(tmp_path), "-q", *extra],
             cwd=ROOT, capture_output=True, text=True, timeout=900, check=False)

@@ -10,16 +10,16 @@ import random
 import pytest
 import torch
 
-from gpu_impl.race import RaceDetector
-from gpu_impl.scheduler import SUPPORTED_FAULTS
-from gpu_impl.scheduler import Scheduler as GpuScheduler
-from gpu_impl.streams import Streams
-from reference.scheduler import Scheduler as ReferenceScheduler
-from spec.bugs import BUG_IDS, BUGS
-from spec.config import MINIMAL, REALISTIC, ModelConfig, SpecMode, enumerate_cells
-from spec.interface import SchedulerModel
-from spec.state import IterationChoices
-from spec.units import RequestId
+from overlap_spec.gpu_impl.race import RaceDetector
+from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS
+from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
+from overlap_spec.gpu_impl.streams import Streams
+from overlap_spec.reference.scheduler import Scheduler as ReferenceScheduler
+from overlap_spec.spec.bugs import BUG_IDS, BUGS
+from overlap_spec.spec.config import MINIMAL, REALISTIC, ModelConfig, SpecMode, enumerate_cells
+from overlap_spec.spec.interface import SchedulerModel
+from overlap_spec.spec.state import IterationChoices
+from overlap_spec.spec.units import RequestId
 
 Op = tuple[str, int, int, IterationChoices | None]  # kind, length / index, budget, choices
 

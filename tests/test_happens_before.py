@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from spec.happens_before import D2H, FORWARD, HOST, SCHEDULE, HappensBefore
+from overlap_spec.spec.happens_before import D2H, FORWARD, HOST, SCHEDULE, HappensBefore
 
 
 def test_unsynchronised_cross_stream_read_is_a_race() -> None:

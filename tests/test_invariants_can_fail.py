@@ -15,12 +15,20 @@ from dataclasses import replace
 
 import pytest
 
-from harness.script import Abort, Admit, AdmitPrebuilt, Iterate, Script, apply_op, get_factory
-from spec.config import ModelConfig
-from spec.happens_before import FORWARD, HOST, SCHEDULE, Access, Race
-from spec.invariants import INVARIANT_IDS, InvariantViolation, get_invariant
-from spec.state import SCHEDULE_SIDE_POINTS, IterationChoices, Observation
-from spec.units import RequestId
+from overlap_spec.harness.script import (
+    Abort,
+    Admit,
+    AdmitPrebuilt,
+    Iterate,
+    Script,
+    apply_op,
+    get_factory,
+)
+from overlap_spec.spec.config import ModelConfig
+from overlap_spec.spec.happens_before import FORWARD, HOST, SCHEDULE, Access, Race
+from overlap_spec.spec.invariants import INVARIANT_IDS, InvariantViolation, get_invariant
+from overlap_spec.spec.state import SCHEDULE_SIDE_POINTS, IterationChoices, Observation
+from overlap_spec.spec.units import RequestId
 
 CELLS = ("ov-p1-none", "nov-p4-none", "ov-p4-v2chain-cpu-preclaim", "ov-p1-v2chain-nocpu-honest",
          "nov-p1-v2tree-cpu-honest")

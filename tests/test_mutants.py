@@ -11,20 +11,20 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import main
-from harness.mutants import (
+from overlap_spec.harness.cli import main
+from overlap_spec.harness.mutants import (
     KILLED,
     MutantResult,
     get_representative_cells,
     minimize_script,
     run_mutants,
 )
-from harness.script import Admit, Iterate, Script, load_script, run_script
-from harness.stateful import get_profile
-from spec.bugs import BUG_IDS, BUGS, get_bug
-from spec.config import enumerate_cells
-from spec.invariants import INVARIANT_IDS
-from spec.state import IterationChoices
+from overlap_spec.harness.script import Admit, Iterate, Script, load_script, run_script
+from overlap_spec.harness.stateful import get_profile
+from overlap_spec.spec.bugs import BUG_IDS, BUGS, get_bug
+from overlap_spec.spec.config import enumerate_cells
+from overlap_spec.spec.invariants import INVARIANT_IDS
+from overlap_spec.spec.state import IterationChoices
 
 SEED = 20261122
 

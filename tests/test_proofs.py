@@ -11,16 +11,16 @@ from typing import Any
 
 import pytest
 
-from harness.prove import run_proofs
-from harness.script import Admit, Iterate, Script, run_script
-from proofs import solver as zs
-from proofs.induction import find_witnesses
-from proofs.model import Context
-from proofs.streams import get_expected_ids, prove_protocol
-from proofs.symbolic import lift
-from spec import transitions as tr
-from spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell
-from spec.state import IterationChoices
+from overlap_spec.harness.prove import run_proofs
+from overlap_spec.harness.script import Admit, Iterate, Script, run_script
+from overlap_spec.proofs import solver as zs
+from overlap_spec.proofs.induction import find_witnesses
+from overlap_spec.proofs.model import Context
+from overlap_spec.proofs.streams import get_expected_ids, prove_protocol
+from overlap_spec.proofs.symbolic import lift
+from overlap_spec.spec import transitions as tr
+from overlap_spec.spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell
+from overlap_spec.spec.state import IterationChoices
 
 
 def test_every_default_proof_is_proved_in_every_cell() -> None:
@@ -125,14 +125,10 @@ def test_lifted_transitions_agree_with_the_spec_on_random_states() -> None:
 
 
 def _record_reference_calls(monkeypatch: pytest.MonkeyPatch) -> list[tuple[Any, tuple[Any, ...]]]:
-    import reference.mem_cache
-    import reference.schedule_batch
-    import reference.scheduler
-    import reference.worker
+    from overlap_spec.reference import mem_cache, schedule_batch, scheduler, worker
 
     calls: list[tuple[Any, tuple[Any, ...]]] = []
-    for module in (reference.mem_cache, reference.schedule_batch, reference.scheduler,
-                   reference.worker):
+    for module in (mem_cache, schedule_batch, scheduler, worker):
         for name in dir(module):
             function = getattr(module, name)
             if name.startswith("compute_") and function in LIFTED:

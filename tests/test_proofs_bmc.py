@@ -15,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.differential import run_differential
-from harness.prove import (
+from overlap_spec.harness.differential import run_differential
+from overlap_spec.harness.prove import (
     ProveJob,
     decode_counterexample,
     replay_counterexample,
@@ -24,14 +24,14 @@ from harness.prove import (
     run_z3_mutant_column,
     witness_rows,
 )
-from harness.script import Admit, Iterate, load_script, run_script
-from harness.trace import record_script_trace
-from proofs import bmc
-from proofs import solver as zs
-from proofs.induction import Cell as MatrixCell
-from proofs.model import Context, make_record
-from spec.bugs import BUG_IDS, get_bug
-from spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell
+from overlap_spec.harness.script import Admit, Iterate, load_script, run_script
+from overlap_spec.harness.trace import record_script_trace
+from overlap_spec.proofs import bmc
+from overlap_spec.proofs import solver as zs
+from overlap_spec.proofs.induction import Cell as MatrixCell
+from overlap_spec.proofs.model import Context, make_record
+from overlap_spec.spec.bugs import BUG_IDS, get_bug
+from overlap_spec.spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell
 
 CELLS = [c.name for c in enumerate_cells()]
 

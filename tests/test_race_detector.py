@@ -8,9 +8,9 @@ import gc
 import pytest
 import torch
 
-from gpu_impl.race import TESTED_TORCH, RaceDetector, RaceError, check_sanitizer_api
-from gpu_impl.streams import Streams
-from spec.happens_before import COPY, D2H, FORWARD, SCHEDULE
+from overlap_spec.gpu_impl.race import TESTED_TORCH, RaceDetector, RaceError, check_sanitizer_api
+from overlap_spec.gpu_impl.streams import Streams
+from overlap_spec.spec.happens_before import COPY, D2H, FORWARD, SCHEDULE
 
 
 def _setup() -> tuple[RaceDetector, Streams]:

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.cli import main
-from harness.script import (
+from overlap_spec.harness.cli import main
+from overlap_spec.harness.script import (
     Abort,
     Admit,
     Iterate,
@@ -20,9 +20,9 @@ from harness.script import (
     script_from_json,
     script_to_json,
 )
-from spec.bugs import BUG_IDS
-from spec.invariants import INVARIANT_IDS
-from spec.state import IterationChoices
+from overlap_spec.spec.bugs import BUG_IDS
+from overlap_spec.spec.invariants import INVARIANT_IDS
+from overlap_spec.spec.state import IterationChoices
 
 DIGEST_IDS = (
     [f"SL{i}" for i in range(1, 12)] + [f"KV{i}" for i in range(1, 11)]

@@ -6,9 +6,9 @@ import os
 
 import pytest
 
-from harness.stateful import check_cell, describe_failure, get_profile
-from spec.config import MINIMAL, REALISTIC, ModelConfig, enumerate_cells
-from spec.invariants import INVARIANTS
+from overlap_spec.harness.stateful import check_cell, describe_failure, get_profile
+from overlap_spec.spec.config import MINIMAL, REALISTIC, ModelConfig, enumerate_cells
+from overlap_spec.spec.invariants import INVARIANTS
 
 SEED = int(os.environ.get("OVERLAP_SPEC_SEED", "20261122"))
 

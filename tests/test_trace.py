@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.script import Admit, Iterate, Script, load_script, run_script
-from harness.stateful import check_cell, get_profile
-from harness.trace import (
+from overlap_spec.harness.script import Admit, Iterate, Script, load_script, run_script
+from overlap_spec.harness.stateful import check_cell, get_profile
+from overlap_spec.harness.trace import (
     INCONCLUSIVE,
     OK,
     VIOLATION,
@@ -23,11 +23,11 @@ from harness.trace import (
     record_script_trace,
     strip_snapshots,
 )
-from harness.trace_render import render_trace_file
-from harness.vectors import generate_random_ops
-from spec.bugs import get_bug
-from spec.config import PRESETS, ModelConfig, enumerate_cells, get_cell
-from spec.state import IterationChoices
+from overlap_spec.harness.trace_render import render_trace_file
+from overlap_spec.harness.vectors import generate_random_ops
+from overlap_spec.spec.bugs import get_bug
+from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells, get_cell
+from overlap_spec.spec.state import IterationChoices
 
 CORPUS = Path(__file__).parent / "data" / "mutant_scripts"
 CORPUS_FILES = sorted(CORPUS.glob("*.json"))

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.script import load_script, run_script
-from harness.stateful import get_profile
-from harness.trace import (
+from overlap_spec.harness.script import load_script, run_script
+from overlap_spec.harness.stateful import get_profile
+from overlap_spec.harness.trace import (
     VIOLATION,
     check_trace,
     get_trace_path,
@@ -20,8 +20,8 @@ from harness.trace import (
     record_script_trace,
     strip_snapshots,
 )
-from harness.vectors import build_vector, check_vector
-from spec.bugs import get_bug
+from overlap_spec.harness.vectors import build_vector, check_vector
+from overlap_spec.spec.bugs import get_bug
 
 CORPUS = sorted((Path(__file__).parent / "data" / "mutant_scripts").glob("*.json"))
 
@@ -59,7 +59,7 @@ def test_fresh_mutant_matrix_kills_are_saved_as_rejected_traces(tmp_path: Path) 
     """The whole ci matrix, regenerated: each kill's script, saved as a trace, is rejected
     by trace check with an ID of the bug's catalogue entry (the lead's wiring does this in
     harness/mutants.py; here it is done after the fact)."""
-    from harness.mutants import run_mutants
+    from overlap_spec.harness.mutants import run_mutants
 
     results = run_mutants(get_profile("ci"), 20261122, save_dir=tmp_path)
     for result in results:

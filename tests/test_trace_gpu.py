@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 
-from harness.script import Admit, AdmitPrebuilt, Iterate, Script, load_script
-from harness.trace import check_trace_file, read_trace, record_script_trace
-from harness.trace_render import render_trace_file
-from spec.bugs import get_bug
-from spec.config import enumerate_cells
-from spec.state import IterationChoices
+from overlap_spec.harness.script import Admit, AdmitPrebuilt, Iterate, Script, load_script
+from overlap_spec.harness.trace import check_trace_file, read_trace, record_script_trace
+from overlap_spec.harness.trace_render import render_trace_file
+from overlap_spec.spec.bugs import get_bug
+from overlap_spec.spec.config import enumerate_cells
+from overlap_spec.spec.state import IterationChoices
 
 ROOT = Path(__file__).resolve().parent.parent
 CORPUS = sorted((ROOT / "tests" / "data" / "mutant_scripts").glob("*.json"))

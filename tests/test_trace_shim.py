@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from harness.script import Script, apply_op, load_script
-from harness.trace import (
+from overlap_spec.harness.script import Script, apply_op, load_script
+from overlap_spec.harness.trace import (
     OK,
     VIOLATION,
     TraceFormatError,
@@ -28,12 +28,12 @@ from harness.trace import (
     parse_trace,
     record_script_trace,
 )
-from harness.trace_shim import TraceShim
-from harness.vectors import generate_random_ops
-from reference.schedule_batch import ScheduleBatch
-from reference.scheduler import Scheduler
-from spec.config import PRESETS, ModelConfig, get_cell
-from spec.units import RequestId
+from overlap_spec.harness.trace_shim import TraceShim
+from overlap_spec.harness.vectors import generate_random_ops
+from overlap_spec.reference.schedule_batch import ScheduleBatch
+from overlap_spec.reference.scheduler import Scheduler
+from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
+from overlap_spec.spec.units import RequestId
 
 CORPUS_FILES = sorted((Path(__file__).parent / "data" / "mutant_scripts").glob("*.json"))
 # Bugs whose kill needs no ghost truth: a call trace with request views rejects them too.
@@ -45,8 +45,8 @@ def _run(tmp_path: Path, cell: str, faults: frozenset[str], seed: int = 1,
     """A random run of either implementation inside the shim (both use upstream names)."""
     config = ModelConfig(get_cell(cell), PRESETS["minimal"])
     if implementation == "gpu_impl":
-        from gpu_impl.schedule_batch import ScheduleBatch as GpuScheduleBatch
-        from gpu_impl.scheduler import Scheduler as GpuScheduler
+        from overlap_spec.gpu_impl.schedule_batch import ScheduleBatch as GpuScheduleBatch
+        from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
 
         scheduler: Any = GpuScheduler(config, faults)
         batch_class: type = GpuScheduleBatch

@@ -12,28 +12,29 @@ from pathlib import Path
 
 import pytest
 
-from harness.upstream_findings import (
+from overlap_spec.harness.upstream_findings import (
     ALLOWED_DIVERGENCES,
     KNOWN_FINDINGS,
     UPSTREAM_NOT_APPLICABLE,
     DivergenceContext,
     match_finding,
 )
-from harness.upstream_tier import UpstreamChecker, explain, get_differences
-from spec.config import MINIMAL, ModelConfig, get_cell
-from spec.interface import BatchState, ObservableState, RequestState
-from spec.invariants import INVARIANT_IDS, InvariantViolation
-from spec.units import RequestId
-from upstream.session import is_drivable
-from upstream.standins import STAND_INS
+from overlap_spec.harness.upstream_tier import UpstreamChecker, explain, get_differences
+from overlap_spec.spec.config import MINIMAL, ModelConfig, get_cell
+from overlap_spec.spec.interface import BatchState, ObservableState, RequestState
+from overlap_spec.spec.invariants import INVARIANT_IDS, InvariantViolation
+from overlap_spec.spec.units import RequestId
+from overlap_spec.upstream.session import is_drivable
+from overlap_spec.upstream.standins import STAND_INS
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "upstream-findings.md").read_text()
 
 
 def run_cli(*args: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "harness.cli", *args], capture_output=True,
-                          text=True, env=env, timeout=120, check=False, cwd=ROOT)
+    return subprocess.run([sys.executable, "-m", "overlap_spec.harness.cli", *args],
+                          capture_output=True, text=True, env=env, timeout=120, check=False,
+                          cwd=ROOT)
 
 
 def test_without_an_upstream_environment_the_tier_exits_2_with_one_line(tmp_path: Path) -> None:
@@ -142,7 +143,7 @@ def test_slot_numbering_is_not_a_divergence_but_layout_is() -> None:
 
 
 def test_checker_sets_listed_findings_aside_and_raises_the_rest() -> None:
-    from harness.script import Script
+    from overlap_spec.harness.script import Script
 
     checker = UpstreamChecker(ModelConfig(get_cell("ov-p1-v2chain-cpu-honest"), MINIMAL))
     checker.script = Script("ov-p1-v2chain-cpu-honest", "minimal", [])

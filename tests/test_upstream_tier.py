@@ -29,7 +29,8 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     full_env = dict(os.environ if env is None else env)
     full_env["PYTHONPATH"] = os.pathsep.join(
         [p for p in [full_env.get("PYTHONPATH", ""), str(REPO)] if p])
-    return subprocess.run([sys.executable, "-W", "ignore", "-m", "harness.upstream_cli", *args],
+    module = "overlap_spec.harness.upstream_cli"
+    return subprocess.run([sys.executable, "-W", "ignore", "-m", module, *args],
                           capture_output=True, text=True, env=full_env, timeout=1200,
                           check=False, cwd=REPO)
 
@@ -188,9 +189,9 @@ def test_bad_sglang_input_exits_2_with_one_line(tmp_path: Path, case: str) -> No
 
 UPSTREAM_CHECKER_PROBE = """
 import json
-from spec.config import MINIMAL, ModelConfig, get_cell
-from spec.state import IterationChoices
-from upstream.adapter import UpstreamScheduler
+from overlap_spec.spec.config import MINIMAL, ModelConfig, get_cell
+from overlap_spec.spec.state import IterationChoices
+from overlap_spec.upstream.adapter import UpstreamScheduler
 
 class Listener:
     def __init__(self):

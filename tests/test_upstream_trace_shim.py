@@ -20,12 +20,12 @@ from typing import Any
 
 import pytest
 
-from harness.script import Abort, Admit, Iterate, Op, Script, save_script
-from harness.trace import OK, VIOLATION, TraceVerdict, check_trace, parse_trace
-from harness.upstream_findings import match_finding
-from spec.config import get_cell
-from spec.invariants import InvariantViolation
-from spec.state import IterationChoices
+from overlap_spec.harness.script import Abort, Admit, Iterate, Op, Script, save_script
+from overlap_spec.harness.trace import OK, VIOLATION, TraceVerdict, check_trace, parse_trace
+from overlap_spec.harness.upstream_findings import match_finding
+from overlap_spec.spec.config import get_cell
+from overlap_spec.spec.invariants import InvariantViolation
+from overlap_spec.spec.state import IterationChoices
 
 pytestmark = pytest.mark.upstream
 
@@ -38,15 +38,15 @@ CHILD = """
 import sys
 from pathlib import Path
 
-from upstream.bootstrap import UpstreamUnavailable, load_sglang
+from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
 
 try:
     load_sglang()
 except UpstreamUnavailable as error:
     print(f"sglang does not import here: {error}")
     sys.exit(77)
-from harness.script import load_script
-from harness.trace_shim import record_shim_trace
+from overlap_spec.harness.script import load_script
+from overlap_spec.harness.trace_shim import record_shim_trace
 
 record_shim_trace(load_script(Path(sys.argv[1])), Path(sys.argv[2]))
 """

@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.vectors import check_vectors, generate_vectors, main
-from spec.config import enumerate_cells
-from spec.invariants import INVARIANT_IDS
+from overlap_spec.harness.vectors import check_vectors, generate_vectors, main
+from overlap_spec.spec.config import enumerate_cells
+from overlap_spec.spec.invariants import INVARIANT_IDS
 
 
 @pytest.fixture(scope="module")

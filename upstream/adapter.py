@@ -41,10 +41,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from spec.config import ModelConfig
-from spec.interface import BatchState, ObservableState, Observer, RequestState
-from spec.invariants import InvariantViolation
-from spec.state import (
+from overlap_spec.spec.config import ModelConfig
+from overlap_spec.spec.interface import BatchState, ObservableState, Observer, RequestState
+from overlap_spec.spec.invariants import InvariantViolation
+from overlap_spec.spec.state import (
     AllocatorView,
     BatchView,
     GhostView,
@@ -61,10 +61,10 @@ from spec.state import (
     RequestView,
     ResultView,
 )
-from spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
-from upstream import hooks
-from upstream.session import Session, UpstreamCrash, get_session
-from upstream.worker import EOS_TOKEN, Ghost, StepRecord
+from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
+from overlap_spec.upstream import hooks
+from overlap_spec.upstream.session import Session, UpstreamCrash, get_session
+from overlap_spec.upstream.worker import EOS_TOKEN, Ghost, StepRecord
 
 
 class _Track:

@@ -16,14 +16,14 @@ from __future__ import annotations
 import functools
 from typing import Any
 
-from spec.state import IterationChoices, ObservationPoint
+from overlap_spec.spec.state import IterationChoices, ObservationPoint
 
 
 class _QuietHost:
     """Serves the stand-in worker while no adapter is attached (draining between examples)."""
 
     def __init__(self) -> None:
-        from upstream.worker import Ghost
+        from overlap_spec.upstream.worker import Ghost
 
         self._ghost_type = Ghost
         self._ghosts: dict[int, Any] = {}

@@ -26,11 +26,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from spec.config import ModelConfig, SpecMode
-from spec.state import IterationChoices
-from upstream import hooks
-from upstream.bootstrap import UpstreamUnavailable, load_sglang
-from upstream.worker import EOS_TOKEN, StandInWorker
+from overlap_spec.spec.config import ModelConfig, SpecMode
+from overlap_spec.spec.state import IterationChoices
+from overlap_spec.upstream import hooks
+from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
+from overlap_spec.upstream.worker import EOS_TOKEN, StandInWorker
 
 ITERATION_TIMEOUT_S = 120.0
 DRAIN_ITERATIONS = 64

@@ -18,9 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from spec.config import ModelConfig
-from spec.state import IterationChoices, KvWrite
-from spec.units import RequestId, StepId
+from overlap_spec.spec.config import ModelConfig
+from overlap_spec.spec.state import IterationChoices, KvWrite
+from overlap_spec.spec.units import RequestId, StepId
 
 EOS_TOKEN = 0
 
