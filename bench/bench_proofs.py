@@ -21,15 +21,15 @@ from __future__ import annotations
 import argparse
 import time
 
-from overlap_spec.harness.prove import (
+from overlap_spec.harness.drive.cells import select_cells
+from overlap_spec.harness.mutants.z3 import run_z3_mutant_column
+from overlap_spec.harness.prove.tier import (
     DEFAULT_BMC_TIMEOUT_MS,
     DEFAULT_TIMEOUT_MS,
     ProveJob,
     get_default_jobs,
     run_jobs,
     run_proofs,
-    run_z3_mutant_column,
-    select_cells,
 )
 from overlap_spec.proofs import bmc
 from overlap_spec.proofs import solver as zs

@@ -6,7 +6,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from overlap_spec.harness.stateful import CellResult, describe_failure
+from overlap_spec.harness.drive.stateful import CellResult, describe_failure
 from overlap_spec.spec.invariants import INVARIANTS
 
 REPORT_VERSION = 1

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from overlap_spec.harness.checker import InvariantChecker
-from overlap_spec.harness.script import (
+from overlap_spec.harness.drive.cells import DEFAULT_SEED
+from overlap_spec.harness.drive.checker import InvariantChecker
+from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
     AdmitPrebuilt,
@@ -36,8 +37,9 @@ from overlap_spec.harness.script import (
     op_from_json,
     op_to_json,
 )
-from overlap_spec.harness.trace import RecordedRun, TraceFormatError, record_script
-from overlap_spec.harness.trace_codec import CodecError, decode_dataclass, encode_value
+from overlap_spec.harness.trace.codec import CodecError, decode_dataclass, encode_value
+from overlap_spec.harness.trace.format import TraceFormatError
+from overlap_spec.harness.trace.record import RecordedRun, record_script
 from overlap_spec.spec.bugs import BUGS
 from overlap_spec.spec.config import PRESETS, ModelConfig, SpecMode, enumerate_cells
 from overlap_spec.spec.invariants import InvariantViolation
@@ -45,7 +47,6 @@ from overlap_spec.spec.state import IterationChoices, Observation
 
 VECTOR_FORMAT = "overlap-spec-vector"
 VECTOR_VERSION = 1
-DEFAULT_SEED = 20261122
 
 
 def generate_random_ops(config: ModelConfig, rng: random.Random, count: int) -> list[Op]:

@@ -9,21 +9,22 @@ from pathlib import Path
 
 import pytest
 import torch
+from overlap_spec.harness.cli import main
 
 from overlap_spec.gpu_impl.race import RaceDetector
 from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS
 from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
 from overlap_spec.gpu_impl.streams import Streams
-from overlap_spec.harness.cli import main
-from overlap_spec.harness.differential import (
+from overlap_spec.harness.differential.compare import (
     check_cell_differential,
     compare_states,
     run_differential,
 )
-from overlap_spec.harness.mutants import KILLED, NOT_APPLICABLE, run_mutants
-from overlap_spec.harness.script import Admit, Iterate, Script, load_script, save_script
-from overlap_spec.harness.stateful import get_profile
-from overlap_spec.harness.sync_contract import measure_steady_state
+from overlap_spec.harness.drive.script import Admit, Iterate, Script, load_script, save_script
+from overlap_spec.harness.drive.stateful import get_profile
+from overlap_spec.harness.measure.sync_contract import measure_steady_state
+from overlap_spec.harness.mutants.matrix import run_mutants
+from overlap_spec.harness.mutants.select import KILLED, NOT_APPLICABLE
 from overlap_spec.reference.scheduler import Scheduler as ReferenceScheduler
 from overlap_spec.spec.bugs import BUG_IDS, BUGS
 from overlap_spec.spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell

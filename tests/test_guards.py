@@ -10,8 +10,8 @@ import json
 
 import pytest
 
-from overlap_spec.harness.script import load_script, run_script
-from overlap_spec.harness.stateful import check_cell, get_profile
+from overlap_spec.harness.drive.script import load_script, run_script
+from overlap_spec.harness.drive.stateful import check_cell, get_profile
 from overlap_spec.spec.bugs import get_bug
 from overlap_spec.spec.config import MINIMAL, ModelConfig, get_cell
 
@@ -52,6 +52,6 @@ def test_failure_message_names_id_request_values_and_replay() -> None:
     assert text.split()[0] in get_bug("B3").invariants
     assert text.split()[1:3] == ["violated", "for"]
     assert " r" in text and "script step" in text and "cell ov-p1-v2chain" in text
-    from overlap_spec.harness.stateful import describe_failure
+    from overlap_spec.harness.drive.stateful import describe_failure
     described = describe_failure(result)
     assert "seed 1" in described and "overlap-spec replay" in described

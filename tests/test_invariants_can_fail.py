@@ -15,7 +15,7 @@ from dataclasses import replace
 
 import pytest
 
-from overlap_spec.harness.script import (
+from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
     AdmitPrebuilt,

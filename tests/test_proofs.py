@@ -11,8 +11,8 @@ from typing import Any
 
 import pytest
 
-from overlap_spec.harness.prove import run_proofs
-from overlap_spec.harness.script import Admit, Iterate, Script, run_script
+from overlap_spec.harness.drive.script import Admit, Iterate, Script, run_script
+from overlap_spec.harness.prove.tier import run_proofs
 from overlap_spec.proofs import solver as zs
 from overlap_spec.proofs.induction import find_witnesses
 from overlap_spec.proofs.model import Context

@@ -15,17 +15,15 @@ from pathlib import Path
 
 import pytest
 
-from overlap_spec.harness.differential import run_differential
-from overlap_spec.harness.prove import (
-    ProveJob,
+from overlap_spec.harness.differential.compare import run_differential
+from overlap_spec.harness.drive.script import Admit, Iterate, load_script, run_script
+from overlap_spec.harness.mutants.z3 import (
     decode_counterexample,
     replay_counterexample,
-    run_jobs,
     run_z3_mutant_column,
-    witness_rows,
 )
-from overlap_spec.harness.script import Admit, Iterate, load_script, run_script
-from overlap_spec.harness.trace import record_script_trace
+from overlap_spec.harness.prove.tier import ProveJob, run_jobs, witness_rows
+from overlap_spec.harness.trace.check import record_script_trace
 from overlap_spec.proofs import bmc
 from overlap_spec.proofs import solver as zs
 from overlap_spec.proofs.induction import Cell as MatrixCell

@@ -6,9 +6,9 @@ import json
 from pathlib import Path
 
 import pytest
-
 from overlap_spec.harness.cli import main
-from overlap_spec.harness.script import (
+
+from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
     Iterate,

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from overlap_spec.harness.stateful import check_cell, describe_failure, get_profile
+from overlap_spec.harness.drive.stateful import check_cell, describe_failure, get_profile
 from overlap_spec.spec.config import MINIMAL, REALISTIC, ModelConfig, enumerate_cells
 from overlap_spec.spec.invariants import INVARIANTS
 

@@ -9,21 +9,19 @@ from pathlib import Path
 
 import pytest
 
-from overlap_spec.harness.script import Admit, Iterate, Script, load_script, run_script
-from overlap_spec.harness.stateful import check_cell, get_profile
-from overlap_spec.harness.trace import (
+from overlap_spec.harness.drive.script import Admit, Iterate, Script, load_script, run_script
+from overlap_spec.harness.drive.stateful import check_cell, get_profile
+from overlap_spec.harness.trace.check import check_trace, check_trace_file, record_script_trace
+from overlap_spec.harness.trace.cli import main
+from overlap_spec.harness.trace.format import (
     INCONCLUSIVE,
     OK,
     VIOLATION,
-    check_trace,
-    check_trace_file,
     get_trace_path,
-    main,
     parse_trace,
-    record_script_trace,
     strip_snapshots,
 )
-from overlap_spec.harness.trace_render import render_trace_file
+from overlap_spec.harness.trace.render import render_trace_file
 from overlap_spec.harness.vectors import generate_random_ops
 from overlap_spec.spec.bugs import get_bug
 from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells, get_cell

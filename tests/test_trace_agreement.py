@@ -9,17 +9,16 @@ from pathlib import Path
 
 import pytest
 
-from overlap_spec.harness.script import load_script, run_script
-from overlap_spec.harness.stateful import get_profile
-from overlap_spec.harness.trace import (
+from overlap_spec.harness.drive.script import load_script, run_script
+from overlap_spec.harness.drive.stateful import get_profile
+from overlap_spec.harness.trace.check import check_trace, record_script_trace
+from overlap_spec.harness.trace.format import (
     VIOLATION,
-    check_trace,
     get_trace_path,
     parse_trace,
-    record_script,
-    record_script_trace,
     strip_snapshots,
 )
+from overlap_spec.harness.trace.record import record_script
 from overlap_spec.harness.vectors import build_vector, check_vector
 from overlap_spec.spec.bugs import get_bug
 
@@ -59,7 +58,7 @@ def test_fresh_mutant_matrix_kills_are_saved_as_rejected_traces(tmp_path: Path) 
     """The whole ci matrix, regenerated: each kill's script, saved as a trace, is rejected
     by trace check with an ID of the bug's catalogue entry (the lead's wiring does this in
     harness/mutants.py; here it is done after the fact)."""
-    from overlap_spec.harness.mutants import run_mutants
+    from overlap_spec.harness.mutants.matrix import run_mutants
 
     results = run_mutants(get_profile("ci"), 20261122, save_dir=tmp_path)
     for result in results:

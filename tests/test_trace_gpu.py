@@ -8,9 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from overlap_spec.harness.script import Admit, AdmitPrebuilt, Iterate, Script, load_script
-from overlap_spec.harness.trace import check_trace_file, read_trace, record_script_trace
-from overlap_spec.harness.trace_render import render_trace_file
+from overlap_spec.harness.drive.script import Admit, AdmitPrebuilt, Iterate, Script, load_script
+from overlap_spec.harness.trace.check import check_trace_file, record_script_trace
+from overlap_spec.harness.trace.format import read_trace
+from overlap_spec.harness.trace.render import render_trace_file
 from overlap_spec.spec.bugs import get_bug
 from overlap_spec.spec.config import enumerate_cells
 from overlap_spec.spec.state import IterationChoices

@@ -18,17 +18,10 @@ from typing import Any
 
 import pytest
 
-from overlap_spec.harness.script import Script, apply_op, load_script
-from overlap_spec.harness.trace import (
-    OK,
-    VIOLATION,
-    TraceFormatError,
-    check_trace,
-    check_trace_file,
-    parse_trace,
-    record_script_trace,
-)
-from overlap_spec.harness.trace_shim import TraceShim
+from overlap_spec.harness.drive.script import Script, apply_op, load_script
+from overlap_spec.harness.trace.check import check_trace, check_trace_file, record_script_trace
+from overlap_spec.harness.trace.format import OK, VIOLATION, TraceFormatError, parse_trace
+from overlap_spec.harness.trace.shim import TraceShim
 from overlap_spec.harness.vectors import generate_random_ops
 from overlap_spec.reference.schedule_batch import ScheduleBatch
 from overlap_spec.reference.scheduler import Scheduler

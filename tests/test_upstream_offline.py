@@ -12,14 +12,14 @@ from pathlib import Path
 
 import pytest
 
-from overlap_spec.harness.upstream_findings import (
+from overlap_spec.harness.conformance.findings import (
     ALLOWED_DIVERGENCES,
     KNOWN_FINDINGS,
     UPSTREAM_NOT_APPLICABLE,
     DivergenceContext,
     match_finding,
 )
-from overlap_spec.harness.upstream_tier import UpstreamChecker, explain, get_differences
+from overlap_spec.harness.conformance.tier import UpstreamChecker, explain, get_differences
 from overlap_spec.spec.config import MINIMAL, ModelConfig, get_cell
 from overlap_spec.spec.interface import BatchState, ObservableState, RequestState
 from overlap_spec.spec.invariants import INVARIANT_IDS, InvariantViolation
@@ -143,7 +143,7 @@ def test_slot_numbering_is_not_a_divergence_but_layout_is() -> None:
 
 
 def test_checker_sets_listed_findings_aside_and_raises_the_rest() -> None:
-    from overlap_spec.harness.script import Script
+    from overlap_spec.harness.drive.script import Script
 
     checker = UpstreamChecker(ModelConfig(get_cell("ov-p1-v2chain-cpu-honest"), MINIMAL))
     checker.script = Script("ov-p1-v2chain-cpu-honest", "minimal", [])

@@ -29,7 +29,7 @@ def run_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Complet
     full_env = dict(os.environ if env is None else env)
     full_env["PYTHONPATH"] = os.pathsep.join(
         [p for p in [full_env.get("PYTHONPATH", ""), str(REPO)] if p])
-    module = "overlap_spec.harness.upstream_cli"
+    module = "overlap_spec.harness.conformance.cli"
     return subprocess.run([sys.executable, "-W", "ignore", "-m", module, *args],
                           capture_output=True, text=True, env=full_env, timeout=1200,
                           check=False, cwd=REPO)

@@ -20,9 +20,10 @@ from typing import Any
 
 import pytest
 
-from overlap_spec.harness.script import Abort, Admit, Iterate, Op, Script, save_script
-from overlap_spec.harness.trace import OK, VIOLATION, TraceVerdict, check_trace, parse_trace
-from overlap_spec.harness.upstream_findings import match_finding
+from overlap_spec.harness.conformance.findings import match_finding
+from overlap_spec.harness.drive.script import Abort, Admit, Iterate, Op, Script, save_script
+from overlap_spec.harness.trace.check import TraceVerdict, check_trace
+from overlap_spec.harness.trace.format import OK, VIOLATION, parse_trace
 from overlap_spec.spec.config import get_cell
 from overlap_spec.spec.invariants import InvariantViolation
 from overlap_spec.spec.state import IterationChoices
@@ -45,8 +46,8 @@ try:
 except UpstreamUnavailable as error:
     print(f"sglang does not import here: {error}")
     sys.exit(77)
-from overlap_spec.harness.script import load_script
-from overlap_spec.harness.trace_shim import record_shim_trace
+from overlap_spec.harness.drive.script import load_script
+from overlap_spec.harness.trace.shim import record_shim_trace
 
 record_shim_trace(load_script(Path(sys.argv[1])), Path(sys.argv[2]))
 """

@@ -24,9 +24,9 @@ import torch
 from overlap_spec.gpu_impl.race import RaceDetector, RaceReport
 from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
 from overlap_spec.gpu_impl.streams import Streams
-from overlap_spec.harness.checker import InvariantChecker
-from overlap_spec.harness.script import Op, Script, apply_op, op_to_json
-from overlap_spec.harness.stateful import Profile, get_machine_test, make_machine
+from overlap_spec.harness.drive.checker import InvariantChecker
+from overlap_spec.harness.drive.script import Op, Script, apply_op, op_to_json
+from overlap_spec.harness.drive.stateful import Profile, get_machine_test, make_machine
 from overlap_spec.reference.scheduler import Scheduler as ReferenceScheduler
 from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.interface import ObservableState

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from overlap_spec.harness.sync_contract import measure_steady_state
+from overlap_spec.harness.measure.sync_contract import measure_steady_state
 from overlap_spec.spec.config import get_cell
 
 BENCH_BATCH_SIZES = (1, 16, 64, 256, 1024)

@@ -53,9 +53,10 @@ from pathlib import Path
 from types import ModuleType, TracebackType
 from typing import Any, cast
 
-from overlap_spec.harness.script import Script, apply_op, get_factory, load_script
-from overlap_spec.harness.trace import TraceHeader, attach_recorder
-from overlap_spec.harness.trace_codec import encode_value
+from overlap_spec.harness.drive.script import Script, apply_op, get_factory, load_script
+from overlap_spec.harness.trace.codec import encode_value
+from overlap_spec.harness.trace.format import TraceHeader
+from overlap_spec.harness.trace.record import attach_recorder
 from overlap_spec.spec.config import get_cell
 from overlap_spec.spec.state import (
     AllocatorView,

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from overlap_spec.harness.checker import InvariantChecker
+from overlap_spec.harness.drive.checker import InvariantChecker
 from overlap_spec.reference.scheduler import SUPPORTED_FAULTS, Scheduler
 from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
 from overlap_spec.spec.interface import Observer, SchedulerModel

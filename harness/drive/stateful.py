@@ -28,8 +28,8 @@ from hypothesis.stateful import (
     rule,
 )
 
-from overlap_spec.harness.checker import InvariantChecker
-from overlap_spec.harness.script import (
+from overlap_spec.harness.drive.checker import InvariantChecker
+from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
     AdmitPrebuilt,
@@ -40,7 +40,8 @@ from overlap_spec.harness.script import (
     get_factory,
     save_script,
 )
-from overlap_spec.harness.trace import get_trace_path, record_script_trace
+from overlap_spec.harness.trace.check import record_script_trace
+from overlap_spec.harness.trace.format import get_trace_path
 from overlap_spec.spec.config import ModelConfig, SpecMode
 from overlap_spec.spec.invariants import InvariantViolation
 from overlap_spec.spec.state import IterationChoices

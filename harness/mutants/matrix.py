@@ -1,104 +1,47 @@
-"""The mutant matrix: every historical bug switched on alone, run through every checker.
-
-A mutant is *killed* by a checker when the checker reports a violation in every
-cell where the bug applies (``spec.bugs.Bug.applies``); it *survives* if any
-such cell stays clean; a checker that has no code path for the bug reports n/a.
-Each kill's counterexample is shrunk by Hypothesis and then minimised further by
-:func:`minimize_script` (drop operations, then simplify choices, keeping the
-same invariant), saved, and reported with its number of steps and requests.
+"""The mutant matrix: each catalogue bug switched on alone, run through the Hypothesis
+(reference), gpu_impl and z3 checkers; a kill names the invariant that fired and saves a
+replayable script.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import Counter
-from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS as GPU_SUPPORTED_FAULTS
-from overlap_spec.harness.differential import (
+from overlap_spec.harness.differential.compare import (
     check_cell_differential,
     get_finding_kind,
     get_gpu_mutant_examples,
     run_differential,
 )
-from overlap_spec.harness.prove import run_z3_mutant_column
-from overlap_spec.harness.script import (
-    Abort,
-    Admit,
-    AdmitPrebuilt,
-    Iterate,
-    Op,
+from overlap_spec.harness.drive.script import (
     Script,
     run_script,
     save_script,
 )
-from overlap_spec.harness.stateful import Profile, check_cell, get_failure_dir
-from overlap_spec.harness.trace import get_trace_path, record_script_trace
+from overlap_spec.harness.drive.stateful import Profile, check_cell, get_failure_dir
+from overlap_spec.harness.mutants.minimize import minimize_script
+from overlap_spec.harness.mutants.select import (
+    KILLED,
+    NO_GPU_PATH,
+    NOT_APPLICABLE,
+    SURVIVED,
+    get_applicable_cells,
+    get_gpu_unobservable_reason,
+    get_representative_cells,
+)
+from overlap_spec.harness.mutants.z3 import run_z3_mutant_column
+from overlap_spec.harness.trace.check import record_script_trace
+from overlap_spec.harness.trace.format import get_trace_path
 from overlap_spec.spec.bugs import BUGS, Bug
-from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, enumerate_cells
-from overlap_spec.spec.state import IterationChoices
-
-KILLED, SURVIVED, NOT_APPLICABLE = "killed", "survived", "n/a"
-CHECKERS = ("hypothesis", "gpu_impl", "z3")
-NO_GPU_PATH = "gpu_impl has no code path for this bug"
-
-
-def _still_fails(script: Script, invariant_id: str) -> bool:
-    outcome = run_script(script)
-    return outcome.violation is not None and invariant_id in outcome.violation.all_ids
-
-
-def _simpler_ops(op: Op) -> list[Op]:
-    """Candidate simplifications of one operation, simplest first."""
-    if isinstance(op, Iterate):
-        c = op.choices
-        plain = IterationChoices(c.allow_prefill, 0, (1,), frozenset(), False, 0, 0)
-        candidates = [
-            replace(c, retract=0), replace(c, eos_positions=frozenset()),
-            replace(c, accept_lens=(1,)), replace(c, disable_overlap=False),
-            replace(c, spec_steps=0), replace(c, eos_offset=0),
-            replace(c, allow_prefill=True), plain,
-        ]
-        return [Iterate(x) for x in candidates if x != c]
-    if isinstance(op, Admit | AdmitPrebuilt):
-        return [type(op)(1, op.max_new_tokens), type(op)(op.prompt_len, 2)]
-    if isinstance(op, Abort):
-        return [Abort(0)] if op.request else []
-    return []
-
-
-def minimize_script(script: Script, invariant_id: str, budget: int = 400,
-                    still_fails: Callable[[Script], bool] | None = None) -> Script:
-    """Greedy delta debugging: drop operations, then simplify the rest; same invariant
-    (or whatever ``still_fails`` demands, for checkers other than the invariants)."""
-    if still_fails is None:
-        def still_fails(trial: Script) -> bool:
-            return _still_fails(trial, invariant_id)
-    best = replace(script, ops=list(script.ops))
-    runs = 0
-    changed = True
-    while changed and runs < budget:
-        changed = False
-        for index in range(len(best.ops) - 1, -1, -1):
-            if index >= len(best.ops):
-                continue
-            trial = replace(best, ops=best.ops[:index] + best.ops[index + 1:])
-            runs += 1
-            if still_fails(trial):
-                best, changed = trial, True
-        for index, op in enumerate(list(best.ops)):
-            for simpler in _simpler_ops(op):
-                trial = replace(best, ops=best.ops[:index] + [simpler] + best.ops[index + 1:])
-                runs += 1
-                if still_fails(trial):
-                    best, changed = trial, True
-                    break
-    return best
+from overlap_spec.spec.config import PRESETS, Cell, ModelConfig
 
 
 @dataclass
@@ -173,14 +116,6 @@ def run_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed: in
     return kill
 
 
-def get_gpu_unobservable_reason(bug_id: str, cell: Cell) -> str | None:
-    """Cells where a bug applies but leaves nothing the differential run can see."""
-    if bug_id == "B7" and not cell.overlap:
-        return ("without overlap run_batch re-applies the forward's new seq_lens to the "
-                "ScheduleBatch right after the forward, so the +D_tok never outlives it")
-    return None
-
-
 def run_gpu_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed: int,
                            save_dir: Path) -> CellKill:
     """The gpu_impl checker: differential run against the clean reference + race detector."""
@@ -240,23 +175,6 @@ def run_z3_for_bug(bug: Bug, save_dir: Path) -> MutantResult:
     cell.seconds = time.perf_counter() - started
     result.cells.append(cell)
     return result
-
-
-def get_applicable_cells(bug: Bug, cells: tuple[Cell, ...] | None = None) -> list[Cell]:
-    return [c for c in (cells or enumerate_cells()) if bug.applies(c)]
-
-
-def get_representative_cells(bug: Bug, cells: tuple[Cell, ...] | None = None) -> list[Cell]:
-    """The catalogue's representative cells (among ``cells``), else the first applicable
-    cell per spec mode."""
-    applicable = get_applicable_cells(bug, cells)
-    named = [c for c in applicable if c.name in bug.representative_cells]
-    if named:
-        return named
-    chosen: dict[object, Cell] = {}
-    for cell in applicable:
-        chosen.setdefault(cell.spec_mode, cell)
-    return list(chosen.values())
 
 
 def run_mutants(profile: Profile, seed: int, bug_ids: set[str] | None = None,
@@ -346,3 +264,9 @@ def render_mutants(results: list[MutantResult]) -> str:
         lines.append(f"counterexamples with <= 2 requests and <= 8 steps: {len(small)}/"
                      f"{len(results)}")
     return "\n".join(lines)
+
+
+def print_mutant_progress(bug: Bug, kill: CellKill) -> None:
+    """One progress line per (bug, checker, cell) on stderr."""
+    print(f"  mutant {bug.id:<4} {kill.checker:<10} {kill.cell:<32} {kill.verdict} "
+          f"{kill.invariant or ''} ({kill.seconds:.2f}s)", file=sys.stderr, flush=True)

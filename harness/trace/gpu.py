@@ -23,8 +23,9 @@ import torch
 from overlap_spec.gpu_impl.race import FREE_OPERATION, RaceDetector
 from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
 from overlap_spec.gpu_impl.streams import Streams
-from overlap_spec.harness.script import Script, apply_op
-from overlap_spec.harness.trace import RecordedRun, TraceHeader, TraceRecorder
+from overlap_spec.harness.drive.script import Script, apply_op
+from overlap_spec.harness.trace.format import TraceHeader
+from overlap_spec.harness.trace.record import RecordedRun, TraceRecorder
 from overlap_spec.spec.happens_before import HOST
 from overlap_spec.spec.units import RequestId
 

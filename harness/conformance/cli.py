@@ -26,17 +26,18 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from overlap_spec.harness.upstream_findings import (
+from overlap_spec.harness.conformance.findings import (
     ALLOWED_DIVERGENCES,
     KNOWN_FINDINGS,
     UPSTREAM_NOT_APPLICABLE,
 )
+from overlap_spec.harness.drive.cells import DEFAULT_SEED, NoCellMatches
+from overlap_spec.harness.drive.cells import select_cells as select_cell_records
 from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells
 from overlap_spec.upstream.standins import STAND_INS
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 CELL_TIMEOUT_S = 900
-DEFAULT_UPSTREAM_SEED = 20261122
 
 
 class UsageError(Exception):
@@ -99,16 +100,10 @@ def _child_env() -> dict[str, str]:
 
 
 def select_cells(patterns: str | None) -> list[str]:
-    import fnmatch
-
-    names = [c.name for c in enumerate_cells()]
-    if not patterns:
-        return names
-    wanted = [p.strip() for p in patterns.split(",") if p.strip()]
-    chosen = [n for n in names if any(fnmatch.fnmatch(n, p) for p in wanted)]
-    if not chosen:
-        raise UsageError(f"no cell matches {patterns!r} (see 'overlap-spec cells')")
-    return chosen
+    try:
+        return [c.name for c in select_cell_records(patterns)]
+    except NoCellMatches as error:
+        raise UsageError(str(error)) from None
 
 
 def _validate_output(path: str | None) -> Path | None:
@@ -125,9 +120,9 @@ def _validate_output(path: str | None) -> Path | None:
 def run_cell_process(python: str, cell: str, args: argparse.Namespace, out: Path
                      ) -> dict[str, Any]:
     """One cell in its own process; a crash or a timeout is a failing cell, never a pass."""
-    command = [python, "-W", "ignore", "-m", "overlap_spec.harness.upstream_tier", "--cell", cell,
-               "--out", str(out), "--seed", str(args.seed), "--profile", args.profile,
-               "--preset", args.preset]
+    command = [python, "-W", "ignore", "-m", "overlap_spec.harness.conformance.tier",
+               "--cell", cell, "--out", str(out), "--seed", str(args.seed),
+               "--profile", args.profile, "--preset", args.preset]
     if args.sglang_src:
         command += ["--sglang-src", str(args.sglang_src)]
     started = time.perf_counter()
@@ -254,7 +249,7 @@ def run_upstream_check(args: argparse.Namespace, progress: bool = True) -> dict[
         args.sglang_src = src.resolve()
     if args.preset not in PRESETS:
         raise UsageError(f"unknown preset {args.preset!r}; choose {', '.join(PRESETS)}")
-    from overlap_spec.harness.stateful import PROFILES
+    from overlap_spec.harness.drive.stateful import PROFILES
 
     if args.profile not in PROFILES:
         raise UsageError(f"unknown profile {args.profile!r}; choose {', '.join(PROFILES)}")
@@ -333,15 +328,15 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
         raise UsageError(f"no such file {path}")
     if importlib.util.find_spec("sglang") is None:
         python = _require_python()
-        command = [python, "-W", "ignore", "-m", "overlap_spec.harness.upstream_cli", "replay",
+        command = [python, "-W", "ignore", "-m", "overlap_spec.harness.conformance.cli", "replay",
                    str(path)]
         if args.sglang_src:
             command += ["--sglang-src", str(args.sglang_src)]
         done = subprocess.run(command, env=_child_env(), check=False)
         return done.returncode
-    from overlap_spec.harness.script import ScriptError, load_script
-    from overlap_spec.harness.upstream_findings import get_known_finding
-    from overlap_spec.harness.upstream_tier import UpstreamChecker, replay_on_upstream
+    from overlap_spec.harness.conformance.findings import get_known_finding
+    from overlap_spec.harness.conformance.tier import UpstreamChecker, replay_on_upstream
+    from overlap_spec.harness.drive.script import ScriptError, load_script
     from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
 
     try:
@@ -350,7 +345,7 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
     except (ScriptError, UpstreamUnavailable) as error:
         raise UsageError(str(error.args[0] if error.args else error)) from None
     if script.implementation == "upstream-differential":
-        from overlap_spec.harness.upstream_tier import replay_differential
+        from overlap_spec.harness.conformance.tier import replay_differential
 
         compared, divergence, explained = replay_differential(script)
         print(f"replayed {compared} of {len(script.ops)} ops of the reference against sglang "
@@ -394,8 +389,8 @@ def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write the JSON report here")
     parser.add_argument("--out", metavar="DIR",
                         help="scripts are saved under DIR/upstream (default: .overlap-spec)")
-    parser.add_argument("--seed", type=int, default=DEFAULT_UPSTREAM_SEED,
-                        help=f"hypothesis seed (default {DEFAULT_UPSTREAM_SEED})")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                        help=f"hypothesis seed (default {DEFAULT_SEED})")
     parser.add_argument("--profile", default="ci", help="hypothesis budget (default ci)")
     parser.add_argument("--preset", default="minimal", help="sizes (default minimal)")
     parser.add_argument("-j", "--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),

@@ -30,10 +30,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from overlap_spec.harness.checker import InvariantChecker
-from overlap_spec.harness.script import Iterate, Op, Script, apply_op, save_script
-from overlap_spec.harness.stateful import Profile, get_machine_test, get_profile, make_machine
-from overlap_spec.harness.upstream_findings import (
+from overlap_spec.harness.conformance.findings import (
     KNOWN_FINDINGS,
     OPERATION_WIDE,
     UPSTREAM_CHECKER_ID,
@@ -45,6 +42,9 @@ from overlap_spec.harness.upstream_findings import (
     is_launch_order_different,
     match_finding,
 )
+from overlap_spec.harness.drive.checker import InvariantChecker
+from overlap_spec.harness.drive.script import Iterate, Op, Script, apply_op, save_script
+from overlap_spec.harness.drive.stateful import Profile, get_machine_test, get_profile, make_machine
 from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
 from overlap_spec.spec.interface import BatchState, ObservableState
 from overlap_spec.spec.invariants import INVARIANTS, InvariantViolation
@@ -152,7 +152,7 @@ def replay_on_upstream(script: Script) -> UpstreamChecker | InvariantViolation:
 
 def minimize_finding(script: Script, finding_id: str, budget: int = 200) -> Script:
     """The smallest script (greedy) that still shows the finding on upstream."""
-    from overlap_spec.harness.mutants import minimize_script
+    from overlap_spec.harness.mutants.minimize import minimize_script
 
     def still_fails(trial: Script) -> bool:
         outcome = replay_on_upstream(trial)
@@ -378,7 +378,7 @@ def run_differential_cell(config: ModelConfig, profile: Profile, seed: int,
         script.seed = seed
         script.implementation = "upstream-differential"
         path = save_script(script, save_dir / f"{config.cell.name}-differential.json")
-        from overlap_spec.harness.script import op_to_json
+        from overlap_spec.harness.drive.script import op_to_json
 
         div["op"] = op_to_json(div["op"])
         div["script"] = str(path)

@@ -15,13 +15,8 @@ from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
-from overlap_spec.harness.trace import (
-    ParsedTrace,
-    TraceEvent,
-    TraceVerdict,
-    check_trace,
-    read_trace,
-)
+from overlap_spec.harness.trace.check import TraceVerdict, check_trace
+from overlap_spec.harness.trace.format import ParsedTrace, TraceEvent, read_trace
 from overlap_spec.spec.happens_before import HOST, PARTICIPANTS
 
 LANE_X0 = 330

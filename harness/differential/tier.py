@@ -1,0 +1,126 @@
+"""The differential tier: gpu_impl against the reference in every selected cell, with the
+CPU race detector (or CUDA's sanitizer), as a table and as JSON; ``overlap-spec diff``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS as GPU_SUPPORTED_FAULTS
+from overlap_spec.harness.differential.compare import (
+    DifferentialResult,
+    check_cell_differential,
+    get_default_device,
+    get_differential_examples,
+)
+from overlap_spec.harness.drive.cells import select_configs_or_exit
+from overlap_spec.harness.drive.script import save_script
+from overlap_spec.harness.drive.stateful import (
+    Profile,
+    get_failure_dir,
+    get_profile,
+)
+from overlap_spec.spec.config import ModelConfig
+
+
+def parse_device(name: str | None) -> torch.device:
+    if name in (None, "auto"):
+        return get_default_device()
+    device = torch.device(name)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("overlap-spec: --device cuda asked for, but torch sees no CUDA device")
+    return device
+
+
+def run_differential_tier(configs: list[ModelConfig], profile: Profile, seed: int,
+                          device: torch.device, quiet: bool, out: Path | None,
+                          faults: frozenset[str] = frozenset()) -> list[DifferentialResult]:
+    """gpu_impl against the reference in each cell, races watched (CPU) - the diff tier."""
+    results = []
+    for k, config in enumerate(configs, 1):
+        if not quiet:
+            print(f"[{k:2d}/{len(configs)}] differential {device.type:<4} {config.name} ...",
+                  end="", file=sys.stderr, flush=True)
+        result = check_cell_differential(config, profile, seed, faults,
+                                         max_examples=get_differential_examples(profile),
+                                         device=device)
+        if result.failure is not None:
+            directory = out or get_failure_dir()
+            name = "-".join([config.name.replace("@", "-"), *sorted(faults), "gpu_impl"])
+            path = save_script(result.failure.script, directory / f"{name}.json")
+            result.failure.script_path = path
+        results.append(result)
+        if not quiet:
+            status = "ok" if result.ok else "FAIL"
+            print(f" {status} ({result.examples} runs, {result.seconds:.2f}s)",
+                  file=sys.stderr, flush=True)
+    return results
+
+
+def render_differential(results: list[DifferentialResult]) -> str:
+    lines = []
+    for result in results:
+        if result.failure is not None:
+            path = result.failure.script_path
+            lines.append(f"  {result.config.name}: {result.failure.outcome.describe()}"
+                         f" (seed {result.seed}; replay: overlap-spec replay {path})")
+        elif result.error is not None:
+            lines.append(f"  {result.config.name}: inconclusive, crash "
+                         f"{type(result.error).__name__}: {result.error}")
+    clean = sum(r.ok for r in results)
+    lines.append(f"differential gpu_impl vs reference: {clean}/{len(results)} cells agree, "
+                 "no race")
+    return "\n".join(lines)
+
+
+def build_differential_json(results: list[DifferentialResult]) -> dict[str, Any]:
+    if not results:
+        return {"status": "skipped"}
+    return {
+        "status": "pass" if all(r.ok for r in results) else "fail",
+        "cells": {
+            r.config.name: {
+                "verdict": "pass" if r.ok else "fail" if r.failure else "inconclusive",
+                "examples": r.examples, "seconds": round(r.seconds, 3), "seed": r.seed,
+                **({"finding": r.failure.outcome.describe(),
+                    "replay": f"overlap-spec replay {r.failure.script_path}"}
+                   if r.failure is not None else {}),
+                **({"error": f"{type(r.error).__name__}: {r.error}"}
+                   if r.error is not None else {}),
+            }
+            for r in results
+        },
+    }
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    profile = get_profile(args.profile)
+    device = parse_device(args.device)
+    if args.cuda_sanitizer:
+        if device.type != "cuda":
+            print("overlap-spec: --cuda-sanitizer needs --device cuda", file=sys.stderr)
+            return 2
+        # torch's own CSAN watches the real streams; a race raises inside gpu_impl and is
+        # reported as a divergence (an exception the reference did not raise).
+        from torch.cuda._sanitizer import enable_cuda_sanitizer
+        enable_cuda_sanitizer()  # type: ignore[no-untyped-call]
+    faults = frozenset(f.strip() for f in (args.faults or "").split(",") if f.strip())
+    if faults - GPU_SUPPORTED_FAULTS:
+        print(f"overlap-spec: gpu_impl does not know faults {sorted(faults - GPU_SUPPORTED_FAULTS)}"
+              f"; supported: {', '.join(sorted(GPU_SUPPORTED_FAULTS))}", file=sys.stderr)
+        return 2
+    configs = select_configs_or_exit(args.cells, args.preset)
+    started = time.perf_counter()
+    results = run_differential_tier(configs, profile, args.seed, device, args.quiet,
+                                    Path(args.out) if args.out else None, faults)
+    print(render_differential(results))
+    ok = all(r.ok for r in results)
+    print(f"{'OK' if ok else 'FAILED'}: seed {args.seed}, profile {profile.name}, "
+          f"device {device}, {time.perf_counter() - started:.1f}s")
+    return 0 if ok else 1

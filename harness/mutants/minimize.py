@@ -1,0 +1,72 @@
+"""Shrinking a failing script to a smaller one that still trips the same invariant, so a
+saved counterexample reads at a glance.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import replace
+
+from overlap_spec.harness.drive.script import (
+    Abort,
+    Admit,
+    AdmitPrebuilt,
+    Iterate,
+    Op,
+    Script,
+    run_script,
+)
+from overlap_spec.spec.state import IterationChoices
+
+
+def _still_fails(script: Script, invariant_id: str) -> bool:
+    outcome = run_script(script)
+    return outcome.violation is not None and invariant_id in outcome.violation.all_ids
+
+
+def _simpler_ops(op: Op) -> list[Op]:
+    """Candidate simplifications of one operation, simplest first."""
+    if isinstance(op, Iterate):
+        c = op.choices
+        plain = IterationChoices(c.allow_prefill, 0, (1,), frozenset(), False, 0, 0)
+        candidates = [
+            replace(c, retract=0), replace(c, eos_positions=frozenset()),
+            replace(c, accept_lens=(1,)), replace(c, disable_overlap=False),
+            replace(c, spec_steps=0), replace(c, eos_offset=0),
+            replace(c, allow_prefill=True), plain,
+        ]
+        return [Iterate(x) for x in candidates if x != c]
+    if isinstance(op, Admit | AdmitPrebuilt):
+        return [type(op)(1, op.max_new_tokens), type(op)(op.prompt_len, 2)]
+    if isinstance(op, Abort):
+        return [Abort(0)] if op.request else []
+    return []
+
+
+def minimize_script(script: Script, invariant_id: str, budget: int = 400,
+                    still_fails: Callable[[Script], bool] | None = None) -> Script:
+    """Greedy delta debugging: drop operations, then simplify the rest; same invariant
+    (or whatever ``still_fails`` demands, for checkers other than the invariants)."""
+    if still_fails is None:
+        def still_fails(trial: Script) -> bool:
+            return _still_fails(trial, invariant_id)
+    best = replace(script, ops=list(script.ops))
+    runs = 0
+    changed = True
+    while changed and runs < budget:
+        changed = False
+        for index in range(len(best.ops) - 1, -1, -1):
+            if index >= len(best.ops):
+                continue
+            trial = replace(best, ops=best.ops[:index] + best.ops[index + 1:])
+            runs += 1
+            if still_fails(trial):
+                best, changed = trial, True
+        for index, op in enumerate(list(best.ops)):
+            for simpler in _simpler_ops(op):
+                trial = replace(best, ops=best.ops[:index] + [simpler] + best.ops[index + 1:])
+                runs += 1
+                if still_fails(trial):
+                    best, changed = trial, True
+                    break
+    return best

@@ -1,0 +1,206 @@
+"""The proofs tier: the Z3 matrix (transition x invariant) per cell, the bounded model
+check and its witnesses, run across processes, as JSON and as a table.
+
+A verdict is proved, counterexample, unknown (a solver timeout included) or n/a; only
+"proved" passes, and a point claim that does not apply at a transition is left out of the
+matrix rather than shown as proved.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import multiprocessing
+import os
+import time
+from collections.abc import Callable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from dataclasses import dataclass, replace
+from typing import Any, Final
+
+from overlap_spec.proofs import bmc
+from overlap_spec.proofs import solver as zs
+from overlap_spec.proofs.induction import DEFAULT_BATCH_BOUND, prove_cell
+from overlap_spec.proofs.induction import Cell as MatrixCell
+from overlap_spec.proofs.model import Context
+from overlap_spec.proofs.streams import get_expected_ids, prove_protocol
+from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, enumerate_cells, get_cell
+
+DEFAULT_TIMEOUT_MS = zs.DEFAULT_TIMEOUT_MS
+DEFAULT_DEPTH = bmc.DEFAULT_DEPTH
+DEFAULT_REQUESTS = bmc.DEFAULT_REQUESTS
+DEFAULT_BMC_TIMEOUT_MS = bmc.DEFAULT_TIMEOUT_MS
+# The bound `overlap-spec check` runs in every cell: the same default as `overlap-spec
+# prove` (-K / -B), the issue's K=6, B=3.
+CHECK_BMC_BOUND: Final = (DEFAULT_DEPTH, DEFAULT_REQUESTS)
+
+
+def prove_one_cell(cell: Cell, preset: str = "minimal", bound: int = DEFAULT_BATCH_BOUND,
+                   timeout_ms: int = DEFAULT_TIMEOUT_MS) -> list[MatrixCell]:
+    """Inductive rows plus the happens-before rows (transition "streams") of one cell."""
+    ctx = Context(ModelConfig(cell, PRESETS[preset]))
+    rows = prove_cell(ctx, bound, timeout_ms)
+    found = {r.invariant: r for r in prove_protocol(cell, timeout_ms=timeout_ms)}
+    for invariant in get_expected_ids(cell):
+        hb = found.get(invariant)
+        if hb is None:
+            rows.append(MatrixCell("streams", invariant, zs.UNKNOWN, 0.0, "not produced"))
+        else:
+            rows.append(MatrixCell("streams", invariant, hb.verdict, hb.seconds, hb.detail))
+    return rows
+
+
+def bmc_row(cell: Cell, preset: str = "minimal", depth: int = DEFAULT_DEPTH,
+            requests: int = DEFAULT_REQUESTS,
+            timeout_ms: int = DEFAULT_BMC_TIMEOUT_MS) -> MatrixCell:
+    """The clean model's BMC as a matrix row: transition "bmc", invariant "K=..,B=..";
+    proved = no violation of any check within the bound."""
+    ctx = Context(ModelConfig(cell, PRESETS[preset]))
+    result = bmc.check_bounded(ctx, depth, requests, None, timeout_ms)
+    label = f"K={depth},B={requests}"
+    how = ("iteration 0 unrolled, iterations 1..K-1 by the inductive step"
+           if result.inductive else
+           f"unrolled, {result.windows} of {depth} iterations by the one-iteration window")
+    detail = {zs.PROVED: f"no violation within K={depth}, B={requests} ({how})",
+              zs.COUNTEREXAMPLE: f"{result.invariant} at {result.where}",
+              zs.UNKNOWN: f"solver gave up: {result.reason}"}[result.verdict]
+    return MatrixCell("bmc", label, result.verdict, result.seconds, detail)
+
+
+# The bound of the reachable witnesses: every checked ID has one in every cell here.
+WITNESS_BOUND: Final = (2, 2)
+
+
+def witness_rows(cell: Cell, preset: str = "minimal",
+                 timeout_ms: int = DEFAULT_BMC_TIMEOUT_MS) -> list[MatrixCell]:
+    """Transition "reachable": per ID the BMC checks, a run within WITNESS_BOUND that
+    gives the check something to check. A vacuous check is a failure, like a
+    counterexample; undecided is unknown."""
+    ctx = Context(ModelConfig(cell, PRESETS[preset]))
+    started = time.perf_counter()
+    found = bmc.find_reachable_witnesses(ctx, *WITNESS_BOUND, timeout_ms=timeout_ms)
+    seconds = (time.perf_counter() - started) / max(len(found), 1)
+    bound = f"K={WITNESS_BOUND[0]}, B={WITNESS_BOUND[1]}"
+    verdicts = {zs.SATISFIABLE: (zs.PROVED, f"a run within {bound} exercises it"),
+                zs.UNSATISFIABLE: (zs.COUNTEREXAMPLE, f"vacuous: no run within {bound} "
+                                                      "exercises it")}
+    rows = []
+    for invariant, answer in sorted(found.items()):
+        verdict, detail = verdicts.get(answer, (zs.UNKNOWN, "solver gave up"))
+        rows.append(MatrixCell("reachable", invariant, verdict, seconds, detail))
+    return rows
+
+
+def build_proofs_json(results: dict[str, list[MatrixCell]], seconds: float,
+                      bound: int) -> dict[str, Any]:
+    counts = {zs.PROVED: 0, zs.COUNTEREXAMPLE: 0, zs.UNKNOWN: 0, zs.NOT_APPLICABLE: 0}
+    cells: dict[str, Any] = {}
+    for name, rows in results.items():
+        for row in rows:
+            counts[row.verdict] = counts.get(row.verdict, 0) + 1
+        cells[name] = [{"transition": r.transition, "invariant": r.invariant,
+                        "verdict": r.verdict, "seconds": round(r.seconds, 4),
+                        **({"detail": r.detail} if r.detail else {})} for r in rows]
+    ok = counts[zs.COUNTEREXAMPLE] == 0 and counts[zs.UNKNOWN] == 0 and bool(results)
+    return {"ok": ok, "elapsed_s": round(seconds, 3), "batch_bound": bound,
+            "counts": counts, "cells": cells}
+
+
+def run_proofs(cells: list[Cell], preset: str = "minimal", bound: int = DEFAULT_BATCH_BOUND,
+               timeout_ms: int = DEFAULT_TIMEOUT_MS) -> dict[str, list[MatrixCell]]:
+    return {cell.name: prove_one_cell(cell, preset, bound, timeout_ms) for cell in cells}
+
+
+@dataclass(frozen=True)
+class ProveJob:
+    """What one worker proves for one cell (plain values: it crosses a process)."""
+
+    cell: str
+    preset: str
+    bound: int
+    timeout_ms: int
+    bmc: tuple[int, int] | None  # (K, B), or None for no BMC
+    bmc_timeout_ms: int
+
+
+def run_job(job: ProveJob) -> list[MatrixCell]:
+    cell = get_cell(job.cell)
+    rows = prove_one_cell(cell, job.preset, job.bound, job.timeout_ms)
+    if job.bmc is not None:
+        rows.append(bmc_row(cell, job.preset, job.bmc[0], job.bmc[1], job.bmc_timeout_ms))
+        rows.extend(witness_rows(cell, job.preset, job.bmc_timeout_ms))
+    return rows
+
+
+def get_default_jobs() -> int:
+    """The CPUs this process may run on (the default of ``--jobs``)."""
+    return max(len(os.sched_getaffinity(0)), 1) if hasattr(os, "sched_getaffinity") else 1
+
+
+def _expected_cost(cell: Cell) -> tuple[bool, bool, bool]:
+    """Slowest cells first (overlap, page 4, spec: measured in docs/proofs.md), so the
+    last cell a worker takes is a short one."""
+    return (cell.overlap, cell.page_size > 1, cell.is_spec)
+
+
+def run_jobs(cells: list[Cell], job: ProveJob, jobs: int,
+             progress: Callable[[str, list[MatrixCell]], None] | None = None,
+             ) -> dict[str, list[MatrixCell]]:
+    """``job`` (its cell field replaced) for every cell, on ``jobs`` worker processes
+    (1: in this process). Results come back in ``cells`` order whatever the finish order."""
+    todo = [replace(job, cell=c.name) for c in sorted(cells, key=_expected_cost, reverse=True)]
+    done: dict[str, list[MatrixCell]] = {}
+    if jobs <= 1 or len(todo) <= 1:
+        for item in todo:
+            done[item.cell] = run_job(item)
+            if progress:
+                progress(item.cell, done[item.cell])
+    else:
+        spawn = multiprocessing.get_context("spawn")  # no state shared with this process
+        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=spawn) as pool:
+            futures = {pool.submit(run_job, item): item.cell for item in todo}
+            for future in as_completed(futures):
+                done[futures[future]] = future.result()
+                if progress:
+                    progress(futures[future], done[futures[future]])
+    return {c.name: done[c.name] for c in cells}
+
+
+def run_proofs_for_check(cell_names: list[str] | None, jobs: int = 1) -> dict[str, Any]:
+    """The "proofs" section of ``overlap-spec check``'s JSON."""
+    started = time.perf_counter()
+    cells = [c for c in enumerate_cells() if cell_names is None or c.name in cell_names
+             or any(fnmatch.fnmatch(c.name, n) for n in cell_names)]
+    job = ProveJob("", "minimal", DEFAULT_BATCH_BOUND, DEFAULT_TIMEOUT_MS, CHECK_BMC_BOUND,
+                   DEFAULT_BMC_TIMEOUT_MS)
+    results = run_jobs(cells, job, jobs)
+    document = build_proofs_json(results, time.perf_counter() - started, DEFAULT_BATCH_BOUND)
+    bmc_rows = [r for rows in results.values() for r in rows if r.transition == "bmc"]
+    document["bmc"] = {"depth": CHECK_BMC_BOUND[0], "requests": CHECK_BMC_BOUND[1],
+                       "proved": sum(r.verdict == zs.PROVED for r in bmc_rows),
+                       "counterexample": sum(r.verdict == zs.COUNTEREXAMPLE for r in bmc_rows),
+                       "unknown": sum(r.verdict == zs.UNKNOWN for r in bmc_rows),
+                       "seconds": round(sum(r.seconds for r in bmc_rows), 3)}
+    reach = [r for rows in results.values() for r in rows if r.transition == "reachable"]
+    document["witnesses"] = {"depth": WITNESS_BOUND[0], "requests": WITNESS_BOUND[1],
+                             "exercised": sum(r.verdict == zs.PROVED for r in reach),
+                             "vacuous": sum(r.verdict == zs.COUNTEREXAMPLE for r in reach),
+                             "unknown": sum(r.verdict == zs.UNKNOWN for r in reach)}
+    return document
+
+
+def render_matrix(results: dict[str, list[MatrixCell]]) -> str:
+    """One line per (transition, invariant): verdict over the cells, and the time."""
+    merged: dict[tuple[str, str], list[tuple[str, MatrixCell]]] = {}
+    for cell, rows in results.items():
+        for row in rows:
+            merged.setdefault((row.transition, row.invariant), []).append((cell, row))
+    lines = [f"{'transition':<22} {'invariant':<9} {'verdict':<15} {'cells':>6} {'seconds':>8}"]
+    for (transition, invariant), entries in merged.items():
+        bad = [(c, r) for c, r in entries if r.verdict != zs.PROVED]
+        verdict = bad[0][1].verdict if bad else zs.PROVED
+        seconds = sum(r.seconds for _, r in entries)
+        lines.append(f"{transition:<22} {invariant:<9} {verdict:<15} "
+                     f"{len(entries) - len(bad):>3}/{len(entries):<2} {seconds:8.3f}")
+        for cell, row in bad[:3]:
+            lines.append(f"      {row.verdict} in {cell}: {row.detail[:200]}")
+    return "\n".join(lines)
