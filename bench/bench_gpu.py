@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python bench/bench_gpu.py [--device cuda] [--iterations 20]
 
-The measurement itself is ``harness/bench_gpu.py`` (era A vs today's design, batch sizes
+The measurement itself is ``harness/measure/bench_gpu.py`` (era A vs today's design, batch sizes
 1-1024); the result files carry the device name and the command.
 """
 

@@ -2,7 +2,7 @@
 
 State lives in torch tensors on a device (CUDA when available, else CPU) and the stream
 design is upstream's (``gpu_impl/streams.py``); on CPU the streams are virtual and
-``gpu_impl/race.py`` judges their ordering. ``harness/differential.py`` drives it in
+``gpu_impl/race.py`` judges their ordering. ``harness/differential/compare.py`` drives it in
 lock step with ``reference.scheduler.Scheduler``. Start at ``gpu_impl/scheduler.py``.
 """
 

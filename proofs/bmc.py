@@ -16,7 +16,7 @@ requests each transition fires on in each iteration, decided the way
     5. overlap: the previous iteration's result (stale ones skipped); else this one's
 
 Every environment choice is a named Z3 constant that maps one-to-one onto a harness
-script operation (``harness/prove.py`` decodes a model into ``Admit`` /
+script operation (``harness/mutants/z3.py`` decodes a model into ``Admit`` /
 ``Iterate(IterationChoices(...))`` ops): admission iteration, prompt_len and
 max_new_tokens of each request (MINIMAL bounds), and per iteration allow_prefill,
 retract, disable_overlap, spec_steps (the chain's rung), eos_offset, and per request
@@ -34,7 +34,7 @@ the windows of :func:`check_bounded` possible.
 
 Modelling compromises, stated once:
 - Aborts and PD-prebuilt admissions are not among the BMC's choices (stream bugs get
-  hand-sized scripts in ``harness/prove.py``).
+  hand-sized scripts in ``harness/mutants/z3.py``).
 - A decode path that would raise ``ConfigurationError`` (one request alone does not
   fit the pool) is excluded: it is a preset error, not a scheduler state.
 - The tree cache is a sink whose pages are always evictable, so available pages are

@@ -4,7 +4,7 @@ Each cell runs in a subprocess (upstream allows one ``Scheduler`` per process): 
 event loop, driven by the upstream adapter with its stand-in worker, runs a short script
 inside :class:`harness.trace_shim.TraceShim`. The trace must carry request views, so the
 checker judges the KV and RP families besides SL2-SL5, and its verdict must be one the
-upstream tier knows (``harness.upstream_findings``). Needs the upstream environment
+upstream tier knows (``overlap_spec.harness.conformance.findings``). Needs the upstream environment
 (``./dev upstream``); skipped with the reason elsewhere.
 """
 
@@ -52,7 +52,7 @@ from overlap_spec.harness.trace.shim import record_shim_trace
 record_shim_trace(load_script(Path(sys.argv[1])), Path(sys.argv[2]))
 """
 NON_SPEC, SPEC = "ov-p1-none", "ov-p1-v2chain-cpu-honest"
-# What the tier knows each run to show first (harness/upstream_findings.py): an emptied
+# What the tier knows each run to show first (harness/conformance/findings.py): an emptied
 # batch keeps stale tensors (U1); the accept counters count a retracted row (U3).
 EXPECTED_FINDING = {NON_SPEC: "U1", SPEC: "U3"}
 

@@ -1,7 +1,7 @@
 """``overlap-spec upstream``: sglang's own scheduler (the release, or a tree) against the spec.
 
-``upstream check`` runs :mod:`harness.upstream_tier` in one process per cell (upstream
-allows one ``Scheduler`` per process) inside the upstream environment, merges the cells
+``upstream check`` runs :mod:`overlap_spec.harness.conformance.tier` in one process per
+cell (upstream allows one ``Scheduler`` per process) inside the upstream environment, merges the cells
 into one report (text, and JSON with ``--json``) and exits 0 only if every drivable cell
 passed: no violation outside the listed findings, no divergence outside the allow-list,
 no vacuous invariant, no crash. ``upstream replay FILE`` re-runs a saved upstream script.

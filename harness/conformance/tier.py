@@ -1,21 +1,21 @@
 """The upstream tier, one cell: sglang 0.5.23's own scheduler against the spec.
 
 Runs inside the upstream environment (``./dev upstream``), one cell per process
-(upstream allows one ``Scheduler`` per process); :mod:`harness.upstream_cli` starts one
-process per cell and merges their JSON. Three checks:
+(upstream allows one ``Scheduler`` per process);
+:mod:`overlap_spec.harness.conformance.cli` starts one process per cell and merges their JSON. Three checks:
 
 1. **invariants**: the Hypothesis machine drives the real scheduler and checks every
    invariant the tier can judge at upstream's observation points, with upstream's own
    ``SchedulerInvariantChecker`` run after every iteration as an extra oracle (``UC``);
-2. **findings**: a violation that matches a listed finding (``harness.upstream_findings``)
-   is recorded with a minimised replayable script and does not stop the run; any other
+2. **findings**: a violation that matches a listed finding
+   (``overlap_spec.harness.conformance.findings``) is recorded with a minimised replayable script and does not stop the run; any other
    violation fails the cell, with its shrunk script;
 3. **differential**: the reference and upstream in lock step on the same operations; every
    divergence is on the allow-list (counted) or fails the cell with its script. An entry
    about one field (a value reported differently) lets the comparison go on; one that
    explains a whole operation (the runs did different things) ends that example.
 
-``python -m harness.upstream_tier --cell NAME --out DIR [--preset P] [--seed N]
+``python -m overlap_spec.harness.conformance.tier --cell NAME --out DIR [--preset P] [--seed N]
 [--profile P] [--sglang-src DIR]`` writes ``DIR/<cell>.json``.
 """
 
@@ -522,7 +522,7 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m harness.upstream_tier")
+    parser = argparse.ArgumentParser(prog="python -m overlap_spec.harness.conformance.tier")
     parser.add_argument("--cell", required=True)
     parser.add_argument("--preset", default="minimal", choices=sorted(PRESETS))
     parser.add_argument("--seed", type=int, default=0)

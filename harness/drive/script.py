@@ -191,10 +191,10 @@ Factory = Callable[[ModelConfig, frozenset[str], Observer | None], SchedulerMode
 
 
 # "gpu_impl" scripts are counterexamples of the differential checker: gpu_impl (with the
-# script's faults) against the clean reference (harness.differential.run_differential).
+# script's faults) against the clean reference (harness.differential.compare.run_differential).
 # "upstream" scripts replay on sglang's own scheduler (upstream/, its own environment);
 # "upstream-differential" ones replay the reference against it
-# (harness.upstream_tier.replay_differential; 'overlap-spec upstream replay').
+# (harness.conformance.tier.replay_differential; 'overlap-spec upstream replay').
 IMPLEMENTATIONS = ("reference", "gpu_impl", "upstream", "upstream-differential")
 
 
@@ -203,7 +203,7 @@ def get_factory(implementation: str) -> Factory:
         return Scheduler
     if implementation == "gpu_impl":
         raise ScriptError("a gpu_impl script replays against the reference "
-                          "(harness.differential.run_differential; 'overlap-spec replay')")
+                          "(harness.differential.compare.run_differential; 'overlap-spec replay')")
     if implementation == "upstream":
         from overlap_spec.upstream.adapter import make_upstream  # needs the upstream environment
 

@@ -3,7 +3,7 @@
 The machine's rules are the script operations (admit, iterate, abort); the
 observer checks every applicable invariant at every observation point inside
 each operation. A failure is shrunk by Hypothesis, saved as a replayable
-script (:mod:`harness.script`) and reported with the seed.
+script (:mod:`overlap_spec.harness.drive.script`) and reported with the seed.
 
 Profiles (``HYPOTHESIS_PROFILE`` or ``--profile``): ``ci`` (default, fast),
 ``dev``, ``thorough``.

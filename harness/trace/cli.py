@@ -86,7 +86,7 @@ def cmd_trace(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m harness.trace ...`` until the lead wires ``trace`` into harness/cli.py."""
+    """``python -m overlap_spec.harness.trace.cli ...``: the same as ``overlap-spec trace ...``."""
     parser = argparse.ArgumentParser(prog="overlap-spec trace")
     add_trace_arguments(parser)
     args = parser.parse_args(argv)

@@ -193,7 +193,7 @@ class RecordedRun:
 
 def record_script(script: Script, snapshots: bool = True) -> RecordedRun:
     """Run ``script`` on its implementation, recording every event; stop at the first
-    violation exactly like :func:`harness.script.run_script`."""
+    violation exactly like :func:`overlap_spec.harness.drive.script.run_script`."""
     config = script.get_config()
     recorder = TraceRecorder(TraceHeader(script.cell, script.preset, tuple(script.faults),
                                          script.seed, script.implementation, snapshots))

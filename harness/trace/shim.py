@@ -26,7 +26,7 @@ counters the processor fed). What upstream does not count per request, the shim 
 from the calls it wraps: releases (``tree_cache.on_release``) and steps launched but not
 yet processed (``run_batch`` / ``process_batch_result``). A live process has no ghost
 truth, so the views carry ``ghost: null`` and ``trace check`` judges the KV and RP
-checks that can be judged without it (``harness.trace.STATE_CALL_INVARIANTS``).
+checks that can be judged without it (``harness.trace.format.STATE_CALL_INVARIANTS``).
 
 Reading request views copies ``req_to_token`` rows and free lists to the host: on CUDA
 these are host syncs, made only while a shim is recording.
