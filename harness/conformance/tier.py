@@ -2,14 +2,16 @@
 
 Runs inside the upstream environment (``./dev upstream``), one cell per process
 (upstream allows one ``Scheduler`` per process);
-:mod:`overlap_spec.harness.conformance.cli` starts one process per cell and merges their JSON. Three checks:
+:mod:`overlap_spec.harness.conformance.cli` starts one process per cell and merges their
+JSON. Three checks:
 
 1. **invariants**: the Hypothesis machine drives the real scheduler and checks every
    invariant the tier can judge at upstream's observation points, with upstream's own
    ``SchedulerInvariantChecker`` run after every iteration as an extra oracle (``UC``);
 2. **findings**: a violation that matches a listed finding
-   (``overlap_spec.harness.conformance.findings``) is recorded with a minimised replayable script and does not stop the run; any other
-   violation fails the cell, with its shrunk script;
+   (``overlap_spec.harness.conformance.findings``) is recorded with a minimised replayable
+   script and does not stop the run; any other violation fails the cell, with its shrunk
+   script;
 3. **differential**: the reference and upstream in lock step on the same operations; every
    divergence is on the allow-list (counted) or fails the cell with its script. An entry
    about one field (a value reported differently) lets the comparison go on; one that
