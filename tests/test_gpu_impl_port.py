@@ -1,7 +1,7 @@
 """Scratch differential check of gpu_impl against the reference (the lead's
 harness/differential/compare.py supersedes it): random operation scripts in every cell,
-both presets, observable state compared after every operation; each value-level fault diverges from the clean reference; the clean model
-has no race under the CPU race detector."""
+both presets, observable state compared after every operation; each value-level fault
+diverges from the clean reference; the clean model has no race under the CPU race detector."""
 
 from __future__ import annotations
 
