@@ -4,8 +4,9 @@
 cell (upstream allows one ``Scheduler`` per process) inside the upstream environment,
 merges the cells into one report (text, and JSON with ``--json``) and exits 0 only if
 every drivable cell passed: no violation outside the listed findings, no divergence
-outside the allow-list, no vacuous invariant, no crash. ``upstream replay FILE`` re-runs a saved upstream script.
-``upstream stand-ins`` and ``upstream findings`` print what the tier replaces and knows.
+outside the allow-list, no vacuous invariant, no crash. ``upstream replay FILE`` re-runs a
+saved upstream script. ``upstream stand-ins`` and ``upstream findings`` print what the
+tier replaces and knows.
 
 Which Python runs the cells: ``$OVERLAP_SPEC_UPSTREAM_PYTHON``; else this interpreter if
 it can import sglang; else ``.venv-upstream/bin/python`` at the checkout's root (what
