@@ -9,7 +9,6 @@ import argparse
 import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import torch
 
@@ -18,12 +17,11 @@ from overlap_spec.harness.conformance.cli import (
     get_upstream_python,
     render_report,
     run_upstream_check,
-)
-from overlap_spec.harness.differential.compare import (
-    DifferentialResult,
+    upstream_tier_error,
+    upstream_tier_report,
 )
 from overlap_spec.harness.differential.tier import (
-    build_differential_json,
+    differential_tier_report,
     render_differential,
     run_differential_tier,
 )
@@ -34,15 +32,15 @@ from overlap_spec.harness.drive.stateful import (
     get_profile,
 )
 from overlap_spec.harness.mutants.matrix import (
-    MutantResult,
-    build_mutants_json,
+    mutants_tier_report,
     print_mutant_progress,
     render_mutants,
     run_mutants,
 )
-from overlap_spec.harness.mutants.select import CHECKERS, KILLED, NOT_APPLICABLE
-from overlap_spec.harness.prove.tier import run_proofs_for_check
-from overlap_spec.harness.report import build_json, is_clean, render_table, write_json
+from overlap_spec.harness.mutants.select import CHECKERS
+from overlap_spec.harness.prove.tier import proofs_tier_report, run_proofs_for_check
+from overlap_spec.harness.report import hypothesis_tier_report, render_table, write_json
+from overlap_spec.harness.verdict import CheckReport, TierReport, Verdict
 from overlap_spec.reference.scheduler import SUPPORTED_FAULTS
 
 
@@ -71,25 +69,33 @@ def cmd_check(args: argparse.Namespace) -> int:
             status = "ok" if result.ok else "FAIL " + ",".join(result.failed_ids or ("crash",))
             print(f" {status} ({result.seconds:.2f}s)", file=sys.stderr, flush=True)
     print(render_table(results))
-    diff_results: list[DifferentialResult] = []
-    if not args.no_differential and not faults:
+    report = CheckReport(args.seed, profile.name)
+    report.add(hypothesis_tier_report(results))
+    if args.no_differential or faults:
+        report.add(TierReport.skipped("differential", _why_skipped(args.no_differential,
+                                                                   "--no-differential")))
+    else:
         print("\ndifferential tier (gpu_impl vs reference, CPU race detector):")
         diff_results = run_differential_tier(configs, profile, args.seed, torch.device("cpu"),
                                              args.quiet, out)
         print(render_differential(diff_results))
-    proofs: dict[str, Any] = {"status": "skipped"}
-    if not args.no_proofs and not faults:
+        report.add(differential_tier_report(diff_results))
+    if args.no_proofs or faults:
+        report.add(TierReport.skipped("proofs", _why_skipped(args.no_proofs, "--no-proofs")))
+    else:
         print("\nproofs (Z3: induction, happens-before, bounded model checking):")
         proofs = run_proofs_for_check([c.cell.name for c in configs] if args.cells else None,
                                       args.jobs)
         counts = proofs.get("counts", {})
         print("  " + ", ".join(f"{k} {v}" for k, v in counts.items())
               + f" ({proofs.get('elapsed_s', 0):.1f}s)")
-    upstream: dict[str, Any] = {"status": "skipped"}
+        report.add(proofs_tier_report(proofs))
     if args.no_upstream or faults:
-        upstream["reason"] = "--no-upstream" if args.no_upstream else "--faults"
+        upstream = report.add(TierReport.skipped("upstream", _why_skipped(args.no_upstream,
+                                                                          "--no-upstream")))
     elif get_upstream_python() is None:
-        upstream["reason"] = "no upstream environment (build it with './dev upstream')"
+        upstream = report.add(TierReport.skipped(
+            "upstream", "no upstream environment (build it with './dev upstream')"))
     else:
         print("\nupstream tier (sglang's own scheduler against the spec):")
         up_args = argparse.Namespace(
@@ -98,15 +104,17 @@ def cmd_check(args: argparse.Namespace) -> int:
             preset="minimal" if args.preset == "all" else args.preset,
             jobs=args.jobs, quiet=args.quiet)
         try:
-            upstream = run_upstream_check(up_args, progress=not args.quiet)
-            print(render_report(upstream))
+            document = run_upstream_check(up_args, progress=not args.quiet)
+            print(render_report(document))
+            upstream = report.add(upstream_tier_report(document))
         except UsageError as error:
-            upstream = {"status": "error", "ok": False, "reason": str(error)}
+            upstream = report.add(upstream_tier_error(str(error)))
             print(f"  upstream tier could not run: {error}")
-    if upstream.get("status") == "skipped":
-        print(f"\nupstream tier skipped: {upstream['reason']}")
-    mutant_results: list[MutantResult] = []
-    if not args.no_mutants and not faults:
+    if upstream.verdict is Verdict.SKIPPED:
+        print(f"\nupstream tier skipped: {upstream.reason}")
+    if args.no_mutants or faults:
+        report.add(TierReport.skipped("mutants", _why_skipped(args.no_mutants, "--no-mutants")))
+    else:
         where = "the selected cells" if args.cells else "representative cells"
         print(f"\nmutant matrix (each bug alone, {where}):")
         subset = tuple(c.cell for c in configs) if args.cells else None
@@ -121,33 +129,14 @@ def cmd_check(args: argparse.Namespace) -> int:
                                      progress=None if args.quiet else print_mutant_progress,
                                      checkers=checkers)
         print(render_mutants(mutant_results))
-    elapsed = time.perf_counter() - started
-    cells_ok = is_clean(results)
-    diff_ok = all(r.ok for r in diff_results)
-    proofs_ok = proofs.get("status") == "skipped" or bool(proofs.get("ok"))
-    mutants_ok = all(m.verdict in (KILLED, NOT_APPLICABLE) for m in mutant_results)
-    upstream_ok = upstream.get("status") == "skipped" or bool(upstream.get("ok"))
-    ok = cells_ok and mutants_ok and diff_ok and proofs_ok and upstream_ok
-    killed = sum(m.verdict == KILLED for m in mutant_results)
-    unrun = sum(m.verdict == NOT_APPLICABLE for m in mutant_results)
-    mutant_note = (f", {killed}/{len(mutant_results) - unrun} mutants killed"
-                   + (f" ({unrun} n/a in these cells)" if unrun else "")
-                   if mutant_results else ", mutants skipped")
-    proofs_note = (", proofs skipped" if proofs.get("status") == "skipped"
-                   else ", proofs ok" if proofs_ok else ", PROOFS FAILED")
-    diff_note = (f", differential {sum(r.ok for r in diff_results)}/{len(diff_results)} cells"
-                 if diff_results else ", differential skipped")
-    diff_note += (", upstream skipped" if upstream.get("status") == "skipped"
-                  else ", upstream ok" if upstream_ok else ", UPSTREAM FAILED")
-    print(f"\n{'OK' if ok else 'FAILED'}: {sum(r.ok for r in results)}/{len(results)} cells "
-          f"clean{'' if cells_ok else ' (or an invariant was vacuous)'}{diff_note}{proofs_note}"
-          f"{mutant_note}, "
-          f"seed {args.seed}, profile {profile.name}, {elapsed:.1f}s")
+        report.add(mutants_tier_report(mutant_results))
+    report.elapsed_s = time.perf_counter() - started
+    print(f"\n{report.closing_line()}")
     if args.json:
-        document = build_json(results, elapsed, build_mutants_json(mutant_results), mutants_ok)
-        document["ok"] = ok
-        document["differential"] = build_differential_json(diff_results)
-        document["proofs"] = proofs
-        document["upstream"] = upstream
-        write_json(document, Path(args.json))
-    return 0 if ok else 1
+        write_json(report.to_json(), Path(args.json))
+    return 0 if report.ok else 1
+
+
+def _why_skipped(by_option: bool, option: str) -> str:
+    """A tier is skipped by its option, or because --faults runs the Hypothesis tier only."""
+    return option if by_option else "--faults (a faulted run checks the Hypothesis tier only)"

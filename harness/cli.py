@@ -135,12 +135,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
     if script.implementation == "gpu_impl":
         # A gpu_impl counterexample: the differential run against the clean reference.
         diff = run_differential(script)
-        print(f"replayed {diff.steps} steps of gpu_impl against the reference in cell "
+        print(f"replayed {diff.ops} ops of gpu_impl against the reference in cell "
               f"{script.cell}@{script.preset} faults={list(script.faults)} seed={script.seed}")
         print(diff.describe())
         return 0 if diff.ok else 1
     outcome = run_script(script)
-    print(f"replayed {len(script.ops)} steps in cell {script.cell}@{script.preset}"
+    print(f"replayed {len(script.ops)} ops in cell {script.cell}@{script.preset}"
           f" faults={list(script.faults)} seed={script.seed}")
     if outcome.violation is None:
         print("no violation")

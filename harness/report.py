@@ -1,4 +1,5 @@
-"""Reports: the invariant x cell table for a terminal and the JSON document for CI."""
+"""The Hypothesis tier's report: the invariant x cell table for a terminal, its JSON
+section, and its :class:`~overlap_spec.harness.verdict.TierReport`."""
 
 from __future__ import annotations
 
@@ -7,20 +8,21 @@ from pathlib import Path
 from typing import Any
 
 from overlap_spec.harness.drive.stateful import CellResult, describe_failure
+from overlap_spec.harness.verdict import TierReport, Verdict
 from overlap_spec.spec.invariants import INVARIANTS
 
-REPORT_VERSION = 1
-PASS, FAIL, NOT_APPLICABLE, VACUOUS = "pass", "fail", "n/a", "vacuous"
+PASS, FAIL, NOT_APPLICABLE, VACUOUS = (Verdict.PASS, Verdict.FAIL, Verdict.NOT_APPLICABLE,
+                                       Verdict.VACUOUS)
 SYMBOLS = {PASS: ".", FAIL: "X", NOT_APPLICABLE: "-", VACUOUS: "0"}
 
 
-def get_verdicts(results: list[CellResult]) -> dict[str, dict[str, str]]:
+def get_verdicts(results: list[CellResult]) -> dict[str, dict[str, Verdict]]:
     """invariant ID -> cell name -> pass / fail / n/a / vacuous.
 
     Vacuous: the invariant applies to the cell but no observation of the run gave
     it anything to check (no witness). That is a failure, never a pass.
     """
-    verdicts: dict[str, dict[str, str]] = {inv.id: {} for inv in INVARIANTS}
+    verdicts: dict[str, dict[str, Verdict]] = {inv.id: {} for inv in INVARIANTS}
     for result in results:
         cell = result.config.name
         failed = set(result.failed_ids)
@@ -64,18 +66,17 @@ def is_clean(results: list[CellResult]) -> bool:
         v in (FAIL, VACUOUS) for per_cell in verdicts.values() for v in per_cell.values())
 
 
-def build_json(results: list[CellResult], elapsed: float,
-               mutants: dict[str, Any] | None = None, mutants_ok: bool = True) -> dict[str, Any]:
+def build_section(results: list[CellResult]) -> dict[str, Any]:
+    """The tier's keys of the JSON report: cells, invariants (ID -> cell -> verdict), details."""
     verdicts = get_verdicts(results)
-    ok = is_clean(results) and mutants_ok
     details: dict[str, Any] = {}
     for result in results:
         entry: dict[str, Any] = {
             "seconds": round(result.seconds, 3),
             "seed": result.seed,
             "profile": result.profile,
-            "runs": result.exercised.get("__runs__", 0),
-            "observations": result.exercised.get("__observations__", 0),
+            "runs": result.runs,
+            "observations": result.observations,
             "exercised": {inv.id: result.exercised.get(inv.id, 0) for inv in INVARIANTS
                           if inv.applies(result.config.cell)},
         }
@@ -84,21 +85,36 @@ def build_json(results: list[CellResult], elapsed: float,
             entry["failed"] = list(result.failed_ids)
             if result.script_path is not None:
                 entry["replay"] = f"overlap-spec replay {result.script_path}"
+            if result.trace_verdict is not None:
+                entry["trace"] = result.trace_verdict.status
             if result.script is not None:
-                entry["steps"] = len(result.script.ops)
+                entry["ops"] = len(result.script.ops)
                 entry["requests"] = result.script.count_requests()
         if result.error is not None:
             entry["error"] = f"{type(result.error).__name__}: {result.error}"
         details[result.config.name] = entry
     return {
-        "version": REPORT_VERSION,
-        "ok": ok,
-        "elapsed_s": round(elapsed, 3),
         "cells": [r.config.name for r in results],
-        "invariants": verdicts,
-        "mutants": mutants or {},
+        "invariants": {i: {c: v.value for c, v in per_cell.items()}
+                       for i, per_cell in verdicts.items()},
         "details": details,
     }
+
+
+def hypothesis_tier_report(results: list[CellResult]) -> TierReport:
+    """FAIL on a violation, INCONCLUSIVE on a crash, VACUOUS on a missing witness."""
+    clean = is_clean(results)
+    if clean:
+        verdict = Verdict.PASS
+    elif any(r.violation is not None for r in results):
+        verdict = Verdict.FAIL
+    elif any(r.error is not None for r in results):
+        verdict = Verdict.INCONCLUSIVE
+    else:
+        verdict = Verdict.VACUOUS
+    summary = (f"{sum(r.ok for r in results)}/{len(results)} cells clean"
+               + ("" if clean else " (or an invariant was vacuous)"))
+    return TierReport("hypothesis", verdict, summary, build_section(results))
 
 
 def write_json(document: dict[str, Any], path: Path) -> None:

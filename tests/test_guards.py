@@ -51,7 +51,7 @@ def test_failure_message_names_id_request_values_and_replay() -> None:
     text = str(result.violation)
     assert text.split()[0] in get_bug("B3").invariants
     assert text.split()[1:3] == ["violated", "for"]
-    assert " r" in text and "script step" in text and "cell ov-p1-v2chain" in text
+    assert " r" in text and "(op " in text and "cell ov-p1-v2chain" in text
     from overlap_spec.harness.drive.stateful import describe_failure
     described = describe_failure(result)
     assert "seed 1" in described and "overlap-spec replay" in described

@@ -65,7 +65,7 @@ def test_counterexamples_are_small(matrix: dict[str, MutantResult]) -> None:
         rep = result.get_representative()
         assert rep is not None
         small += (rep.requests or 0) <= 2 and (rep.steps or 0) <= 8
-    assert small >= 0.9 * len(matrix), f"only {small}/{len(matrix)} are <= 2 requests, 8 steps"
+    assert small >= 0.9 * len(matrix), f"only {small}/{len(matrix)} are <= 2 requests, 8 ops"
 
 
 def test_correct_design_passes_the_mutant_witness_scripts() -> None:
@@ -103,5 +103,5 @@ def test_mutants_cli_json(tmp_path: Path) -> None:
     assert set(doc["mutants"]) == {"B2", "B8"}
     entry = doc["mutants"]["B8"]["hypothesis"]
     assert entry["verdict"] == "killed" and entry["invariant"] == "ST2"
-    assert isinstance(entry["steps"], int) and isinstance(entry["seconds"], float)
+    assert isinstance(entry["ops"], int) and isinstance(entry["seconds"], float)
     assert main(["mutants", "--bugs", "B99"]) == 2

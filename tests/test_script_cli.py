@@ -99,8 +99,11 @@ def test_check_json_has_every_id_in_every_cell(tmp_path: Path) -> None:
                  "--no-differential", "--no-proofs", "--json", str(out)])
     assert code == 0
     doc = json.loads(out.read_text())
-    assert doc["differential"] == {"status": "skipped"}
-    assert doc["proofs"] == {"status": "skipped"}
+    assert doc["differential"] == {"status": "skipped", "reason": "--no-differential"}
+    assert doc["proofs"] == {"status": "skipped", "reason": "--no-proofs"}
+    assert doc["tiers"]["hypothesis"]["verdict"] == "pass"
+    assert doc["tiers"]["mutants"]["verdict"] == "pass"
+    assert {doc["tiers"][t]["verdict"] for t in ("differential", "proofs")} == {"skipped"}
     assert doc["version"] == 1 and doc["ok"] is True and isinstance(doc["elapsed_s"], float)
     assert doc["cells"] == ["ov-p1-none@minimal", "nov-p1-v2chain-cpu-preclaim@minimal"]
     assert sorted(doc["invariants"]) == sorted(DIGEST_IDS) == sorted(INVARIANT_IDS)
@@ -124,8 +127,10 @@ def test_check_with_a_fault_fails_and_reports_fail(tmp_path: Path) -> None:
                  "--out", str(tmp_path)])
     assert code == 1
     doc = json.loads(out.read_text())
-    assert doc["ok"] is False
+    assert doc["ok"] is False and doc["tiers"]["hypothesis"]["verdict"] == "fail"
+    assert doc["tiers"]["mutants"]["reason"].startswith("--faults")
     assert doc["invariants"]["ST2"]["ov-p1-none@minimal"] == "fail"
+    assert doc["details"]["ov-p1-none@minimal"]["trace"] == "violation"
     assert "overlap-spec replay" in doc["details"]["ov-p1-none@minimal"]["replay"]
 
 

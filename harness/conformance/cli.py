@@ -34,6 +34,7 @@ from overlap_spec.harness.conformance.findings import (
 )
 from overlap_spec.harness.drive.cells import DEFAULT_SEED, NoCellMatches
 from overlap_spec.harness.drive.cells import select_cells as select_cell_records
+from overlap_spec.harness.verdict import TierReport, Verdict
 from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells
 from overlap_spec.upstream.standins import STAND_INS
 
@@ -408,3 +409,17 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def upstream_tier_report(report: dict[str, Any]) -> TierReport:
+    """The upstream tier's merged report as a tier of ``check``."""
+    verdict = Verdict.PASS if report.get("ok") else Verdict.FAIL
+    return TierReport("upstream", verdict,
+                      "upstream ok" if verdict is Verdict.PASS else "UPSTREAM FAILED",
+                      {"upstream": report})
+
+
+def upstream_tier_error(reason: str) -> TierReport:
+    """The tier could not run (a usage error inside ``check``): inconclusive, not a pass."""
+    return TierReport("upstream", Verdict.INCONCLUSIVE, "UPSTREAM FAILED",
+                      {"upstream": {"status": "error", "ok": False, "reason": reason}}, reason)

@@ -46,7 +46,13 @@ from overlap_spec.harness.conformance.findings import (
 )
 from overlap_spec.harness.drive.checker import InvariantChecker
 from overlap_spec.harness.drive.script import Iterate, Op, Script, apply_op, save_script
-from overlap_spec.harness.drive.stateful import Profile, get_machine_test, get_profile, make_machine
+from overlap_spec.harness.drive.stateful import (
+    Profile,
+    RunLog,
+    get_machine_test,
+    get_profile,
+    make_machine,
+)
 from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
 from overlap_spec.spec.interface import BatchState, ObservableState
 from overlap_spec.spec.invariants import INVARIANTS, InvariantViolation
@@ -100,7 +106,7 @@ class UpstreamChecker(InvariantChecker):
                     self.record_finding(known, violation)
         if failures:
             first = failures[0]
-            where = f" (script step {obs.step_index}, cell {self.config.name})"
+            where = f" (op {obs.step_index}, cell {self.config.name})"
             raise InvariantViolation(first.invariant_id, first.message + where,
                                      all_ids=tuple(f.invariant_id for f in failures))
 
@@ -110,7 +116,7 @@ class UpstreamChecker(InvariantChecker):
         if message is None:
             return
         violation = InvariantViolation(UPSTREAM_CHECKER_ID, f"(upstream's own checker): "
-                                       f"{message} (script step {step_index}, cell "
+                                       f"{message} (op {step_index}, cell "
                                        f"{self.config.name})")
         known = match_finding(violation, self.config.cell)
         if known is None:
@@ -400,7 +406,7 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
     if reason is not None:
         return {"verdict": "n/a", "reason": reason, "invariants": {}, "findings": [],
                 "differential": {"verdict": "n/a", "reason": reason, "divergences": []}}
-    stats: Counter[str] = Counter()
+    log = RunLog()
     checkers: list[UpstreamChecker] = []
 
     def factory(cfg: ModelConfig) -> InvariantChecker:
@@ -408,7 +414,7 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
         checkers.append(checker)
         return checker
 
-    machine = make_machine(config, frozenset(), "upstream", stats, checker_factory=factory)
+    machine = make_machine(config, frozenset(), "upstream", log, checker_factory=factory)
 
     class ScriptedMachine(machine):  # type: ignore[valid-type, misc]
         def __init__(self) -> None:
@@ -424,7 +430,7 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
         test()
     except InvariantViolation as error:
         violation = error
-        script: Script | None = getattr(error, "script", None)
+        script = log.last_script
         if script is not None:
             script.seed = seed
             failure_script = save_script(script, save_dir / f"{config.cell.name}-new.json")
@@ -479,14 +485,15 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
             invariants[inv.id] = "fail"
         elif any(f["invariant"] == inv.id and f["listed"] for f in findings):
             invariants[inv.id] = "finding"
-        elif stats[inv.id] == 0:
+        elif log.exercised[inv.id] == 0:
             invariants[inv.id] = "vacuous"
         else:
             invariants[inv.id] = "pass"
     if violation is not None and UPSTREAM_CHECKER_ID in violation.all_ids:
         invariants[UPSTREAM_CHECKER_ID] = "fail"
     else:
-        invariants[UPSTREAM_CHECKER_ID] = "pass" if stats[UPSTREAM_CHECKER_ID] else "vacuous"
+        witnessed = log.exercised[UPSTREAM_CHECKER_ID]
+        invariants[UPSTREAM_CHECKER_ID] = "pass" if witnessed else "vacuous"
 
     started_diff = time.perf_counter()
     differential: dict[str, Any]
@@ -514,8 +521,8 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
         "verdict": "fail" if failed else "pass",
         "reason": crash or (f"vacuous: {', '.join(vacuous)}" if vacuous else None),
         "invariants": invariants,
-        "exercised": {k: v for k, v in stats.items() if not k.startswith("__")},
-        "runs": stats["__runs__"],
+        "exercised": dict(log.exercised),
+        "runs": log.runs,
         "findings": findings,
         "differential": differential,
         "seconds": {"check": round(seconds_check, 1),

@@ -50,7 +50,7 @@ class Divergence:
 
 @dataclass
 class DifferentialOutcome:
-    steps: int
+    ops: int
     divergence: Divergence | None = None
     races: list[RaceReport] = field(default_factory=list)
     race_step: int | None = None
@@ -64,7 +64,7 @@ class DifferentialOutcome:
             return self.divergence.describe()
         if self.races:
             return f"race at step {self.race_step}: {self.races[0].describe()}"
-        return f"reference and gpu_impl agree on all {self.steps} steps; no race"
+        return f"reference and gpu_impl agree on all {self.ops} ops; no race"
 
 
 class DifferentialFailure(AssertionError):
@@ -167,8 +167,8 @@ class DifferentialPair:
 
     def apply(self, op: Op) -> DifferentialOutcome:
         """Apply ``op`` to both; record the first divergence or race in ``outcome``."""
-        step = self.outcome.steps
-        self.outcome.steps += 1
+        step = self.outcome.ops
+        self.outcome.ops += 1
         self.reference.set_step_index(step)
         self.gpu.set_step_index(step)
         ref_error = gpu_error = None

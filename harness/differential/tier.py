@@ -26,6 +26,7 @@ from overlap_spec.harness.drive.stateful import (
     get_failure_dir,
     get_profile,
 )
+from overlap_spec.harness.verdict import TierReport, Verdict
 from overlap_spec.spec.config import ModelConfig
 
 
@@ -124,3 +125,13 @@ def cmd_diff(args: argparse.Namespace) -> int:
     print(f"{'OK' if ok else 'FAILED'}: seed {args.seed}, profile {profile.name}, "
           f"device {device}, {time.perf_counter() - started:.1f}s")
     return 0 if ok else 1
+
+
+def differential_tier_report(results: list[DifferentialResult]) -> TierReport:
+    """PASS when gpu_impl agreed with the reference in every cell with no race."""
+    ok = all(r.ok for r in results)
+    verdict = Verdict.PASS if ok else (
+        Verdict.FAIL if any(r.failure is not None for r in results) else Verdict.INCONCLUSIVE)
+    return TierReport("differential", verdict,
+                      f"differential {sum(r.ok for r in results)}/{len(results)} cells",
+                      {"differential": build_differential_json(results)})

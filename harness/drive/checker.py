@@ -31,7 +31,7 @@ class InvariantChecker:
                 failures.append(violation)
         if failures:
             first = failures[0]
-            where = f" (script step {obs.step_index}, cell {self.config.name})"
+            where = f" (op {obs.step_index}, cell {self.config.name})"
             others = "".join(f"\n  also {f}" for f in failures[1:])
             raise InvariantViolation(first.invariant_id, first.message + where + others,
                                      all_ids=tuple(f.invariant_id for f in failures))

@@ -40,7 +40,7 @@ from overlap_spec.harness.drive.script import (
     get_factory,
     save_script,
 )
-from overlap_spec.harness.trace.check import record_script_trace
+from overlap_spec.harness.trace.check import TraceVerdict, record_script_trace
 from overlap_spec.harness.trace.format import get_trace_path
 from overlap_spec.spec.config import ModelConfig, SpecMode
 from overlap_spec.spec.invariants import InvariantViolation
@@ -76,8 +76,20 @@ def get_failure_dir() -> Path:
     return Path(os.environ.get("OVERLAP_SPEC_OUT", ".overlap-spec")) / "failures"
 
 
+@dataclass
+class RunLog:
+    """What a machine's runs leave for the caller: witness counts per invariant, the number
+    of runs and observations, and the script of the run in progress (after a failing test,
+    the failing run's: Hypothesis replays the shrunk example last)."""
+
+    exercised: Counter[str] = field(default_factory=Counter)
+    runs: int = 0
+    observations: int = 0
+    last_script: Script | None = None
+
+
 def make_machine(config: ModelConfig, faults: frozenset[str], implementation: str = "reference",
-                 stats: Counter[str] | None = None,
+                 log: RunLog | None = None,
                  checker_factory: Callable[[ModelConfig], InvariantChecker] = InvariantChecker,
                  ) -> type[RuleBasedStateMachine]:
     """A state machine class bound to one configuration and fault set.
@@ -107,15 +119,13 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
             self.script = Script(config.cell.name, config.preset.name, [], tuple(sorted(faults)),
                                  implementation=implementation)
             self.admitted: list[RequestId] = []
+            if log is not None:
+                log.last_script = self.script
 
         def _apply(self, op: Op) -> None:
             self.script.ops.append(op)
             self.model.set_step_index(len(self.script.ops) - 1)
-            try:
-                apply_op(self.model, op, self.admitted)
-            except InvariantViolation as violation:
-                violation.script = self.script  # type: ignore[attr-defined]
-                raise
+            apply_op(self.model, op, self.admitted)
 
         @precondition(lambda self: len(self.admitted) < MAX_REQUESTS)
         @rule(prompt_len=st.integers(1, config.preset.max_prompt_len),
@@ -150,10 +160,10 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
             self._apply(Abort(request))
 
         def teardown(self) -> None:
-            if stats is not None:
-                stats.update(self.checker.exercised)
-                stats["__runs__"] += 1
-                stats["__observations__"] += self.checker.observations
+            if log is not None:
+                log.exercised.update(self.checker.exercised)
+                log.runs += 1
+                log.observations += self.checker.observations
 
     SchedulerMachine.__name__ = f"SchedulerMachine[{config.name}]"
     return SchedulerMachine
@@ -170,7 +180,11 @@ class CellResult:
     script: Script | None = None
     script_path: Path | None = None
     exercised: Counter[str] = field(default_factory=Counter)
+    runs: int = 0
+    observations: int = 0
     error: BaseException | None = None
+    # The trace checker's verdict on the saved counterexample's trace (None: nothing saved).
+    trace_verdict: TraceVerdict | None = None
 
     @property
     def ok(self) -> bool:
@@ -208,8 +222,8 @@ def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
     ``shrink=False`` skips Hypothesis's shrinker (the mutant runner minimises the
     script itself, which is much cheaper for these short operation scripts).
     """
-    stats: Counter[str] = Counter()
-    machine = make_machine(config, faults, implementation, stats)
+    log = RunLog()
+    machine = make_machine(config, faults, implementation, log)
     examples = profile.max_examples if shrink else profile.mutant_examples
     test = get_machine_test(machine, examples, profile.step_count, run_seed, shrink)
     started = time.perf_counter()
@@ -218,7 +232,7 @@ def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
         test()
     except InvariantViolation as violation:
         result.violation = violation
-        script: Script | None = getattr(violation, "script", None)
+        script = log.last_script
         if script is not None:
             script.seed = run_seed
             result.script = script
@@ -226,11 +240,14 @@ def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
             directory = save_dir or get_failure_dir()
             result.script_path = save_script(script, directory / f"{name}.json")
             # The same counterexample as a trace (harness/trace.py), checkable on its own.
-            record_script_trace(script, get_trace_path(result.script_path))
+            result.trace_verdict = record_script_trace(script,
+                                                       get_trace_path(result.script_path))
     except Exception as error:  # a crash of the implementation is a failure, not a pass
         result.error = error
     result.seconds = time.perf_counter() - started
-    result.exercised = stats
+    result.exercised = log.exercised
+    result.runs = log.runs
+    result.observations = log.observations
     return result
 
 
@@ -240,10 +257,13 @@ def describe_failure(result: CellResult) -> str:
     if result.violation is not None:
         lines.append(str(result.violation))
         if result.script is not None:
-            lines.append(f"counterexample: {len(result.script.ops)} steps, "
+            lines.append(f"counterexample: {len(result.script.ops)} ops, "
                          f"{result.script.count_requests()} requests")
         if result.script_path is not None:
             lines.append(f"replay: overlap-spec replay {result.script_path}")
+        if result.trace_verdict is not None:
+            lines.append(f"trace: {get_trace_path(result.script_path or Path('.'))} "
+                         f"(trace checker: {result.trace_verdict.status})")
     if result.error is not None:
         lines.append(f"implementation crashed: {type(result.error).__name__}: {result.error}")
     return "\n".join(lines)

@@ -40,6 +40,7 @@ from overlap_spec.harness.mutants.select import (
 from overlap_spec.harness.mutants.z3 import run_z3_mutant_column
 from overlap_spec.harness.trace.check import record_script_trace
 from overlap_spec.harness.trace.format import get_trace_path
+from overlap_spec.harness.verdict import TierReport, Verdict
 from overlap_spec.spec.bugs import BUGS, Bug
 from overlap_spec.spec.config import PRESETS, Cell, ModelConfig
 
@@ -51,7 +52,7 @@ class CellKill:
     checker: str = "hypothesis"
     invariant: str | None = None
     all_invariants: tuple[str, ...] = ()
-    steps: int | None = None
+    ops: int | None = None
     requests: int | None = None
     seconds: float = 0.0
     replay: str | None = None
@@ -80,8 +81,8 @@ class MutantResult:
 
     def get_representative(self) -> CellKill | None:
         """The smallest counterexample over the cells (what a reader should open first)."""
-        kills = [c for c in self.cells if c.verdict == KILLED and c.steps is not None]
-        return min(kills, key=lambda c: (c.requests or 0, c.steps or 0), default=None)
+        kills = [c for c in self.cells if c.verdict == KILLED and c.ops is not None]
+        return min(kills, key=lambda c: (c.requests or 0, c.ops or 0), default=None)
 
     @property
     def invariant(self) -> str | None:
@@ -170,7 +171,7 @@ def run_z3_for_bug(bug: Bug, save_dir: Path) -> MutantResult:
         name = "-".join([(kill.cell or "cell").replace("@", "-"), bug.id, "z3"])
         path = save_script(kill.script, save_dir / f"{name}.json")
         record_script_trace(kill.script, get_trace_path(path))
-        cell.steps, cell.requests = len(kill.script.ops), kill.script.count_requests()
+        cell.ops, cell.requests = len(kill.script.ops), kill.script.count_requests()
         cell.replay = f"overlap-spec replay {path}"
     cell.seconds = time.perf_counter() - started
     result.cells.append(cell)
@@ -221,14 +222,14 @@ def build_mutants_json(results: list[MutantResult]) -> dict[str, Any]:
         document.setdefault(result.bug.id, {})[result.checker] = {
                 "verdict": result.verdict,
                 "invariant": result.invariant,
-                "steps": rep.steps if rep else None,
+                "ops": rep.ops if rep else None,
                 "requests": rep.requests if rep else None,
                 "seconds": round(result.seconds, 3),
                 "expected": list(result.bug.invariants),
                 "replay": rep.replay if rep else None,
                 "cells": {
                     c.cell: {"verdict": c.verdict, "invariant": c.invariant,
-                             "all": list(c.all_invariants), "steps": c.steps,
+                             "all": list(c.all_invariants), "ops": c.ops,
                              "requests": c.requests, "seconds": round(c.seconds, 3),
                              **({"detail": c.detail} if c.detail else {})}
                     for c in result.cells
@@ -239,7 +240,7 @@ def build_mutants_json(results: list[MutantResult]) -> dict[str, Any]:
 
 
 def render_mutants(results: list[MutantResult]) -> str:
-    lines = [f"{'bug':<5} {'checker':<11} {'verdict':<9} {'invariant':<9} {'steps':>5} "
+    lines = [f"{'bug':<5} {'checker':<11} {'verdict':<9} {'invariant':<9} {'ops':>5} "
              f"{'reqs':>4} {'cells':>6} {'seconds':>8}  title"]
     for result in results:
         rep = result.get_representative()
@@ -247,7 +248,7 @@ def render_mutants(results: list[MutantResult]) -> str:
         ran = sum(c.verdict != NOT_APPLICABLE for c in result.cells)
         lines.append(
             f"{result.bug.id:<5} {result.checker:<11} {result.verdict:<9} "
-            f"{result.invariant or '-':<9} {rep.steps if rep else '-':>5} "
+            f"{result.invariant or '-':<9} {rep.ops if rep else '-':>5} "
             f"{rep.requests if rep else '-':>4} {killed:>3}/{ran:<2} "
             f"{result.seconds:8.2f}  {result.bug.title}")
         if result.not_applicable:
@@ -259,9 +260,9 @@ def render_mutants(results: list[MutantResult]) -> str:
                 lines.append(f"      survived in {cell.cell}" +
                              (f" ({cell.detail})" if cell.detail else ""))
     small = [r for r in results if (rep := r.get_representative()) is not None
-             and (rep.requests or 0) <= 2 and (rep.steps or 0) <= 8]
+             and (rep.requests or 0) <= 2 and (rep.ops or 0) <= 8]
     if results:
-        lines.append(f"counterexamples with <= 2 requests and <= 8 steps: {len(small)}/"
+        lines.append(f"counterexamples with <= 2 requests and <= 8 ops: {len(small)}/"
                      f"{len(results)}")
     return "\n".join(lines)
 
@@ -270,3 +271,14 @@ def print_mutant_progress(bug: Bug, kill: CellKill) -> None:
     """One progress line per (bug, checker, cell) on stderr."""
     print(f"  mutant {bug.id:<4} {kill.checker:<10} {kill.cell:<32} {kill.verdict} "
           f"{kill.invariant or ''} ({kill.seconds:.2f}s)", file=sys.stderr, flush=True)
+
+
+def mutants_tier_report(results: list[MutantResult]) -> TierReport:
+    """PASS when every mutant is killed (or n/a) in every checker that claims it."""
+    ok = all(m.verdict in (KILLED, NOT_APPLICABLE) for m in results)
+    killed = sum(m.verdict == KILLED for m in results)
+    unrun = sum(m.verdict == NOT_APPLICABLE for m in results)
+    summary = (f"{killed}/{len(results) - unrun} mutants killed"
+               + (f" ({unrun} n/a in these cells)" if unrun else ""))
+    return TierReport("mutants", Verdict.PASS if ok else Verdict.FAIL, summary,
+                      {"mutants": build_mutants_json(results)})

@@ -17,6 +17,7 @@ from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from overlap_spec.harness.verdict import TierReport, Verdict
 from overlap_spec.proofs import bmc
 from overlap_spec.proofs import solver as zs
 from overlap_spec.proofs.induction import DEFAULT_BATCH_BOUND, prove_cell
@@ -204,3 +205,20 @@ def render_matrix(results: dict[str, list[MatrixCell]]) -> str:
         for cell, row in bad[:3]:
             lines.append(f"      {row.verdict} in {cell}: {row.detail[:200]}")
     return "\n".join(lines)
+
+
+def proofs_tier_report(document: dict[str, Any]) -> TierReport:
+    """PASS only when every obligation is proved: a counterexample fails, a solver
+    timeout or "unknown" is inconclusive, and no obligation at all is a failure."""
+    counts = document.get("counts", {})
+    if document.get("ok"):
+        verdict = Verdict.PASS
+    elif counts.get(zs.COUNTEREXAMPLE):
+        verdict = Verdict.FAIL
+    elif counts.get(zs.UNKNOWN):
+        verdict = Verdict.INCONCLUSIVE
+    else:
+        verdict = Verdict.FAIL
+    return TierReport("proofs", verdict,
+                      "proofs ok" if verdict is Verdict.PASS else "PROOFS FAILED",
+                      {"proofs": document})
