@@ -85,8 +85,14 @@ LOOP_ID: Final = "LOOP"
 # Order keys: a batch merged at iteration i sorts after everything merged before it.
 _ORDER_STRIDE: Final = 1000
 
-EXTRA_INT: Final = ("adm", "wkey", "rkey", "e1at", "e2at")
-EXTRA_BOOL: Final = ("wait", "run", "inext", "e1", "e2")
+EXTRA_INT: Final = (
+    "admit_at",
+    "waiting_order",
+    "running_order",
+    "eos_index_oldest",
+    "eos_index_newest",
+)
+EXTRA_BOOL: Final = ("waiting", "in_running_batch", "in_extend_batch", "eos_oldest", "eos_newest")
 
 
 @dataclass
@@ -158,8 +164,14 @@ def _count(terms: list[Term]) -> Term:
 class _Builder:
     """Builds the unrolling; ``state`` is the current frame (fresh constants per frame)."""
 
-    def __init__(self, ctx: Context, depth: int, requests: int, use_lemma: bool = False,
-                 symbolic_start: bool = False) -> None:
+    def __init__(
+        self,
+        ctx: Context,
+        depth: int,
+        requests: int,
+        use_lemma: bool = False,
+        symbolic_start: bool = False,
+    ) -> None:
         self.ctx = ctx
         self.use_lemma = use_lemma  # add ALLOC instances (only once it is proved valid)
         self.out = Unrolling(ctx, depth, requests)
@@ -178,12 +190,20 @@ class _Builder:
                 r[name] = zs.Bool(f"r{b}.f0.{name}")
             self.reqs.append(r)
         self.glob: dict[str, Term] = {
-            "last_ext": zs.BoolVal(False), "last_some": zs.BoolVal(False),
-            "rb_cpu": zs.BoolVal(True), "rb_sum": zs.BoolVal(False), "rb_total": zs.IntVal(0),
-            "xb_sum": zs.BoolVal(False), "xb_total": zs.IntVal(0), "wctr": zs.IntVal(requests)}
+            "last_was_extend": zs.BoolVal(False),
+            "last_launched": zs.BoolVal(False),
+            "running_has_cpu": zs.BoolVal(True),
+            "running_sum_present": zs.BoolVal(False),
+            "running_seq_lens_sum": zs.IntVal(0),
+            "extend_sum_present": zs.BoolVal(False),
+            "extend_seq_lens_sum": zs.IntVal(0),
+            "waiting_counter": zs.IntVal(requests),
+        }
         if symbolic_start:  # any state: the caller constrains it (check_inductive_step)
-            self.glob = {name: (zs.Bool if zs.is_bool(term) else zs.Int)(f"g.f0.{name}")
-                         for name, term in self.glob.items()}
+            self.glob = {
+                name: (zs.Bool if zs.is_bool(term) else zs.Int)(f"g.f0.{name}")
+                for name, term in self.glob.items()
+            }
         else:
             self._initial()
         self.out.initial = len(self.out.constraints)
@@ -192,8 +212,9 @@ class _Builder:
     def add(self, term: Term) -> None:
         self.out.constraints.append(term)
 
-    def violate(self, invariant: str, iteration: int, where: str, term: Term,
-                exercised: Term = None) -> None:
+    def violate(
+        self, invariant: str, iteration: int, where: str, term: Term, exercised: Term = None
+    ) -> None:
         self.out.violations.append(Violation(invariant, iteration, where, term, exercised))
 
     def snapshot(self) -> None:
@@ -222,23 +243,51 @@ class _Builder:
         preset = self.ctx.config.preset
         depth = self.out.depth
         for b, r in enumerate(self.reqs):
-            self.add(zs.And(
-                zs.Not(r["holds"]), zs.Not(r["fin"]), zs.Not(r["ret"]), zs.Not(r["prep"]),
-                zs.Not(r["resolved"]), zs.Not(r["ext"]), r["q"] == 0, r["k"] == 0,
-                r["O"] == 0, r["C"] == 0, r["A"] == 0, r["T"] == 0, r["Stl"] == 0,
-                r["pages"] == 0, r["s"] == 0, r["sc"] == 0, r["pub"] == 0, r["a1"] == 0,
-                r["a2"] == 0, r["w"] == 0, r["amax"] == 0,
-                1 <= r["P"], r["P"] <= preset.max_prompt_len,
-                1 <= r["M"], r["M"] <= preset.max_new_tokens,
-                0 <= r["adm"], r["adm"] <= depth, r["wkey"] == b, r["rkey"] == 0,
-                r["e1at"] == 0, r["e2at"] == 0,
-                zs.Not(r["wait"]), zs.Not(r["run"]), zs.Not(r["inext"]), zs.Not(r["e1"]),
-                zs.Not(r["e2"])))
+            self.add(
+                zs.And(
+                    zs.Not(r["holds_kv"]),
+                    zs.Not(r["finished"]),
+                    zs.Not(r["is_retracted"]),
+                    zs.Not(r["prepared"]),
+                    zs.Not(r["resolved"]),
+                    zs.Not(r["extend_inflight"]),
+                    r["launched_steps"] == 0,
+                    r["inflight_steps"] == 0,
+                    r["output_len"] == 0,
+                    r["kv_committed_len"] == 0,
+                    r["kv_allocated_len"] == 0,
+                    r["kv_len_true"] == 0,
+                    r["settled_len"] == 0,
+                    r["page_count"] == 0,
+                    r["seq_len"] == 0,
+                    r["seq_len_cpu"] == 0,
+                    r["published_seq_len"] == 0,
+                    r["accept_oldest"] == 0,
+                    r["accept_newest"] == 0,
+                    r["write_width"] == 0,
+                    r["max_accept_len"] == 0,
+                    1 <= r["prompt_len"],
+                    r["prompt_len"] <= preset.max_prompt_len,
+                    1 <= r["max_new_tokens"],
+                    r["max_new_tokens"] <= preset.max_new_tokens,
+                    0 <= r["admit_at"],
+                    r["admit_at"] <= depth,
+                    r["waiting_order"] == b,
+                    r["running_order"] == 0,
+                    r["eos_index_oldest"] == 0,
+                    r["eos_index_newest"] == 0,
+                    zs.Not(r["waiting"]),
+                    zs.Not(r["in_running_batch"]),
+                    zs.Not(r["in_extend_batch"]),
+                    zs.Not(r["eos_oldest"]),
+                    zs.Not(r["eos_newest"]),
+                )
+            )
             if b > 0:  # requests are admitted in rid order (symmetry breaking)
-                self.add(self.reqs[b - 1]["adm"] <= r["adm"])
-            self.out.admit_at.append(r["adm"])
-            self.out.prompt_len.append(r["P"])
-            self.out.max_new_tokens.append(r["M"])
+                self.add(self.reqs[b - 1]["admit_at"] <= r["admit_at"])
+            self.out.admit_at.append(r["admit_at"])
+            self.out.prompt_len.append(r["prompt_len"])
+            self.out.max_new_tokens.append(r["max_new_tokens"])
 
     # ------------------------------------------------------------------ checks
     def check_state(self, iteration: int, where: str) -> None:
@@ -247,28 +296,49 @@ class _Builder:
             if inv.id == "SL2":
                 continue  # needs the batch's mirror flag: below
             for b, r in enumerate(self.reqs):
-                self.violate(inv.id, iteration, f"{where} r{b}", zs.Not(inv.predicate(ctx, r)),
-                             get_antecedent(inv.id, r))
+                self.violate(
+                    inv.id,
+                    iteration,
+                    f"{where} r{b}",
+                    zs.Not(inv.predicate(ctx, r)),
+                    get_antecedent(inv.id, r),
+                )
         g = self.glob
         for b, r in enumerate(self.reqs):
-            mirrored = zs.Or(zs.And(r["run"], g["rb_cpu"]), r["inext"])
-            self.violate("SL2", iteration, f"{where} r{b}",
-                         zs.And(mirrored, r["holds"], r["s"] != r["sc"]),
-                         zs.And(mirrored, r["holds"]))
+            mirrored = zs.Or(
+                zs.And(r["in_running_batch"], g["running_has_cpu"]), r["in_extend_batch"]
+            )
+            self.violate(
+                "SL2",
+                iteration,
+                f"{where} r{b}",
+                zs.And(mirrored, r["holds_kv"], r["seq_len"] != r["seq_len_cpu"]),
+                zs.And(mirrored, r["holds_kv"]),
+            )
         for batch, members, cpu in (
-                ("running", [r["run"] for r in self.reqs], g["rb_cpu"]),
-                ("extend", [r["inext"] for r in self.reqs], zs.BoolVal(True))):
-            present, total = (("rb_sum", "rb_total") if batch == "running"
-                              else ("xb_sum", "xb_total"))
-            mirror_sum = zs.Sum([zs.If(m, r["sc"], 0) for m, r in zip(members, self.reqs,
-                                                                       strict=True)])
-            self.violate("SL3", iteration, f"{where} {batch} batch", zs.And(
-                g[present], zs.Not(zs.And(cpu, g[total] == mirror_sum))),
-                zs.And(g[present], zs.Or(*members)))
-        owned = zs.Sum([zs.If(r["holds"], r["pages"], 0) for r in self.reqs])
-        holders = _count([r["holds"] for r in self.reqs])
-        self.violate("KV7", iteration, where, zs.Or(owned > self.kv_pages, holders > self.rows),
-                     holders >= 2)
+            ("running", [r["in_running_batch"] for r in self.reqs], g["running_has_cpu"]),
+            ("extend", [r["in_extend_batch"] for r in self.reqs], zs.BoolVal(True)),
+        ):
+            present, total = (
+                ("running_sum_present", "running_seq_lens_sum")
+                if batch == "running"
+                else ("extend_sum_present", "extend_seq_lens_sum")
+            )
+            mirror_sum = zs.Sum(
+                [zs.If(m, r["seq_len_cpu"], 0) for m, r in zip(members, self.reqs, strict=True)]
+            )
+            self.violate(
+                "SL3",
+                iteration,
+                f"{where} {batch} batch",
+                zs.And(g[present], zs.Not(zs.And(cpu, g[total] == mirror_sum))),
+                zs.And(g[present], zs.Or(*members)),
+            )
+        owned = zs.Sum([zs.If(r["holds_kv"], r["page_count"], 0) for r in self.reqs])
+        holders = _count([r["holds_kv"] for r in self.reqs])
+        self.violate(
+            "KV7", iteration, where, zs.Or(owned > self.kv_pages, holders > self.rows), holders >= 2
+        )
 
     def check_loop(self, i: int, now: Term) -> None:
         """``LOOP``: what the event loop's own bookkeeping (queues, batches, order keys,
@@ -277,62 +347,120 @@ class _Builder:
         (``check_bounded``'s window) instead of replaying the whole history."""
         g = self.glob
         for b, r in enumerate(self.reqs):
-            admitted = r["adm"] <= now
+            admitted = r["admit_at"] <= now
             facts = {
                 # waiting: no row, not finished, in no batch; a retracted request waits
-                "waiting": zs.Implies(r["wait"], zs.And(r["q"] == 0, zs.Not(zs.Or(
-                    r["holds"], r["fin"], r["run"], r["inext"])))),
-                "retracted": zs.Implies(r["ret"], r["wait"]),
+                "waiting": zs.Implies(
+                    r["waiting"],
+                    zs.And(
+                        r["launched_steps"] == 0,
+                        zs.Not(
+                            zs.Or(
+                                r["holds_kv"],
+                                r["finished"],
+                                r["in_running_batch"],
+                                r["in_extend_batch"],
+                            )
+                        ),
+                    ),
+                ),
+                "retracted": zs.Implies(r["is_retracted"], r["waiting"]),
                 # the running batch: holders, or finished ones the next filter drops
-                "running": zs.Implies(r["run"], zs.And(
-                    zs.Not(r["inext"]), zs.Or(r["holds"], r["fin"]),
-                    r["rkey"] < _ORDER_STRIDE * (now + 1))),
+                "running": zs.Implies(
+                    r["in_running_batch"],
+                    zs.And(
+                        zs.Not(r["in_extend_batch"]),
+                        zs.Or(r["holds_kv"], r["finished"]),
+                        r["running_order"] < _ORDER_STRIDE * (now + 1),
+                    ),
+                ),
                 # the last extend batch is this iteration's prefill
-                "extend": zs.Implies(r["inext"], zs.And(
-                    g["last_ext"], zs.Or(r["holds"], r["fin"]), r["q"] == self.ctx.max_pending,
-                    zs.Implies(r["q"] >= 1, zs.And(r["ext"], r["holds"])))),
-                "holder": zs.Implies(r["holds"], zs.Or(r["run"], r["inext"])),
+                "extend": zs.Implies(
+                    r["in_extend_batch"],
+                    zs.And(
+                        g["last_was_extend"],
+                        zs.Or(r["holds_kv"], r["finished"]),
+                        r["launched_steps"] == self.ctx.max_pending,
+                        zs.Implies(
+                            r["launched_steps"] >= 1, zs.And(r["extend_inflight"], r["holds_kv"])
+                        ),
+                    ),
+                ),
+                "holder": zs.Implies(
+                    r["holds_kv"], zs.Or(r["in_running_batch"], r["in_extend_batch"])
+                ),
                 # not admitted yet: untouched; admitted: somewhere in its life
-                "pristine": zs.If(admitted, zs.Or(r["wait"], r["holds"], r["fin"], r["ret"]),
-                                  zs.And(zs.Not(zs.Or(r["wait"], r["holds"], r["fin"],
-                                                      r["ret"])), r["q"] == 0,
-                                         r["k"] == 0, r["O"] == 0)),
+                "pristine": zs.If(
+                    admitted,
+                    zs.Or(r["waiting"], r["holds_kv"], r["finished"], r["is_retracted"]),
+                    zs.And(
+                        zs.Not(
+                            zs.Or(r["waiting"], r["holds_kv"], r["finished"], r["is_retracted"])
+                        ),
+                        r["launched_steps"] == 0,
+                        r["inflight_steps"] == 0,
+                        r["output_len"] == 0,
+                    ),
+                ),
                 # EOS slots follow the in-flight slots; positions inside the accept run
-                "eos": zs.And(zs.Implies(r["e1"], r["q"] >= 1),
-                              zs.Implies(r["e2"], r["q"] >= 2), 0 <= r["e1at"],
-                              0 <= r["e2at"],
-                              zs.Implies(r["q"] >= 1, r["e1at"] < zs.If(r["ext"], 1, r["a1"])),
-                              zs.Implies(r["q"] >= 2, r["e2at"] < r["a2"])),
+                "eos": zs.And(
+                    zs.Implies(r["eos_oldest"], r["launched_steps"] >= 1),
+                    zs.Implies(r["eos_newest"], r["launched_steps"] >= 2),
+                    0 <= r["eos_index_oldest"],
+                    0 <= r["eos_index_newest"],
+                    zs.Implies(
+                        r["launched_steps"] >= 1,
+                        r["eos_index_oldest"] < zs.If(r["extend_inflight"], 1, r["accept_oldest"]),
+                    ),
+                    zs.Implies(
+                        r["launched_steps"] >= 2, r["eos_index_newest"] < r["accept_newest"]
+                    ),
+                ),
                 # a result in flight belongs to the batch launched last
-                "pending": zs.And(r["q"] <= self.ctx.max_pending,
-                                  zs.Implies(r["q"] >= 1, g["last_some"])),
+                "pending": zs.And(
+                    r["launched_steps"] <= self.ctx.max_pending,
+                    zs.Implies(r["launched_steps"] >= 1, g["last_launched"]),
+                ),
                 # queue keys: handed out from the counter, never reused
-                "queue": zs.And(0 <= r["wkey"], r["wkey"] < g["wctr"], zs.Implies(
-                    zs.Not(admitted), r["wkey"] == b), g["wctr"] >= len(self.reqs),
-                    g["wctr"] <= len(self.reqs) * (now + 2)),  # one retract pass per iteration
+                "queue": zs.And(
+                    0 <= r["waiting_order"],
+                    r["waiting_order"] < g["waiting_counter"],
+                    zs.Implies(zs.Not(admitted), r["waiting_order"] == b),
+                    g["waiting_counter"] >= len(self.reqs),
+                    g["waiting_counter"] <= len(self.reqs) * (now + 2),
+                ),  # one retract pass per iteration
                 # every prepared step was launched (or dropped with its finished request)
-                "launched": zs.Not(zs.Or(r["prep"], r["resolved"])),
+                "launched": zs.Not(zs.Or(r["prepared"], r["resolved"])),
             }
             for c, other in enumerate(self.reqs[:b]):
                 facts[f"keys r{c}"] = zs.And(
-                    r["wkey"] != other["wkey"],
-                    zs.Implies(zs.And(r["run"], other["run"]), r["rkey"] != other["rkey"]))
+                    r["waiting_order"] != other["waiting_order"],
+                    zs.Implies(
+                        zs.And(r["in_running_batch"], other["in_running_batch"]),
+                        r["running_order"] != other["running_order"],
+                    ),
+                )
             for what, fact in facts.items():
                 self.violate(LOOP_ID, i, f"end of iteration r{b} {what}", zs.Not(fact))
 
-    def check_point(self, transition: str, iteration: int, fires: Term, b: int, r: Record,
-                    step: Step) -> None:
+    def check_point(
+        self, transition: str, iteration: int, fires: Term, b: int, r: Record, step: Step
+    ) -> None:
         ctx = self.ctx
-        self.violate(MODEL_ID, iteration, f"{transition} r{b}",
-                     zs.And(fires, zs.Not(step.guard)))
+        self.violate(MODEL_ID, iteration, f"{transition} r{b}", zs.And(fires, zs.Not(step.guard)))
         for inv in POINT_INVARIANTS:
             if inv.transition == transition and inv.applies(ctx):
-                self.violate(inv.id, iteration, f"{transition} r{b}",
-                             zs.And(fires, zs.Not(inv.predicate(ctx, r, step))), fires)
+                self.violate(
+                    inv.id,
+                    iteration,
+                    f"{transition} r{b}",
+                    zs.And(fires, zs.Not(inv.predicate(ctx, r, step))),
+                    fires,
+                )
 
     # ------------------------------------------------------------------ helpers
     def available_pages(self) -> Term:
-        owned = zs.Sum([zs.If(r["holds"], r["pages"], 0) for r in self.reqs])
+        owned = zs.Sum([zs.If(r["holds_kv"], r["page_count"], 0) for r in self.reqs])
         return self.kv_pages - owned
 
     def rung_shapes(self, rung: Term) -> list[tuple[Term, SpecShape]]:
@@ -352,8 +480,9 @@ class _Builder:
 
     def decode_step(self, r: Record, rung: Term) -> Step:
         """prepare_for_decode at this iteration's rung: an If chain over the rungs."""
-        options = [(sel, prepare_for_decode(self.ctx, r, shape))
-                   for sel, shape in self.rung_shapes(rung)]
+        options = [
+            (sel, prepare_for_decode(self.ctx, r, shape)) for sel, shape in self.rung_shapes(rung)
+        ]
         post, guard = options[-1][1].post, options[-1][1].guard
         for sel, step in reversed(options[:-1]):
             post = _ite(sel, step.post, post)
@@ -367,8 +496,10 @@ class _Builder:
         per context by :func:`prove_allocation_lemma` before it is added; it restates
         what KV4's page count gives, which the solver otherwise re-derives through the
         page rounding of every rung in each deep KV7 query."""
-        return zs.Implies(zs.And(step.guard, get_strengthened(self.ctx, r)),
-                          step.post["pages"] == r["pages"] + self.decode_pages_needed(r, rung))
+        return zs.Implies(
+            zs.And(step.guard, get_strengthened(self.ctx, r)),
+            step.post["page_count"] == r["page_count"] + self.decode_pages_needed(r, rung),
+        )
 
     def rung_domain(self, rung: Term) -> Term:
         if self.chain:
@@ -377,10 +508,17 @@ class _Builder:
 
     def decode_pages_needed(self, r: Record, rung: Term) -> Term:
         if not self.ctx.is_spec:
-            return lift(tr.compute_ns_decode_pages_needed, r["s"], self.page)
-        return self.select_by_rung(rung, lambda shape: lift(
-            tr.compute_v2_decode_pages_needed, r["C"], r["A"], self.ctx.get_reserve(shape),
-            self.page))
+            return lift(tr.compute_ns_decode_pages_needed, r["seq_len"], self.page)
+        return self.select_by_rung(
+            rung,
+            lambda shape: lift(
+                tr.compute_v2_decode_pages_needed,
+                r["kv_committed_len"],
+                r["kv_allocated_len"],
+                self.ctx.get_reserve(shape),
+                self.page,
+            ),
+        )
 
     # ------------------------------------------------------------------ the loop
     def process(self, i: int, which: list[Term], label: str) -> None:
@@ -391,10 +529,15 @@ class _Builder:
         accepts: list[Term] = []
         posts: list[Record] = []
         for b, r in enumerate(self.reqs):
-            step = process_result(ctx, r, r["e1"], r["e1at"])
+            step = process_result(ctx, r, r["eos_oldest"], r["eos_index_oldest"])
             self.check_point("process_result", i, which[b], b, r, step)
             post = dict(step.post)
-            post.update(e1=r["e2"], e1at=r["e2at"], e2=zs.BoolVal(False), e2at=zs.IntVal(0))
+            post.update(
+                eos_oldest=r["eos_newest"],
+                eos_index_oldest=r["eos_index_newest"],
+                eos_newest=zs.BoolVal(False),
+                eos_index_newest=zs.IntVal(0),
+            )
             posts.append(_ite(which[b], post, r))
             was_stale.append(zs.And(which[b], zs.Not(is_live(r))))
             processed_live.append(zs.And(which[b], zs.Not(step.notes["stale"])))
@@ -404,20 +547,28 @@ class _Builder:
             expected = [zs.And(w, zs.Not(s)) for w, s in zip(which, was_stale, strict=True)]
             correct = zs.Sum([zs.If(c, a - 1, 0) for c, a in zip(counted, accepts, strict=True)])
             truth = zs.Sum([zs.If(e, a - 1, 0) for e, a in zip(expected, accepts, strict=True)])
-            self.violate("RP3", i, f"{label} counters",
-                         zs.Or(correct != truth, _count(counted) != _count(expected)),
-                         zs.Or(*expected))
+            self.violate(
+                "RP3",
+                i,
+                f"{label} counters",
+                zs.Or(correct != truth, _count(counted) != _count(expected)),
+                zs.Or(*expected),
+            )
         self.reqs = posts
         self.snapshot()
         self.check_state(i, label)
 
     def filter_running(self, when: Term) -> None:
         """filter_batch on the running batch: drop finished; sum reset if anything left."""
-        removed = zs.Or(*[zs.And(when, r["run"], r["fin"]) for r in self.reqs])
+        removed = zs.Or(*[zs.And(when, r["in_running_batch"], r["finished"]) for r in self.reqs])
         for r in self.reqs:
-            r["run"] = zs.And(r["run"], zs.Not(zs.And(when, r["fin"])))
+            r["in_running_batch"] = zs.And(
+                r["in_running_batch"], zs.Not(zs.And(when, r["finished"]))
+            )
         if not self.ctx.has("B1"):
-            self.glob["rb_sum"] = zs.And(self.glob["rb_sum"], zs.Not(removed))
+            self.glob["running_sum_present"] = zs.And(
+                self.glob["running_sum_present"], zs.Not(removed)
+            )
 
     def iteration(self, i: int, now: Term | None = None) -> None:
         """Event-loop iteration ``i`` (its names and labels); ``now`` is its index as a
@@ -434,81 +585,122 @@ class _Builder:
         offset = zs.Int(f"i{i}.eos_offset")
         accept = [zs.Int(f"i{i}.r{b}.accept") for b in range(n)]
         eos = [zs.Bool(f"i{i}.r{b}.eos") for b in range(n)]
-        self.add(zs.And(0 <= forced, forced <= max(n - 1, 0), 0 <= offset,
-                        offset < cfg.max_accept_len))
+        self.add(
+            zs.And(0 <= forced, forced <= max(n - 1, 0), 0 <= offset, offset < cfg.max_accept_len)
+        )
         if not ctx.overlap:
             self.add(zs.Not(disable))
         self.add(self.rung_domain(rung))
         # Admissions before this iteration: waiting, in rid order.
         for r in self.reqs:
-            r["wait"] = zs.Or(r["wait"], r["adm"] == now)
-        pending = [r["q"] >= 1 for r in self.reqs]  # the previous iteration's result
+            r["waiting"] = zs.Or(r["waiting"], r["admit_at"] == now)
+        pending = [r["launched_steps"] >= 1 for r in self.reqs]  # the previous iteration's result
         # 1. the last extend batch: filter, then replace or merge into the running batch.
-        survivors = [zs.And(g["last_ext"], r["inext"], zs.Not(r["fin"])) for r in self.reqs]
-        removed = zs.Or(*[zs.And(g["last_ext"], r["inext"], r["fin"]) for r in self.reqs])
-        x_sum = g["xb_sum"] if ctx.has("B1") else zs.And(g["xb_sum"], zs.Not(removed))
+        survivors = [
+            zs.And(g["last_was_extend"], r["in_extend_batch"], zs.Not(r["finished"]))
+            for r in self.reqs
+        ]
+        removed = zs.Or(
+            *[zs.And(g["last_was_extend"], r["in_extend_batch"], r["finished"]) for r in self.reqs]
+        )
+        x_sum = (
+            g["extend_sum_present"]
+            if ctx.has("B1")
+            else zs.And(g["extend_sum_present"], zs.Not(removed))
+        )
         for b, r in enumerate(self.reqs):
-            r["inext"] = survivors[b]
-        g["xb_sum"] = x_sum
+            r["in_extend_batch"] = survivors[b]
+        g["extend_sum_present"] = x_sum
         self.check_state(i, "filter_batch(last extend)")
         any_survivor = zs.Or(*survivors)
-        running_empty = zs.Not(zs.Or(*[r["run"] for r in self.reqs]))
+        running_empty = zs.Not(zs.Or(*[r["in_running_batch"] for r in self.reqs]))
         replace = zs.And(any_survivor, running_empty)
         merge = zs.And(any_survivor, zs.Not(running_empty))
-        g["rb_cpu"] = zs.If(replace, True, g["rb_cpu"])
-        g["rb_sum"] = zs.If(replace, x_sum, zs.If(merge, g["rb_sum"] if ctx.has("B1")
-                                                  else zs.BoolVal(False), g["rb_sum"]))
-        g["rb_total"] = zs.If(replace, g["xb_total"], g["rb_total"])
+        g["running_has_cpu"] = zs.If(replace, True, g["running_has_cpu"])
+        g["running_sum_present"] = zs.If(
+            replace,
+            x_sum,
+            zs.If(
+                merge,
+                g["running_sum_present"] if ctx.has("B1") else zs.BoolVal(False),
+                g["running_sum_present"],
+            ),
+        )
+        g["running_seq_lens_sum"] = zs.If(
+            replace, g["extend_seq_lens_sum"], g["running_seq_lens_sum"]
+        )
         for r in self.reqs:
-            joined = r["inext"]
-            r["rkey"] = zs.If(joined, _ORDER_STRIDE * now + r["wkey"], r["rkey"])
-            r["run"] = zs.Or(r["run"], joined)
-            r["inext"] = zs.BoolVal(False)
-        g["xb_sum"], g["xb_total"] = zs.BoolVal(False), zs.IntVal(0)  # consumed
+            joined = r["in_extend_batch"]
+            r["running_order"] = zs.If(
+                joined, _ORDER_STRIDE * now + r["waiting_order"], r["running_order"]
+            )
+            r["in_running_batch"] = zs.Or(r["in_running_batch"], joined)
+            r["in_extend_batch"] = zs.BoolVal(False)
+        g["extend_sum_present"], g["extend_seq_lens_sum"] = (
+            zs.BoolVal(False),
+            zs.IntVal(0),
+        )  # consumed
         self.snapshot()
         self.check_state(i, "merge_batch")
         # 2a. prefill first: FIFO admissions while the cap, a row and the pages fit.
-        running = _count([r["run"] for r in self.reqs])
-        free_rows = self.rows - _count([r["holds"] for r in self.reqs])
+        running = _count([r["in_running_batch"] for r in self.reqs])
+        free_rows = self.rows - _count([r["holds_kv"] for r in self.reqs])
         avail = self.available_pages()
-        need = [lift(tr.compute_pages_for_len, lift(tr.compute_fill_len, r["P"], r["O"]),
-                     self.page) for r in self.reqs]
+        need = [
+            lift(
+                tr.compute_pages_for_len,
+                lift(tr.compute_fill_len, r["prompt_len"], r["output_len"]),
+                self.page,
+            )
+            for r in self.reqs
+        ]
         chosen: list[Term] = []
         for r in self.reqs:
-            ahead = [zs.And(c["wait"], c["wkey"] <= r["wkey"]) for c in self.reqs]
+            ahead = [
+                zs.And(c["waiting"], c["waiting_order"] <= r["waiting_order"]) for c in self.reqs
+            ]
             count = _count(ahead)
             pages = zs.Sum([zs.If(a, need[c], 0) for c, a in enumerate(ahead)])
-            chosen.append(zs.And(allow, r["wait"], running + count <= self.rows,
-                                 count <= free_rows, pages <= avail))
+            chosen.append(
+                zs.And(
+                    allow,
+                    r["waiting"],
+                    running + count <= self.rows,
+                    count <= free_rows,
+                    pages <= avail,
+                )
+            )
         prefill = zs.Or(*chosen)
         posts = []
         for b, r in enumerate(self.reqs):
             step = prepare_for_extend(ctx, r)
             self.check_point("prepare_for_extend", i, chosen[b], b, r, step)
             post = dict(step.post)
-            post.update(wait=zs.BoolVal(False), inext=zs.BoolVal(True))
+            post.update(waiting=zs.BoolVal(False), in_extend_batch=zs.BoolVal(True))
             posts.append(_ite(chosen[b], post, r))
         self.reqs = posts
-        g["xb_sum"] = zs.If(prefill, True, g["xb_sum"])
-        g["xb_total"] = zs.If(prefill, zs.Sum([zs.If(c, r["sc"], 0) for c, r in
-                                               zip(chosen, self.reqs, strict=True)]),
-                              g["xb_total"])
+        g["extend_sum_present"] = zs.If(prefill, True, g["extend_sum_present"])
+        g["extend_seq_lens_sum"] = zs.If(
+            prefill,
+            zs.Sum([zs.If(c, r["seq_len_cpu"], 0) for c, r in zip(chosen, self.reqs, strict=True)]),
+            g["extend_seq_lens_sum"],
+        )
         self.snapshot()
         self.check_state(i, "prepare_for_extend")
         # 2b. otherwise the decode path: filter, retract, prepare_for_decode.
-        decode = zs.And(zs.Not(prefill), zs.Or(*[r["run"] for r in self.reqs]))
+        decode = zs.And(zs.Not(prefill), zs.Or(*[r["in_running_batch"] for r in self.reqs]))
         self.filter_running(decode)
         self.snapshot()
         self.check_state(i, "filter_batch")
-        decode = zs.And(decode, zs.Or(*[r["run"] for r in self.reqs]))
+        decode = zs.And(decode, zs.Or(*[r["in_running_batch"] for r in self.reqs]))
         self.retract_decode(i, decode, forced, rung)
         for r in self.reqs:
-            r["run"] = zs.And(r["run"], zs.Not(r["ret"]))
+            r["in_running_batch"] = zs.And(r["in_running_batch"], zs.Not(r["is_retracted"]))
         self.snapshot()
         self.check_state(i, "retract_decode")
         posts = []
         for b, r in enumerate(self.reqs):
-            fires = zs.And(decode, r["run"])
+            fires = zs.And(decode, r["in_running_batch"])
             merged = self.decode_step(r, rung)
             self.check_point("prepare_for_decode", i, fires, b, r, merged)
             if self.use_lemma:
@@ -516,46 +708,59 @@ class _Builder:
             posts.append(_ite(fires, merged.post, r))
         self.reqs = posts
         if not ctx.is_spec:
-            g["rb_sum"] = zs.And(g["rb_sum"], zs.Not(decode))
+            g["running_sum_present"] = zs.And(g["running_sum_present"], zs.Not(decode))
         self.snapshot()
         self.check_state(i, "prepare_for_decode")
         # 3. overlap, disable_overlap: the pending result first, then the re-filter.
         early = zs.BoolVal(False)
         if ctx.overlap:
-            early = zs.And(disable, g["last_some"], zs.Or(*pending))
+            early = zs.And(disable, g["last_launched"], zs.Or(*pending))
             self.process(i, [zs.And(early, p) for p in pending], "process_result(early)")
             if not ctx.has("B14"):
                 self.filter_running(zs.And(early, decode))
-            decode = zs.And(decode, zs.Or(*[r["run"] for r in self.reqs]))
+            decode = zs.And(decode, zs.Or(*[r["in_running_batch"] for r in self.reqs]))
             self.snapshot()
             self.check_state(i, "filter_batch(early)")
         # 4. run_batch.
-        launched = [zs.Or(zs.And(prefill, r["inext"]), zs.And(decode, r["run"]))
-                    for r in self.reqs]
+        launched = [
+            zs.Or(zs.And(prefill, r["in_extend_batch"]), zs.And(decode, r["in_running_batch"]))
+            for r in self.reqs
+        ]
         self.launch(i, prefill, decode, launched, accept, eos, offset, rung)
         # 5. the previous result (overlap) or this one (no overlap).
         if ctx.overlap:
-            late = zs.And(zs.Not(early), g["last_some"])
+            late = zs.And(zs.Not(early), g["last_launched"])
             self.process(i, [zs.And(late, p) for p in pending], "process_result")
         else:
             self.process(i, launched, "process_result")
-        g["last_ext"] = prefill
-        g["last_some"] = zs.Or(*launched)
+        g["last_was_extend"] = prefill
+        g["last_launched"] = zs.Or(*launched)
         self.snapshot()
         first = len(self.out.violations)
         self.check_state(i, "end of iteration")
         self.check_loop(i, now)
         self.out.ends.append((first, len(self.out.violations)))
-        self.out.iterations.append(IterationTerms(
-            allow, forced, disable, rung, offset, accept, eos, launched,
-            [zs.If(prefill, r["wkey"], r["rkey"]) for r in self.reqs], prefill))
+        self.out.iterations.append(
+            IterationTerms(
+                allow,
+                forced,
+                disable,
+                rung,
+                offset,
+                accept,
+                eos,
+                launched,
+                [zs.If(prefill, r["waiting_order"], r["running_order"]) for r in self.reqs],
+                prefill,
+            )
+        )
 
     def retract_decode(self, i: int, decode: Term, forced: Term, rung: Term) -> None:
         """Victims in retract order until the rest fits, plus ``forced``; keep one."""
         ctx = self.ctx
         reqs = self.reqs
         n = len(reqs)
-        member = [zs.And(decode, r["run"]) for r in reqs]
+        member = [zs.And(decode, r["in_running_batch"]) for r in reqs]
         need = [self.decode_pages_needed(r, rung) for r in reqs]
         avail = self.available_pages()
 
@@ -566,50 +771,85 @@ class _Builder:
             """Request c is retracted before request b (when both are candidates)."""
             rc, rb = reqs[c], reqs[b]
             if ctx.is_spec:
-                return rc["rkey"] > rb["rkey"]  # from the back
-            lower = zs.Or(rc["O"] < rb["O"], zs.And(rc["O"] == rb["O"], rc["P"] > rb["P"]))
-            tie = zs.And(rc["O"] == rb["O"], rc["P"] == rb["P"], rc["rkey"] > rb["rkey"])
+                return rc["running_order"] > rb["running_order"]  # from the back
+            lower = zs.Or(
+                rc["output_len"] < rb["output_len"],
+                zs.And(rc["output_len"] == rb["output_len"], rc["prompt_len"] > rb["prompt_len"]),
+            )
+            tie = zs.And(
+                rc["output_len"] == rb["output_len"],
+                rc["prompt_len"] == rb["prompt_len"],
+                rc["running_order"] > rb["running_order"],
+            )
             return zs.Or(lower, tie)
 
         trigger = zs.Not(zs.And(forced == 0, needed(member) <= avail))
         victims: list[Term] = []
         for b in range(n):
-            earlier = [zs.And(member[c], before(c, b)) if c != b else zs.BoolVal(False)
-                       for c in range(n)]
+            earlier = [
+                zs.And(member[c], before(c, b)) if c != b else zs.BoolVal(False) for c in range(n)
+            ]
             kept = [zs.And(member[c], zs.Not(earlier[c])) for c in range(n)]
-            freed = zs.Sum([zs.If(earlier[c], reqs[c]["pages"], 0) for c in range(n)])
-            victims.append(zs.And(member[b], trigger, _count(kept) > 1, zs.Or(
-                forced > _count(earlier), needed(kept) > avail + freed)))
+            freed = zs.Sum([zs.If(earlier[c], reqs[c]["page_count"], 0) for c in range(n)])
+            victims.append(
+                zs.And(
+                    member[b],
+                    trigger,
+                    _count(kept) > 1,
+                    zs.Or(forced > _count(earlier), needed(kept) > avail + freed),
+                )
+            )
         kept = [zs.And(m, zs.Not(v)) for m, v in zip(member, victims, strict=True)]
-        freed = zs.Sum([zs.If(v, reqs[b]["pages"], 0) for b, v in enumerate(victims)])
+        freed = zs.Sum([zs.If(v, reqs[b]["page_count"], 0) for b, v in enumerate(victims)])
         posts = []
         for b, r in enumerate(reqs):
             step = retract(ctx, r)
             self.check_point("retract_decode", i, victims[b], b, r, step)
             position = _count([zs.And(victims[c], before(c, b)) for c in range(n) if c != b])
             post = dict(step.post)
-            post.update(wait=zs.BoolVal(True), run=zs.BoolVal(False),
-                        wkey=self.glob["wctr"] + position)
+            post.update(
+                waiting=zs.BoolVal(True),
+                in_running_batch=zs.BoolVal(False),
+                waiting_order=self.glob["waiting_counter"] + position,
+            )
             posts.append(_ite(victims[b], post, r))
         self.reqs = posts
         # The rest fits, else ConfigurationError in the reference: excluded, a preset
         # error (module header). Stated over the post records (a kept request's post is
         # its pre record), the terms prepare_for_decode and ALLOC use next.
-        self.add(zs.Sum([zs.If(k, self.decode_pages_needed(r, rung), 0)
-                         for k, r in zip(kept, posts, strict=True)]) <= avail + freed)
+        self.add(
+            zs.Sum(
+                [
+                    zs.If(k, self.decode_pages_needed(r, rung), 0)
+                    for k, r in zip(kept, posts, strict=True)
+                ]
+            )
+            <= avail + freed
+        )
         if not ctx.has("B1"):
-            self.glob["rb_sum"] = zs.And(self.glob["rb_sum"], zs.Not(zs.Or(*victims)))
-        self.glob["wctr"] = self.glob["wctr"] + _count(victims)
+            self.glob["running_sum_present"] = zs.And(
+                self.glob["running_sum_present"], zs.Not(zs.Or(*victims))
+            )
+        self.glob["waiting_counter"] = self.glob["waiting_counter"] + _count(victims)
 
-    def launch(self, i: int, prefill: Term, decode: Term, launched: list[Term],
-               accept: list[Term], eos: list[Term], offset: Term, rung: Term) -> None:
+    def launch(
+        self,
+        i: int,
+        prefill: Term,
+        decode: Term,
+        launched: list[Term],
+        accept: list[Term],
+        eos: list[Term],
+        offset: Term,
+        rung: Term,
+    ) -> None:
         ctx = self.ctx
         cfg = ctx.config
         g = self.glob
         # ForwardBatch.init_new (SL1) reads the launched batch's mirror and sum.
-        cpu = zs.If(prefill, True, g["rb_cpu"])
-        present = zs.If(prefill, g["xb_sum"], g["rb_sum"])
-        total = zs.If(prefill, g["xb_total"], g["rb_total"])
+        cpu = zs.If(prefill, True, g["running_has_cpu"])
+        present = zs.If(prefill, g["extend_sum_present"], g["running_sum_present"])
+        total = zs.If(prefill, g["extend_seq_lens_sum"], g["running_seq_lens_sum"])
         if ctx.relay:
             posts = []
             for b, r in enumerate(self.reqs):
@@ -619,66 +859,109 @@ class _Builder:
                 posts.append(_ite(fires, step.post, r))
             self.reqs = posts
             keeps = cfg.cell.needs_cpu_seq_lens
-            resolved_sum = zs.Sum([zs.If(m, r["pub"], 0) for m, r in
-                                   zip(launched, self.reqs, strict=True)])
-            g["rb_cpu"] = zs.If(decode, keeps, g["rb_cpu"])
-            g["rb_sum"] = zs.If(decode, keeps, g["rb_sum"])
-            g["rb_total"] = zs.If(decode, resolved_sum if keeps else g["rb_total"],
-                                  g["rb_total"])
-            cpu = zs.If(prefill, True, g["rb_cpu"])
-            present = zs.If(prefill, g["xb_sum"], g["rb_sum"])
-            total = zs.If(prefill, g["xb_total"], g["rb_total"])
+            resolved_sum = zs.Sum(
+                [
+                    zs.If(m, r["published_seq_len"], 0)
+                    for m, r in zip(launched, self.reqs, strict=True)
+                ]
+            )
+            g["running_has_cpu"] = zs.If(decode, keeps, g["running_has_cpu"])
+            g["running_sum_present"] = zs.If(decode, keeps, g["running_sum_present"])
+            g["running_seq_lens_sum"] = zs.If(
+                decode,
+                resolved_sum if keeps else g["running_seq_lens_sum"],
+                g["running_seq_lens_sum"],
+            )
+            cpu = zs.If(prefill, True, g["running_has_cpu"])
+            present = zs.If(prefill, g["extend_sum_present"], g["running_sum_present"])
+            total = zs.If(prefill, g["extend_seq_lens_sum"], g["running_seq_lens_sum"])
             self.snapshot()
             self.check_state(i, "resolve_seq_lens_cpu")
-        mirror_sum = zs.Sum([zs.If(m, r["sc"], 0) for m, r in
-                             zip(launched, self.reqs, strict=True)])
+        mirror_sum = zs.Sum(
+            [zs.If(m, r["seq_len_cpu"], 0) for m, r in zip(launched, self.reqs, strict=True)]
+        )
         backfill = zs.And(zs.Not(present), cpu, zs.BoolVal(not ctx.has("B2")))
         fb_present = zs.Or(present, backfill)
         fb_value = zs.If(present, total, mirror_sum)
         anything = zs.Or(*launched)
-        self.violate("SL1", i, "init_new", zs.And(anything, cpu, zs.Not(zs.And(
-            fb_present, fb_value == mirror_sum))), zs.And(anything, cpu))
+        self.violate(
+            "SL1",
+            i,
+            "init_new",
+            zs.And(anything, cpu, zs.Not(zs.And(fb_present, fb_value == mirror_sum))),
+            zs.And(anything, cpu),
+        )
         if not ctx.is_spec:  # the backfill stays on the ScheduleBatch (no isolation)
-            g["rb_sum"] = zs.If(zs.And(decode, backfill), True, g["rb_sum"])
-            g["rb_total"] = zs.If(zs.And(decode, backfill), mirror_sum, g["rb_total"])
-            g["xb_sum"] = zs.If(zs.And(prefill, backfill), True, g["xb_sum"])
-            g["xb_total"] = zs.If(zs.And(prefill, backfill), mirror_sum, g["xb_total"])
+            g["running_sum_present"] = zs.If(
+                zs.And(decode, backfill), True, g["running_sum_present"]
+            )
+            g["running_seq_lens_sum"] = zs.If(
+                zs.And(decode, backfill), mirror_sum, g["running_seq_lens_sum"]
+            )
+            g["extend_sum_present"] = zs.If(
+                zs.And(prefill, backfill), True, g["extend_sum_present"]
+            )
+            g["extend_seq_lens_sum"] = zs.If(
+                zs.And(prefill, backfill), mirror_sum, g["extend_seq_lens_sum"]
+            )
         posts = []
         for b, r in enumerate(self.reqs):
             fires = zs.And(decode, launched[b])
-            top = (self.select_by_rung(rung, lambda shape: zs.IntVal(shape.max_accept_len))
-                   if ctx.is_spec else zs.IntVal(1))
+            top = (
+                self.select_by_rung(rung, lambda shape: zs.IntVal(shape.max_accept_len))
+                if ctx.is_spec
+                else zs.IntVal(1)
+            )
             self.add(zs.And(1 <= accept[b], accept[b] <= top))
             step = launch(ctx, r, accept[b])
             self.check_point("launch", i, fires, b, r, step)
             if ctx.is_spec:
                 d_tok = self.select_by_rung(rung, lambda shape: zs.IntVal(shape.draft_tokens))
-                seq_len = r["s"]
-                forward = self.select_by_rung(rung, lambda shape, s=seq_len: lift(
-                    tr.compute_draft_extend_seq_lens, (s,), shape.draft_tokens)[0])
+                seq_len = r["seq_len"]
+                forward = self.select_by_rung(
+                    rung,
+                    lambda shape, s=seq_len: lift(
+                        tr.compute_draft_extend_seq_lens, (s,), shape.draft_tokens
+                    )[0],
+                )
                 # B7 writes the +D_tok to the ScheduleBatch too (reference worker).
-                schedule_after = forward if ctx.has("B7") else r["s"]
-                self.violate("SL10", i, f"draft_extend r{b}", zs.And(fires, zs.Not(zs.And(
-                    forward == r["s"] + d_tok, schedule_after == r["s"]))), fires)
+                schedule_after = forward if ctx.has("B7") else r["seq_len"]
+                self.violate(
+                    "SL10",
+                    i,
+                    f"draft_extend r{b}",
+                    zs.And(
+                        fires,
+                        zs.Not(
+                            zs.And(forward == r["seq_len"] + d_tok, schedule_after == r["seq_len"])
+                        ),
+                    ),
+                    fires,
+                )
             post = dict(step.post)
             run_accept = zs.If(fires, accept[b], 1)
             eos_at = zs.If(run_accept - 1 - offset >= 0, run_accept - 1 - offset, 0)
-            second = r["q"] >= 1
-            post.update(e1=zs.If(second, r["e1"], eos[b]), e1at=zs.If(second, r["e1at"], eos_at),
-                        e2=zs.If(second, eos[b], r["e2"]), e2at=zs.If(second, eos_at, r["e2at"]))
+            second = r["launched_steps"] >= 1
+            post.update(
+                eos_oldest=zs.If(second, r["eos_oldest"], eos[b]),
+                eos_index_oldest=zs.If(second, r["eos_index_oldest"], eos_at),
+                eos_newest=zs.If(second, eos[b], r["eos_newest"]),
+                eos_index_newest=zs.If(second, eos_at, r["eos_index_newest"]),
+            )
             # The extend launch is folded into prepare_for_extend: only its EOS is stored.
             extend_post = dict(r)
-            extend_post.update(e1=eos[b], e1at=eos_at)
+            extend_post.update(eos_oldest=eos[b], eos_index_oldest=eos_at)
             posts.append(_ite(fires, post, _ite(zs.And(prefill, launched[b]), extend_post, r)))
         self.reqs = posts
         if ctx.is_spec and not ctx.overlap:
             # run_batch re-applies new_seq_lens; the host copy refreshes the sum.
-            reapplied = zs.Sum([zs.If(m, r["sc"], 0) for m, r in
-                                zip(launched, self.reqs, strict=True)])
-            g["rb_sum"] = zs.If(decode, g["rb_cpu"], g["rb_sum"])
-            g["rb_total"] = zs.If(decode, reapplied, g["rb_total"])
-            g["xb_sum"] = zs.If(prefill, True, g["xb_sum"])
-            g["xb_total"] = zs.If(prefill, reapplied, g["xb_total"])
+            reapplied = zs.Sum(
+                [zs.If(m, r["seq_len_cpu"], 0) for m, r in zip(launched, self.reqs, strict=True)]
+            )
+            g["running_sum_present"] = zs.If(decode, g["running_has_cpu"], g["running_sum_present"])
+            g["running_seq_lens_sum"] = zs.If(decode, reapplied, g["running_seq_lens_sum"])
+            g["extend_sum_present"] = zs.If(prefill, True, g["extend_sum_present"])
+            g["extend_seq_lens_sum"] = zs.If(prefill, reapplied, g["extend_seq_lens_sum"])
         self.snapshot()
         self.check_state(i, "run_batch")
 
@@ -694,8 +977,12 @@ def prove_allocation_lemma(ctx: Context, timeout_ms: int = DEFAULT_TIMEOUT_MS) -
     return zs.prove([builder.rung_domain(rung)], goal, timeout_ms)
 
 
-def build_unrolling(ctx: Context, depth: int = DEFAULT_DEPTH,
-                    requests: int = DEFAULT_REQUESTS, use_lemma: bool = False) -> Unrolling:
+def build_unrolling(
+    ctx: Context,
+    depth: int = DEFAULT_DEPTH,
+    requests: int = DEFAULT_REQUESTS,
+    use_lemma: bool = False,
+) -> Unrolling:
     """The constraints of every K-iteration run of B requests, with its violations;
     ``use_lemma`` adds ALLOC's instances (the caller has proved it valid)."""
     builder = _Builder(ctx, depth, requests, use_lemma)
@@ -712,8 +999,9 @@ def get_targets(unrolling: Unrolling, invariants: tuple[str, ...] | None) -> lis
     return [v for v in unrolling.violations if v.invariant in invariants]
 
 
-def check_inductive_step(ctx: Context, depth: int, requests: int, use_lemma: bool,
-                         timeout_ms: int = DEFAULT_TIMEOUT_MS) -> zs.Outcome:
+def check_inductive_step(
+    ctx: Context, depth: int, requests: int, use_lemma: bool, timeout_ms: int = DEFAULT_TIMEOUT_MS
+) -> zs.Outcome:
     """Iteration n, for every n in 1..K-1 in one query, from *any* state that meets the
     checks of an iteration's end (``check_state`` "end of iteration" and ``LOOP`` at
     n-1): unsat means no check of iteration n can fail and the end checks hold again,
@@ -726,8 +1014,9 @@ def check_inductive_step(ctx: Context, depth: int, requests: int, use_lemma: boo
     return solver.check([zs.Or(*[v.term for v in step.violations])])
 
 
-def build_inductive_step(ctx: Context, depth: int, requests: int,
-                         use_lemma: bool) -> tuple[Unrolling, list[Term]]:
+def build_inductive_step(
+    ctx: Context, depth: int, requests: int, use_lemma: bool
+) -> tuple[Unrolling, list[Term]]:
     """The step's iteration (at index ``step.n`` in 1..K-1, named iteration 1) from a
     free start state, and the start state's assumptions (its end-of-iteration checks)."""
     builder = _Builder(ctx, depth, requests, use_lemma, symbolic_start=True)
@@ -741,8 +1030,9 @@ def build_inductive_step(ctx: Context, depth: int, requests: int,
     return builder.out, assumed
 
 
-def find_reachable_witnesses(ctx: Context, depth: int = 2, requests: int = 2,
-                             timeout_ms: int = DEFAULT_TIMEOUT_MS) -> dict[str, str]:
+def find_reachable_witnesses(
+    ctx: Context, depth: int = 2, requests: int = 2, timeout_ms: int = DEFAULT_TIMEOUT_MS
+) -> dict[str, str]:
     """Per checked claim ID: is there a run of the unrolling (a reachable state, not a
     strengthened one) in which the check has something to check? "sat": a witness;
     "unsat": the check is vacuous within the bound; "unknown": undecided (never a pass).
@@ -773,9 +1063,14 @@ def get_end_lemma(unrolling: Unrolling, i: int) -> Term:
     return zs.Not(zs.Or(*[v.term for v in unrolling.violations[first:last]]))
 
 
-def check_bounded(ctx: Context, depth: int = DEFAULT_DEPTH, requests: int = DEFAULT_REQUESTS,
-                  invariants: tuple[str, ...] | None = None,
-                  timeout_ms: int = DEFAULT_TIMEOUT_MS, window: bool = True) -> BmcResult:
+def check_bounded(
+    ctx: Context,
+    depth: int = DEFAULT_DEPTH,
+    requests: int = DEFAULT_REQUESTS,
+    invariants: tuple[str, ...] | None = None,
+    timeout_ms: int = DEFAULT_TIMEOUT_MS,
+    window: bool = True,
+) -> BmcResult:
     """Is a violation (of ``invariants``, default all) reachable within K iterations?
 
     ALLOC is proved first; its instances are added only if it is valid here. With all
@@ -801,8 +1096,12 @@ def check_bounded(ctx: Context, depth: int = DEFAULT_DEPTH, requests: int = DEFA
     lemma = prove_allocation_lemma(ctx, timeout_ms)
     use_lemma = lemma.verdict == zs.PROVED
     windowed = window and invariants is None
-    inductive = (windowed and depth >= 2 and check_inductive_step(
-        ctx, depth, requests, use_lemma, timeout_ms).verdict == zs.UNSATISFIABLE)
+    inductive = (
+        windowed
+        and depth >= 2
+        and check_inductive_step(ctx, depth, requests, use_lemma, timeout_ms).verdict
+        == zs.UNSATISFIABLE
+    )
     # With the step proved, only iteration 0 from the initial state is left to ask.
     unrolling = build_unrolling(ctx, 1 if inductive else depth, requests, use_lemma)
     targets = get_targets(unrolling, invariants)
@@ -812,14 +1111,31 @@ def check_bounded(ctx: Context, depth: int = DEFAULT_DEPTH, requests: int = DEFA
     proved_last: Term | None = None  # the lemma of iteration i-1
     windows = 0
 
-    def finish(verdict: str, invariant: str | None = None, where: str = "",
-               raw_model: object = None, reason: str = "") -> BmcResult:
-        return BmcResult(name, depth, requests, verdict, time.perf_counter() - started,
-                         invariant, where, unrolling, raw_model, reason, lemma.verdict,
-                         windows, inductive)
+    def finish(
+        verdict: str,
+        invariant: str | None = None,
+        where: str = "",
+        raw_model: object = None,
+        reason: str = "",
+    ) -> BmcResult:
+        return BmcResult(
+            name,
+            depth,
+            requests,
+            verdict,
+            time.perf_counter() - started,
+            invariant,
+            where,
+            unrolling,
+            raw_model,
+            reason,
+            lemma.verdict,
+            windows,
+            inductive,
+        )
 
     for i in range(unrolling.depth):
-        solver.add(*unrolling.constraints[previous:unrolling.frames[i]])
+        solver.add(*unrolling.constraints[previous : unrolling.frames[i]])
         here = [v for v in targets if v.iteration == i]
         query = zs.Or(*[v.term for v in here])
         start, previous = previous, unrolling.frames[i]
@@ -827,8 +1143,11 @@ def check_bounded(ctx: Context, depth: int = DEFAULT_DEPTH, requests: int = DEFA
             continue
         if windowed and proved_last is not None:
             local = zs.Preprocessed(timeout_ms)
-            local.add(*unrolling.constraints[:unrolling.initial], proved_last,
-                      *unrolling.constraints[start:unrolling.frames[i]])
+            local.add(
+                *unrolling.constraints[: unrolling.initial],
+                proved_last,
+                *unrolling.constraints[start : unrolling.frames[i]],
+            )
             if local.check([query]).verdict == zs.UNSATISFIABLE:
                 windows += 1
                 solver.add(zs.Not(query))
@@ -840,9 +1159,12 @@ def check_bounded(ctx: Context, depth: int = DEFAULT_DEPTH, requests: int = DEFA
         if outcome.verdict == zs.SATISFIABLE:
             fired = [v for v in here if zs.evaluate(outcome.raw_model, v.term) is True]
             first = fired[0] if fired else None
-            return finish(zs.COUNTEREXAMPLE, invariant=first.invariant if first else None,
-                          where=f"iteration {i}: {first.where}" if first else f"iteration {i}",
-                          raw_model=outcome.raw_model)
+            return finish(
+                zs.COUNTEREXAMPLE,
+                invariant=first.invariant if first else None,
+                where=f"iteration {i}: {first.where}" if first else f"iteration {i}",
+                raw_model=outcome.raw_model,
+            )
         solver.add(zs.Not(query))
         proved_last = get_end_lemma(unrolling, i)
     return finish(zs.PROVED)

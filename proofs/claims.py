@@ -69,45 +69,65 @@ def _overlap(ctx: Context) -> bool:
 
 
 def _claimed_decode_steps(r: Record) -> Term:
-    return r["k"] - zs.If(get_extend_pending(r), 1, 0)
+    return r["inflight_steps"] - zs.If(get_extend_pending(r), 1, 0)
 
 
 # ----------------------------------------------------------------------------- state claims
 def kv1(ctx: Context, r: Record) -> Term:
     width = ctx.config.row_width
-    return zs.Implies(r["holds"], zs.And(0 <= r["C"], r["C"] <= r["A"], r["A"] <= width))
+    return zs.Implies(
+        r["holds_kv"],
+        zs.And(
+            0 <= r["kv_committed_len"],
+            r["kv_committed_len"] <= r["kv_allocated_len"],
+            r["kv_allocated_len"] <= width,
+        ),
+    )
 
 
 def kv2(ctx: Context, r: Record) -> Term:
-    return zs.Implies(r["holds"], r["C"] == r["A"])
+    return zs.Implies(r["holds_kv"], r["kv_committed_len"] == r["kv_allocated_len"])
 
 
 def kv4(ctx: Context, r: Record) -> Term:
     """KV4's page part: a holder owns exactly the pages its allocation covers."""
     page = ctx.config.page_size
-    return zs.Implies(r["holds"], r["pages"] == lift(tr.compute_pages_for_len, r["A"], page))
+    return zs.Implies(
+        r["holds_kv"],
+        r["page_count"] == lift(tr.compute_pages_for_len, r["kv_allocated_len"], page),
+    )
 
 
 def kv5(ctx: Context, r: Record) -> Term:
-    return zs.Implies(r["ret"], zs.And(r["C"] == 0, r["A"] == 0, zs.Not(r["holds"])))
+    return zs.Implies(
+        r["is_retracted"],
+        zs.And(r["kv_committed_len"] == 0, r["kv_allocated_len"] == 0, zs.Not(r["holds_kv"])),
+    )
 
 
 def sl5(ctx: Context, r: Record) -> Term:
-    return zs.Implies(r["holds"], r["s"] >= 1)
+    return zs.Implies(r["holds_kv"], r["seq_len"] >= 1)
 
 
 def sl2(ctx: Context, r: Record) -> Term:
     """SL2 element-wise, for a batch whose mirror is kept (the batch flag is the caller's)."""
-    return zs.Implies(r["holds"], r["s"] == r["sc"])
+    return zs.Implies(r["holds_kv"], r["seq_len"] == r["seq_len_cpu"])
 
 
 def ind_domain(ctx: Context, r: Record) -> Term:
     preset = ctx.config.preset
-    return zs.And(1 <= r["P"], r["P"] <= preset.max_prompt_len, 1 <= r["M"],
-                  r["M"] <= preset.max_new_tokens, 0 <= r["O"], r["O"] <= r["M"],
-                  zs.Implies(zs.Not(r["fin"]), r["O"] < r["M"]),
-                  zs.Not(zs.And(r["holds"], r["ret"])), zs.Not(zs.And(r["holds"], r["fin"])),
-                  zs.Not(zs.And(r["fin"], r["ret"])))
+    return zs.And(
+        1 <= r["prompt_len"],
+        r["prompt_len"] <= preset.max_prompt_len,
+        1 <= r["max_new_tokens"],
+        r["max_new_tokens"] <= preset.max_new_tokens,
+        0 <= r["output_len"],
+        r["output_len"] <= r["max_new_tokens"],
+        zs.Implies(zs.Not(r["finished"]), r["output_len"] < r["max_new_tokens"]),
+        zs.Not(zs.And(r["holds_kv"], r["is_retracted"])),
+        zs.Not(zs.And(r["holds_kv"], r["finished"])),
+        zs.Not(zs.And(r["finished"], r["is_retracted"])),
+    )
 
 
 def ind_pipeline(ctx: Context, r: Record) -> Term:
@@ -118,46 +138,80 @@ def ind_pipeline(ctx: Context, r: Record) -> Term:
         return zs.And(1 <= accept, accept <= top) if ctx.is_spec else accept == 1
 
     return zs.And(
-        0 <= r["q"], r["q"] <= limit, r["k"] == r["q"] + zs.If(r["prep"], 1, 0),
-        zs.Implies(r["prep"], zs.And(r["q"] <= ctx.max_pending, r["holds"])),
-        zs.Implies(r["resolved"], r["prep"]),
-        zs.Implies(r["q"] >= 1, zs.If(r["ext"], r["a1"] == 0, decode_slot(r["a1"]))),
-        zs.Implies(r["q"] >= 2, decode_slot(r["a2"])),
-        zs.Implies(r["prep"], zs.Or(*[zs.And(r["w"] == lift(tr.compute_forward_write_width,
-                                                              s, "decode"),
-                                             r["amax"] == s.max_accept_len)
-                                      for s in ctx.shapes])))
+        0 <= r["launched_steps"],
+        r["launched_steps"] <= limit,
+        r["inflight_steps"] == r["launched_steps"] + zs.If(r["prepared"], 1, 0),
+        zs.Implies(r["prepared"], zs.And(r["launched_steps"] <= ctx.max_pending, r["holds_kv"])),
+        zs.Implies(r["resolved"], r["prepared"]),
+        zs.Implies(
+            r["launched_steps"] >= 1,
+            zs.If(r["extend_inflight"], r["accept_oldest"] == 0, decode_slot(r["accept_oldest"])),
+        ),
+        zs.Implies(r["launched_steps"] >= 2, decode_slot(r["accept_newest"])),
+        zs.Implies(
+            r["prepared"],
+            zs.Or(
+                *[
+                    zs.And(
+                        r["write_width"] == lift(tr.compute_forward_write_width, s, "decode"),
+                        r["max_accept_len"] == s.max_accept_len,
+                    )
+                    for s in ctx.shapes
+                ]
+            ),
+        ),
+    )
 
 
 def ind_truth(ctx: Context, r: Record) -> Term:
-    return zs.Implies(r["holds"], r["T"] == r["Stl"] + get_lag(r))
+    return zs.Implies(r["holds_kv"], r["kv_len_true"] == r["settled_len"] + get_lag(r))
 
 
 def ind_lead(ctx: Context, r: Record) -> Term:
-    return zs.Implies(r["holds"], r["C"] == r["Stl"] + ctx.get_lead(_claimed_decode_steps(r)))
+    return zs.Implies(
+        r["holds_kv"],
+        r["kv_committed_len"] == r["settled_len"] + ctx.get_lead(_claimed_decode_steps(r)),
+    )
 
 
 def ind_output(ctx: Context, r: Record) -> Term:
     pending = zs.If(get_extend_pending(r), 1, 0)
-    return zs.Implies(is_live(r), zs.And(r["Stl"] == r["P"] + r["O"] - 1 + pending,
-                                         r["O"] + pending >= 1, r["O"] < r["M"]))
+    return zs.Implies(
+        is_live(r),
+        zs.And(
+            r["settled_len"] == r["prompt_len"] + r["output_len"] - 1 + pending,
+            r["output_len"] + pending >= 1,
+            r["output_len"] < r["max_new_tokens"],
+        ),
+    )
 
 
 def ind_reserve(ctx: Context, r: Record) -> Term:
-    covered = zs.Implies(r["holds"], r["A"] >= r["T"])
+    covered = zs.Implies(r["holds_kv"], r["kv_allocated_len"] >= r["kv_len_true"])
     if not ctx.is_spec:
-        return zs.And(covered, zs.Implies(r["holds"], r["s"] == r["C"]))
-    return zs.And(covered, zs.Implies(zs.And(r["holds"], r["prep"]),
-                                      r["A"] >= r["T"] + r["w"]))
+        return zs.And(covered, zs.Implies(r["holds_kv"], r["seq_len"] == r["kv_committed_len"]))
+    return zs.And(
+        covered,
+        zs.Implies(
+            zs.And(r["holds_kv"], r["prepared"]),
+            r["kv_allocated_len"] >= r["kv_len_true"] + r["write_width"],
+        ),
+    )
 
 
 def ind_relay(ctx: Context, r: Record) -> Term:
     if not ctx.is_spec:
         return zs.BoolVal(True)
     if not ctx.overlap:
-        return zs.Implies(r["holds"], r["s"] == r["T"])
-    return zs.Implies(r["holds"], zs.And(r["pub"] == r["T"], r["s"] >= r["P"],
-                                         zs.Implies(r["resolved"], r["s"] == r["T"])))
+        return zs.Implies(r["holds_kv"], r["seq_len"] == r["kv_len_true"])
+    return zs.Implies(
+        r["holds_kv"],
+        zs.And(
+            r["published_seq_len"] == r["kv_len_true"],
+            r["seq_len"] >= r["prompt_len"],
+            zs.Implies(r["resolved"], r["seq_len"] == r["kv_len_true"]),
+        ),
+    )
 
 
 STATE_INVARIANTS: Final[tuple[StateInvariant, ...]] = (
@@ -167,59 +221,101 @@ STATE_INVARIANTS: Final[tuple[StateInvariant, ...]] = (
     StateInvariant("KV5", get_invariant("KV5").claim, kv5, _always),
     StateInvariant("SL2", get_invariant("SL2").claim, sl2, _always),
     StateInvariant("SL5", get_invariant("SL5").claim, sl5, _always),
-    StateInvariant("IND1", "sizes stay in the admission domain and live/finished/retracted "
-                   "exclude each other (admission checks; release at finish and retract)",
-                   ind_domain, _always),
-    StateInvariant("IND2", "at most one result pending at prepare under overlap, none "
-                   "without (ST5), each slot's accept in [1, max] (SL8)",
-                   ind_pipeline, _always),
-    StateInvariant("IND3", "the true KV length is the settled length plus the accepts of "
-                   "launched, unprocessed steps (the ghost's definition)", ind_truth, _always),
-    StateInvariant("IND4", "committed leads the settled truth by one claim per claimed decode "
-                   "step (non-spec, pre-claim) or not at all (PR 28754)", ind_lead, _always),
-    StateInvariant("IND5", "settled = prompt + output - 1 for a live request (the newest "
-                   "token has no KV; a pending prefill counts its first token)",
-                   ind_output, _always),
-    StateInvariant("IND6", "the allocation covers the true length, and a prepared spec step's "
-                   "reservation its writes from it (non-spec: seq_lens == committed)",
-                   ind_reserve, _always),
-    StateInvariant("IND7", "the relay row holds the true length and a resolved seq_lens "
-                   "equals it (spec overlap); without overlap run_batch re-applies it",
-                   ind_relay, _spec),
+    StateInvariant(
+        "IND1",
+        "sizes stay in the admission domain and live/finished/retracted "
+        "exclude each other (admission checks; release at finish and retract)",
+        ind_domain,
+        _always,
+    ),
+    StateInvariant(
+        "IND2",
+        "at most one result pending at prepare under overlap, none "
+        "without (ST5), each slot's accept in [1, max] (SL8)",
+        ind_pipeline,
+        _always,
+    ),
+    StateInvariant(
+        "IND3",
+        "the true KV length is the settled length plus the accepts of "
+        "launched, unprocessed steps (the ghost's definition)",
+        ind_truth,
+        _always,
+    ),
+    StateInvariant(
+        "IND4",
+        "committed leads the settled truth by one claim per claimed decode "
+        "step (non-spec, pre-claim) or not at all (PR 28754)",
+        ind_lead,
+        _always,
+    ),
+    StateInvariant(
+        "IND5",
+        "settled = prompt + output - 1 for a live request (the newest "
+        "token has no KV; a pending prefill counts its first token)",
+        ind_output,
+        _always,
+    ),
+    StateInvariant(
+        "IND6",
+        "the allocation covers the true length, and a prepared spec step's "
+        "reservation its writes from it (non-spec: seq_lens == committed)",
+        ind_reserve,
+        _always,
+    ),
+    StateInvariant(
+        "IND7",
+        "the relay row holds the true length and a resolved seq_lens "
+        "equals it (spec overlap); without overlap run_batch re-applies it",
+        ind_relay,
+        _spec,
+    ),
 )
 
 
 # ----------------------------------------------------------------------------- point claims
 def sl7(ctx: Context, r: Record, step: Step) -> Term:
     p = step.post
-    expected = lift(tr.compute_ns_expected_seq_len, p["P"], p["O"],
-                    p["k"] + zs.If(get_extend_pending(p), 0, 0))
-    return zs.And(p["s"] == p["C"], p["C"] == p["A"], p["A"] == expected)
+    expected = lift(
+        tr.compute_ns_expected_seq_len,
+        p["prompt_len"],
+        p["output_len"],
+        p["inflight_steps"] + zs.If(get_extend_pending(p), 0, 0),
+    )
+    return zs.And(
+        p["seq_len"] == p["kv_committed_len"],
+        p["kv_committed_len"] == p["kv_allocated_len"],
+        p["kv_allocated_len"] == expected,
+    )
 
 
 def sl11(ctx: Context, r: Record, step: Step) -> Term:
-    """seq_len_cpu_ub is max(kv_allocated_len) over the batch: each entry's A bounds its s."""
+    """seq_len_cpu_ub is max(kv_allocated_len) over the batch: each entry's
+    kv_allocated_len bounds its seq_len."""
     p = step.post
-    return p["A"] >= p["s"]
+    return p["kv_allocated_len"] >= p["seq_len"]
 
 
 def kv3(ctx: Context, r: Record, step: Step) -> Term:
-    return r["A"] >= r["T"] + r["w"]
+    return r["kv_allocated_len"] >= r["kv_len_true"] + r["write_width"]
 
 
 def sl6(ctx: Context, r: Record, step: Step) -> Term:
-    claim = r["s"] == r["T"]
-    return zs.And(claim, r["s"] == r["pub"]) if ctx.relay else claim
+    claim = r["seq_len"] == r["kv_len_true"]
+    return zs.And(claim, r["seq_len"] == r["published_seq_len"]) if ctx.relay else claim
 
 
 def sl8(ctx: Context, r: Record, step: Step) -> Term:
     accept = step.notes["accept"]
-    return zs.And(step.post["pub"] == r["s"] + accept, 1 <= accept,
-                  accept <= ctx.config.max_accept_len)
+    return zs.And(
+        step.post["published_seq_len"] == r["seq_len"] + accept,
+        1 <= accept,
+        accept <= ctx.config.max_accept_len,
+    )
 
 
 def rp1_launch(ctx: Context, r: Record, step: Step) -> Term:
-    return r["holds"]
+    return r["holds_kv"]
 
 
 def _settling(p: Record) -> Term:
@@ -228,13 +324,19 @@ def _settling(p: Record) -> Term:
 
 def kv8(ctx: Context, r: Record, step: Step) -> Term:
     p = step.post
-    return zs.Implies(_settling(p), p["C"] == p["Stl"] + ctx.get_lead(p["k"]))
+    return zs.Implies(
+        _settling(p), p["kv_committed_len"] == p["settled_len"] + ctx.get_lead(p["inflight_steps"])
+    )
 
 
 def kv9(ctx: Context, r: Record, step: Step) -> Term:
     p = step.post
     n = step.notes
-    live = zs.Implies(_settling(p), p["C"] - ctx.get_lead(p["k"]) == p["P"] + p["O"] - 1)
+    live = zs.Implies(
+        _settling(p),
+        p["kv_committed_len"] - ctx.get_lead(p["inflight_steps"])
+        == p["prompt_len"] + p["output_len"] - 1,
+    )
     if not ctx.is_spec:
         live = zs.BoolVal(True)
     # At a finish release: committed - claimed lead == cached == prompt + output - 1.
@@ -242,24 +344,35 @@ def kv9(ctx: Context, r: Record, step: Step) -> Term:
     # The cached length is checked at every finish release, a prefill's result included
     # (the reference does; the overlap loop may have prepared a decode before it).
     finish = zs.And(
-        zs.Implies(zs.And(n["finishing"], zs.Not(n["extend"])),
-                   p["C"] - ctx.get_lead(claimed) == n["with_kv"]),
-        zs.Implies(n["finishing"], n["cached"] == n["with_kv"]))
+        zs.Implies(
+            zs.And(n["finishing"], zs.Not(n["extend"])),
+            p["kv_committed_len"] - ctx.get_lead(claimed) == n["with_kv"],
+        ),
+        zs.Implies(n["finishing"], n["cached"] == n["with_kv"]),
+    )
     return zs.And(live, finish)
 
 
 def kv10(ctx: Context, r: Record, step: Step) -> Term:
     p = step.post
-    return zs.Implies(_settling(p), zs.And(p["C"] - p["Stl"] == p["k"], 0 <= p["k"],
-                                           p["k"] <= 1))
+    return zs.Implies(
+        _settling(p),
+        zs.And(
+            p["kv_committed_len"] - p["settled_len"] == p["inflight_steps"],
+            0 <= p["inflight_steps"],
+            p["inflight_steps"] <= 1,
+        ),
+    )
 
 
 def rp1_result(ctx: Context, r: Record, step: Step) -> Term:
     p = step.post
     refund = 1 if (ctx.is_spec and ctx.config.cell.preclaim) else 0
-    was_stale = zs.And(zs.Not(is_live(r)), zs.Not(r["ext"]))
-    expected = r["C"] - zs.If(r["fin"], refund, 0)
-    return zs.Implies(was_stale, zs.And(p["O"] == r["O"], p["C"] == expected))
+    was_stale = zs.And(zs.Not(is_live(r)), zs.Not(r["extend_inflight"]))
+    expected = r["kv_committed_len"] - zs.If(r["finished"], refund, 0)
+    return zs.Implies(
+        was_stale, zs.And(p["output_len"] == r["output_len"], p["kv_committed_len"] == expected)
+    )
 
 
 def rp2(ctx: Context, r: Record, step: Step) -> Term:
@@ -267,14 +380,23 @@ def rp2(ctx: Context, r: Record, step: Step) -> Term:
     n = step.notes
     stride = max(shape.draft_tokens for shape in ctx.shapes)
     top = min(stride, ctx.config.max_accept_len)
-    return zs.And(p["O"] <= p["M"], 0 <= n["run"], n["run"] <= n["accept"],
-                  1 <= n["accept"], n["accept"] <= top)
+    return zs.And(
+        p["output_len"] <= p["max_new_tokens"],
+        0 <= n["in_running_batch"],
+        n["in_running_batch"] <= n["accept"],
+        1 <= n["accept"],
+        n["accept"] <= top,
+    )
 
 
 POINT_INVARIANTS: Final[tuple[PointInvariant, ...]] = (
     PointInvariant("SL7", "prepare_for_decode", sl7, _non_spec),
-    PointInvariant("SL11", "resolve_seq_lens_cpu", sl11,
-                   lambda ctx: ctx.relay and not ctx.config.cell.needs_cpu_seq_lens),
+    PointInvariant(
+        "SL11",
+        "resolve_seq_lens_cpu",
+        sl11,
+        lambda ctx: ctx.relay and not ctx.config.cell.needs_cpu_seq_lens,
+    ),
     PointInvariant("KV3", "launch", kv3, _spec),
     PointInvariant("SL6", "launch", sl6, _spec),
     PointInvariant("SL8", "launch", sl8, _spec),
@@ -288,12 +410,12 @@ POINT_INVARIANTS: Final[tuple[PointInvariant, ...]] = (
 
 
 # The record field a state claim's antecedent reads (default: the request holds a row).
-_ANTECEDENT_FIELDS: Final = {"KV5": "ret"}
+_ANTECEDENT_FIELDS: Final = {"KV5": "is_retracted"}
 
 
 def get_antecedent(invariant_id: str, r: Record) -> Term:
     """When a state claim has something to check in ``r`` (witnesses look for it true)."""
-    return r[_ANTECEDENT_FIELDS.get(invariant_id, "holds")]
+    return r[_ANTECEDENT_FIELDS.get(invariant_id, "holds_kv")]
 
 
 def get_state_invariants(ctx: Context) -> list[StateInvariant]:

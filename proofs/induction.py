@@ -41,7 +41,7 @@ DEFAULT_BATCH_BOUND: Final = 16
 
 
 @dataclass
-class Cell:
+class Obligation:
     """One matrix entry: a transition and an invariant, with its verdict and time."""
 
     transition: str
@@ -56,34 +56,56 @@ def initial_record(prefix: str) -> tuple[Record, Term]:
     """A newly admitted, waiting request: nothing held, nothing in flight."""
     r = make_record(prefix)
     constraints = zs.And(
-        zs.Not(r["holds"]), zs.Not(r["fin"]), zs.Not(r["ret"]), zs.Not(r["prep"]),
-        zs.Not(r["resolved"]), zs.Not(r["ext"]), r["q"] == 0, r["k"] == 0, r["O"] == 0,
-        r["C"] == 0, r["A"] == 0, r["T"] == 0, r["Stl"] == 0, r["pages"] == 0,
-        1 <= r["P"], 1 <= r["M"])
+        zs.Not(r["holds_kv"]),
+        zs.Not(r["finished"]),
+        zs.Not(r["is_retracted"]),
+        zs.Not(r["prepared"]),
+        zs.Not(r["resolved"]),
+        zs.Not(r["extend_inflight"]),
+        r["launched_steps"] == 0,
+        r["inflight_steps"] == 0,
+        r["output_len"] == 0,
+        r["kv_committed_len"] == 0,
+        r["kv_allocated_len"] == 0,
+        r["kv_len_true"] == 0,
+        r["settled_len"] == 0,
+        r["page_count"] == 0,
+        1 <= r["prompt_len"],
+        1 <= r["max_new_tokens"],
+    )
     return r, constraints
 
 
-def _record(matrix: list[Cell], transition: str, invariant: str, outcome: zs.Outcome) -> None:
+def _record(matrix: list[Obligation], transition: str, invariant: str, outcome: zs.Outcome) -> None:
     detail = ""
     if outcome.verdict == zs.COUNTEREXAMPLE:
         shown = {k: v for k, v in sorted(outcome.model.items()) if "!" not in k}
         detail = ", ".join(f"{k}={v}" for k, v in list(shown.items())[:24])
     elif outcome.verdict == zs.UNKNOWN:
         detail = f"solver: {outcome.reason}"
-    matrix.append(Cell(transition, invariant, outcome.verdict, outcome.seconds, detail,
-                       outcome.model if outcome.verdict == zs.COUNTEREXAMPLE else {}))
+    matrix.append(
+        Obligation(
+            transition,
+            invariant,
+            outcome.verdict,
+            outcome.seconds,
+            detail,
+            outcome.model if outcome.verdict == zs.COUNTEREXAMPLE else {},
+        )
+    )
 
 
-def prove_initiation(ctx: Context, matrix: list[Cell], timeout_ms: int) -> None:
+def prove_initiation(ctx: Context, matrix: list[Obligation], timeout_ms: int) -> None:
     r, init = initial_record("init")
     preset = ctx.config.preset
-    domain = zs.And(r["P"] <= preset.max_prompt_len, r["M"] <= preset.max_new_tokens)
+    domain = zs.And(
+        r["prompt_len"] <= preset.max_prompt_len, r["max_new_tokens"] <= preset.max_new_tokens
+    )
     for inv in get_state_invariants(ctx):
-        _record(matrix, "init", inv.id, zs.prove([init, domain], inv.predicate(ctx, r),
-                                                  timeout_ms))
+        _record(matrix, "init", inv.id, zs.prove([init, domain], inv.predicate(ctx, r), timeout_ms))
 
 
-def prove_request_transitions(ctx: Context, matrix: list[Cell], timeout_ms: int) -> None:
+def prove_request_transitions(ctx: Context, matrix: list[Obligation], timeout_ms: int) -> None:
     for name in get_request_transitions(ctx):
         r = make_record(f"{name}.pre")
         steps = build_transition(name, ctx, r, f"{name}.choice")
@@ -98,14 +120,15 @@ def prove_request_transitions(ctx: Context, matrix: list[Cell], timeout_ms: int)
             _record(matrix, name, point.id, zs.prove([hypothesis], goal, timeout_ms))
 
 
-def prove_reshaping(ctx: Context, matrix: list[Cell], timeout_ms: int) -> None:
+def prove_reshaping(ctx: Context, matrix: list[Obligation], timeout_ms: int) -> None:
     """filter_batch and merge_batch over arrays with a symbolic length."""
     i, j = zs.Int("i"), zs.Int("j")
     # filter_batch: post[j] = pre[keep[j]] for j < n', with keep[j] in [0, n).
     pre = make_array_record("filter.pre")
     n, n_post, keep = zs.Int("filter.n"), zs.Int("filter.n_post"), zs.IntArray("filter.keep")
-    everyone = zs.ForAll([i], zs.Implies(zs.And(0 <= i, i < n),
-                                         get_strengthened(ctx, select(pre, i))))
+    everyone = zs.ForAll(
+        [i], zs.Implies(zs.And(0 <= i, i < n), get_strengthened(ctx, select(pre, i)))
+    )
     picked = select(pre, keep[j])
     in_range = zs.And(0 <= j, j < n_post, n_post <= n, 0 <= keep[j], keep[j] < n)
     for inv in get_state_invariants(ctx):
@@ -115,10 +138,10 @@ def prove_reshaping(ctx: Context, matrix: list[Cell], timeout_ms: int) -> None:
     left, right = make_array_record("merge.left"), make_array_record("merge.right")
     n1, n2 = zs.Int("merge.n1"), zs.Int("merge.n2")
     cpu1, cpu2 = zs.Bool("merge.cpu1"), zs.Bool("merge.cpu2")
-    hyps = [zs.ForAll([i], zs.Implies(zs.And(0 <= i, i < n1),
-                                      get_strengthened(ctx, select(left, i)))),
-            zs.ForAll([i], zs.Implies(zs.And(0 <= i, i < n2),
-                                      get_strengthened(ctx, select(right, i))))]
+    hyps = [
+        zs.ForAll([i], zs.Implies(zs.And(0 <= i, i < n1), get_strengthened(ctx, select(left, i)))),
+        zs.ForAll([i], zs.Implies(zs.And(0 <= i, i < n2), get_strengthened(ctx, select(right, i)))),
+    ]
     merged = {name: zs.If(j < n1, left[name][j], right[name][j - n1]) for name in left}
     in_merged = zs.And(0 <= j, j < n1 + n2, 0 <= n1, 0 <= n2)
     for inv in get_state_invariants(ctx):
@@ -144,11 +167,15 @@ class BatchSum:
 
 
 def make_batch(prefix: str, n: int) -> BatchSum:
-    return BatchSum(n, [zs.Int(f"{prefix}.s{j}") for j in range(n)],
-                    [zs.Int(f"{prefix}.sc{j}") for j in range(n)],
-                    [zs.Int(f"{prefix}.pub{j}") for j in range(n)],
-                    zs.Bool(f"{prefix}.has_cpu"), zs.Bool(f"{prefix}.sum_present"),
-                    zs.Int(f"{prefix}.sum"))
+    return BatchSum(
+        n,
+        [zs.Int(f"{prefix}.s{j}") for j in range(n)],
+        [zs.Int(f"{prefix}.sc{j}") for j in range(n)],
+        [zs.Int(f"{prefix}.pub{j}") for j in range(n)],
+        zs.Bool(f"{prefix}.has_cpu"),
+        zs.Bool(f"{prefix}.sum_present"),
+        zs.Int(f"{prefix}.sum"),
+    )
 
 
 def sl3(b: BatchSum) -> Term:
@@ -161,47 +188,74 @@ def _sum_transitions(ctx: Context, b: BatchSum) -> dict[str, tuple[BatchSum, Ter
     d_tok = max(shape.draft_tokens for shape in ctx.shapes)
     out: dict[str, tuple[BatchSum, Term]] = {}
     fills = [zs.Int(f"fill{j}") for j in range(b.n)]
-    out["prepare_for_extend"] = (BatchSum(b.n, fills, fills, fills, zs.BoolVal(True),
-                                          zs.BoolVal(True), zs.Sum(fills)), zs.BoolVal(True))
+    out["prepare_for_extend"] = (
+        BatchSum(b.n, fills, fills, fills, zs.BoolVal(True), zs.BoolVal(True), zs.Sum(fills)),
+        zs.BoolVal(True),
+    )
     if ctx.is_spec:
         out["prepare_for_decode"] = (b, zs.BoolVal(True))
     else:
         bumped = [lift(tr.compute_decode_seq_len_ns, v) for v in b.s]
         bumped_cpu = [lift(tr.compute_decode_seq_len_ns, v) for v in b.sc]
-        out["prepare_for_decode"] = (BatchSum(b.n, bumped, bumped_cpu, b.pub, b.has_cpu,
-                                              zs.BoolVal(False), b.total), zs.BoolVal(True))
+        out["prepare_for_decode"] = (
+            BatchSum(b.n, bumped, bumped_cpu, b.pub, b.has_cpu, zs.BoolVal(False), b.total),
+            zs.BoolVal(True),
+        )
     keep = [zs.Bool(f"keep{j}") for j in range(b.n)]
     kept_sum_terms = [zs.If(k, v, 0) for k, v in zip(keep, b.sc, strict=True)]
     # Filtered entries as "kept or zero": sums over the kept entries only.
-    filtered = BatchSum(b.n, [zs.If(k, v, 0) for k, v in zip(keep, b.s, strict=True)],
-                        kept_sum_terms, b.pub, b.has_cpu,
-                        b.sum_present if ctx.has("B1") else zs.BoolVal(False), b.total)
+    filtered = BatchSum(
+        b.n,
+        [zs.If(k, v, 0) for k, v in zip(keep, b.s, strict=True)],
+        kept_sum_terms,
+        b.pub,
+        b.has_cpu,
+        b.sum_present if ctx.has("B1") else zs.BoolVal(False),
+        b.total,
+    )
     out["filter_batch"] = (filtered, zs.BoolVal(True))
     if ctx.relay:
         if ctx.config.cell.needs_cpu_seq_lens:
-            resolved = BatchSum(b.n, b.pub, b.pub, b.pub, zs.BoolVal(True), zs.BoolVal(True),
-                                zs.Sum(b.pub))
+            resolved = BatchSum(
+                b.n, b.pub, b.pub, b.pub, zs.BoolVal(True), zs.BoolVal(True), zs.Sum(b.pub)
+            )
         else:
-            resolved = BatchSum(b.n, b.pub, b.sc, b.pub, zs.BoolVal(False), zs.BoolVal(False),
-                                b.total)
+            resolved = BatchSum(
+                b.n, b.pub, b.sc, b.pub, zs.BoolVal(False), zs.BoolVal(False), b.total
+            )
         out["resolve_seq_lens_cpu"] = (resolved, zs.BoolVal(True))
     if ctx.is_spec:
         accepts = [zs.Int(f"accept{j}") for j in range(b.n)]
-        published = [lift(tr.compute_verify_new_seq_len, s, a)
-                     for s, a in zip(b.s, accepts, strict=True)]
+        published = [
+            lift(tr.compute_verify_new_seq_len, s, a) for s, a in zip(b.s, accepts, strict=True)
+        ]
         ok = zs.And(*[zs.And(1 <= a, a <= ctx.config.max_accept_len) for a in accepts])
         if ctx.overlap:
-            out["launch"] = (BatchSum(b.n, b.s, b.sc, published, b.has_cpu, b.sum_present,
-                                      b.total), ok)
+            out["launch"] = (
+                BatchSum(b.n, b.s, b.sc, published, b.has_cpu, b.sum_present, b.total),
+                ok,
+            )
         else:  # run_batch re-applies new_seq_lens; the host copy refreshes sum too
-            out["launch"] = (BatchSum(b.n, published, published, published, b.has_cpu,
-                                      b.has_cpu, zs.Sum(published)), ok)
+            out["launch"] = (
+                BatchSum(
+                    b.n, published, published, published, b.has_cpu, b.has_cpu, zs.Sum(published)
+                ),
+                ok,
+            )
         if ctx.has("B7"):
             plus = list(lift(tr.compute_draft_extend_seq_lens, tuple(b.sc), d_tok))
-            out["draft_extend"] = (BatchSum(b.n, list(lift(tr.compute_draft_extend_seq_lens,
-                                                           tuple(b.s), d_tok)), plus, b.pub,
-                                            b.has_cpu, b.sum_present, b.total),
-                                   zs.BoolVal(True))
+            out["draft_extend"] = (
+                BatchSum(
+                    b.n,
+                    list(lift(tr.compute_draft_extend_seq_lens, tuple(b.s), d_tok)),
+                    plus,
+                    b.pub,
+                    b.has_cpu,
+                    b.sum_present,
+                    b.total,
+                ),
+                zs.BoolVal(True),
+            )
         else:
             out["draft_extend"] = (b, zs.BoolVal(True))
     return out
@@ -214,11 +268,12 @@ def init_new_sum(ctx: Context, b: BatchSum) -> tuple[Term, Term]:
     return present, zs.If(b.sum_present, b.total, zs.Sum(b.sc))
 
 
-def prove_sums(ctx: Context, matrix: list[Cell], bound: int, timeout_ms: int) -> None:
+def prove_sums(ctx: Context, matrix: list[Obligation], bound: int, timeout_ms: int) -> None:
     """SL3 through every batch-level transition and merge; SL1 at init_new; n = 0..bound."""
     names = list(_sum_transitions(ctx, make_batch("probe", 0)))
-    totals: dict[str, list[float]] = {name: [0.0, 0.0] for name in
-                                      [*names, "merge_batch", "init_new"]}
+    totals: dict[str, list[float]] = {
+        name: [0.0, 0.0] for name in [*names, "merge_batch", "init_new"]
+    }
     verdicts: dict[tuple[str, str], zs.Outcome] = {}
 
     def keep_worst(key: tuple[str, str], outcome: zs.Outcome) -> None:
@@ -226,8 +281,7 @@ def prove_sums(ctx: Context, matrix: list[Cell], bound: int, timeout_ms: int) ->
         rank = {zs.PROVED: 0, zs.UNKNOWN: 1, zs.COUNTEREXAMPLE: 2}
         total = outcome.seconds + (previous.seconds if previous else 0.0)
         if previous is None or rank[outcome.verdict] > rank[previous.verdict]:
-            verdicts[key] = zs.Outcome(outcome.verdict, total, outcome.model,
-                                       outcome.reason)
+            verdicts[key] = zs.Outcome(outcome.verdict, total, outcome.model, outcome.reason)
         else:
             previous.seconds = total
 
@@ -247,23 +301,32 @@ def prove_sums(ctx: Context, matrix: list[Cell], bound: int, timeout_ms: int) ->
         live_size = zs.Sum([zs.If(x, 0, 1) for x in stale])
         accepts_ok = zs.And(*[zs.And(1 <= a, a <= ctx.config.max_accept_len) for a in accepts])
         if ctx.is_spec:
-            keep_worst(("process_result", "RP3"),
-                       zs.prove([accepts_ok], zs.And(correct == live_correct, size == live_size),
-                                timeout_ms))
+            keep_worst(
+                ("process_result", "RP3"),
+                zs.prove(
+                    [accepts_ok], zs.And(correct == live_correct, size == live_size), timeout_ms
+                ),
+            )
         for n1 in range(n + 1):
             left, right = make_batch(f"m{n}l", n1), make_batch(f"m{n}r", n - n1)
-            merged = BatchSum(n, left.s + right.s, left.sc + right.sc, left.pub + right.pub,
-                              zs.And(left.has_cpu, right.has_cpu),
-                              left.sum_present if ctx.has("B1") else zs.BoolVal(False),
-                              left.total)
-            keep_worst(("merge_batch", "SL3"),
-                       zs.prove([sl3(left), sl3(right)], sl3(merged), timeout_ms))
+            merged = BatchSum(
+                n,
+                left.s + right.s,
+                left.sc + right.sc,
+                left.pub + right.pub,
+                zs.And(left.has_cpu, right.has_cpu),
+                left.sum_present if ctx.has("B1") else zs.BoolVal(False),
+                left.total,
+            )
+            keep_worst(
+                ("merge_batch", "SL3"), zs.prove([sl3(left), sl3(right)], sl3(merged), timeout_ms)
+            )
     del totals
     for (name, inv), outcome in verdicts.items():
         _record(matrix, name, f"{inv}", outcome)
 
 
-def prove_draft_extend(ctx: Context, matrix: list[Cell], timeout_ms: int) -> None:
+def prove_draft_extend(ctx: Context, matrix: list[Obligation], timeout_ms: int) -> None:
     """SL10: the ForwardBatch gets seq_lens + D_tok; the ScheduleBatch keeps its own."""
     s, sc = zs.Int("de.s"), zs.Int("de.sc")
     for shape in ctx.shapes:
@@ -274,10 +337,11 @@ def prove_draft_extend(ctx: Context, matrix: list[Cell], timeout_ms: int) -> Non
         _record(matrix, "draft_extend", "SL10", zs.prove([], goal, timeout_ms))
 
 
-def prove_cell(ctx: Context, bound: int = DEFAULT_BATCH_BOUND,
-               timeout_ms: int = zs.DEFAULT_TIMEOUT_MS) -> list[Cell]:
+def prove_cell(
+    ctx: Context, bound: int = DEFAULT_BATCH_BOUND, timeout_ms: int = zs.DEFAULT_TIMEOUT_MS
+) -> list[Obligation]:
     """Every proof of one cell: the matrix rows, in a stable order."""
-    matrix: list[Cell] = []
+    matrix: list[Obligation] = []
     started = time.perf_counter()
     prove_initiation(ctx, matrix, timeout_ms)
     prove_request_transitions(ctx, matrix, timeout_ms)
@@ -318,9 +382,8 @@ def find_witnesses(ctx: Context, timeout_ms: int = zs.DEFAULT_TIMEOUT_MS) -> dic
                 if point.id in ("KV8", "KV9", "KV10"):
                     antecedent = zs.And(is_live(p), zs.Not(get_extend_pending(p)))
                 elif point.id == "RP1" and name == "process_result":
-                    antecedent = zs.And(zs.Not(is_live(r)), zs.Not(r["ext"]))
+                    antecedent = zs.And(zs.Not(is_live(r)), zs.Not(r["extend_inflight"]))
                 else:
                     antecedent = zs.BoolVal(True)
-                found[key] = zs.check_sat([hypothesis, step.guard, antecedent],
-                                          timeout_ms).verdict
+                found[key] = zs.check_sat([hypothesis, step.guard, antecedent], timeout_ms).verdict
     return found

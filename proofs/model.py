@@ -1,17 +1,23 @@
 """The abstract scheduler state as Z3 terms, and the spec's transitions over it.
 
-One request is a record of integer and Boolean terms (its place in the running
-batch included: ``seq_lens`` entry ``s``, mirror entry ``sc``); a batch adds the
-flags ``has_cpu`` / ``sum_present`` and ``seq_lens_sum``. Every arithmetic rule is
-the spec's own ``compute_*`` function run over terms by :func:`proofs.symbolic.lift`;
-this module only says *which* rule fires in which transition and what it leaves
-unchanged (the frame), following ``reference/``.
+One request is a record of integer and Boolean terms under the spec's field names
+(``spec.state.RequestView`` and ``GhostView``): ``prompt_len``, ``output_len``,
+``max_new_tokens``, ``kv_committed_len``, ``kv_allocated_len``, ``finished``,
+``is_retracted``, ``holds_kv``, and its place in the running batch (``seq_len``, the
+``seq_lens`` entry; ``seq_len_cpu``, its mirror; ``published_seq_len``, the FutureMap
+row; ``page_count``, the pages its row holds). A batch adds the flags ``has_cpu`` /
+``sum_present`` and ``seq_lens_sum``. Every arithmetic rule is the spec's own
+``compute_*`` function run over terms by :func:`proofs.symbolic.lift`; this module only
+says *which* rule fires in which transition and what it leaves unchanged (the frame),
+following ``reference/``.
 
 Ghost fields (never written by scheduler logic, as in ``spec/state.py``):
-``T`` true KV length, ``Stl`` settled length, ``q`` launched unprocessed steps,
-``a1`` / ``a2`` their accept lengths (oldest first; an extend slot has 0),
-``ext`` (slot 1 is the prefill), ``prep`` (a prepared, unlaunched decode step),
-``w`` (its write width), ``amax`` (its rung's largest accept length).
+``kv_len_true`` true KV length, ``settled_len`` settled length, ``inflight_steps`` steps
+prepared or launched and not processed, ``launched_steps`` launched unprocessed steps,
+``accept_oldest`` / ``accept_newest`` their accept lengths (an extend slot has 0),
+``extend_inflight`` (the oldest slot is the prefill), ``prepared`` (a prepared,
+unlaunched decode step), ``resolved`` (its seq_lens came back through the relay),
+``write_width`` (its write width), ``max_accept_len`` (its rung's largest accept length).
 
 Modelling compromises, stated once:
 - The prefill of a request (``prepare_for_extend``) folds in the extend launch:
@@ -39,9 +45,33 @@ from overlap_spec.proofs.symbolic import lift
 from overlap_spec.spec import transitions as tr
 from overlap_spec.spec.config import ModelConfig, SpecShape
 
-INT_FIELDS: Final = ("P", "O", "M", "C", "A", "T", "Stl", "k", "q", "a1", "a2", "s", "sc",
-                     "pub", "pages", "w", "amax")
-BOOL_FIELDS: Final = ("fin", "ret", "holds", "ext", "prep", "resolved")
+INT_FIELDS: Final = (
+    "prompt_len",
+    "output_len",
+    "max_new_tokens",
+    "kv_committed_len",
+    "kv_allocated_len",
+    "kv_len_true",
+    "settled_len",
+    "inflight_steps",
+    "launched_steps",
+    "accept_oldest",
+    "accept_newest",
+    "seq_len",
+    "seq_len_cpu",
+    "published_seq_len",
+    "page_count",
+    "write_width",
+    "max_accept_len",
+)
+BOOL_FIELDS: Final = (
+    "finished",
+    "is_retracted",
+    "holds_kv",
+    "extend_inflight",
+    "prepared",
+    "resolved",
+)
 FIELDS: Final = INT_FIELDS + BOOL_FIELDS
 
 Record = dict[str, Term]
@@ -71,16 +101,18 @@ def select(arrays: dict[str, Term], index: Term) -> Record:
 
 
 def is_live(r: Record) -> Term:
-    return zs.And(r["holds"], zs.Not(r["fin"]), zs.Not(r["ret"]))
+    return zs.And(r["holds_kv"], zs.Not(r["finished"]), zs.Not(r["is_retracted"]))
 
 
 def get_lag(r: Record) -> Term:
-    """Accepts of launched, unprocessed steps: what T is ahead of the settled length."""
-    return zs.If(r["q"] >= 1, r["a1"], 0) + zs.If(r["q"] >= 2, r["a2"], 0)
+    """Accepts of launched, unprocessed steps: what kv_len_true is ahead of the settled length."""
+    return zs.If(r["launched_steps"] >= 1, r["accept_oldest"], 0) + zs.If(
+        r["launched_steps"] >= 2, r["accept_newest"], 0
+    )
 
 
 def get_extend_pending(r: Record) -> Term:
-    return zs.And(r["q"] >= 1, r["ext"])
+    return zs.And(r["launched_steps"] >= 1, r["extend_inflight"])
 
 
 @dataclass
@@ -140,15 +172,30 @@ class Step:
 # ----------------------------------------------------------------------------- transitions
 def prepare_for_extend(ctx: Context, r: Record) -> Step:
     """Admit a waiting request: row, KV for fill_len, committed = allocated = fill_len; the
-    extend launch is folded in (T = fill_len, extend publish of s, one slot in flight)."""
-    fill = lift(tr.compute_fill_len, r["P"], r["O"])
+    extend launch is folded in (kv_len_true = fill_len, extend publish of seq_len, one slot
+    in flight)."""
+    fill = lift(tr.compute_fill_len, r["prompt_len"], r["output_len"])
     page = ctx.config.page_size
     post = dict(r)
-    post.update(C=fill, A=fill, s=fill, sc=fill, T=fill, Stl=fill, pub=fill, q=r["q"] + 1,
-                k=r["k"] + 1, a1=zs.IntVal(0), ext=zs.BoolVal(True), holds=zs.BoolVal(True),
-                ret=zs.BoolVal(False), prep=zs.BoolVal(False), resolved=zs.BoolVal(False),
-                pages=lift(tr.compute_pages_for_len, fill, page))
-    guard = zs.And(zs.Not(r["holds"]), zs.Not(r["fin"]), r["q"] == 0)
+    post.update(
+        kv_committed_len=fill,
+        kv_allocated_len=fill,
+        seq_len=fill,
+        seq_len_cpu=fill,
+        kv_len_true=fill,
+        settled_len=fill,
+        published_seq_len=fill,
+        launched_steps=r["launched_steps"] + 1,
+        inflight_steps=r["inflight_steps"] + 1,
+        accept_oldest=zs.IntVal(0),
+        extend_inflight=zs.BoolVal(True),
+        holds_kv=zs.BoolVal(True),
+        is_retracted=zs.BoolVal(False),
+        prepared=zs.BoolVal(False),
+        resolved=zs.BoolVal(False),
+        page_count=lift(tr.compute_pages_for_len, fill, page),
+    )
+    guard = zs.And(zs.Not(r["holds_kv"]), zs.Not(r["finished"]), r["launched_steps"] == 0)
     return Step(guard, post)
 
 
@@ -161,52 +208,80 @@ def prepare_for_decode(ctx: Context, r: Record, shape: SpecShape) -> Step:
     if ctx.is_spec:
         reserve = ctx.get_reserve(shape)
         if ctx.has("B12"):
-            target = lift(tr.compute_page_align_up, r["C"] + reserve, page)
+            target = lift(tr.compute_page_align_up, r["kv_committed_len"] + reserve, page)
         else:
-            target = lift(tr.compute_v2_alloc_target, r["C"], r["A"], reserve, page)
-        post.update(A=target, C=r["C"] + (1 if ctx.config.cell.preclaim else 0))
+            target = lift(
+                tr.compute_v2_alloc_target,
+                r["kv_committed_len"],
+                r["kv_allocated_len"],
+                reserve,
+                page,
+            )
+        post.update(
+            kv_allocated_len=target,
+            kv_committed_len=r["kv_committed_len"] + (1 if ctx.config.cell.preclaim else 0),
+        )
     else:
-        bumped = lift(tr.compute_decode_seq_len_ns, r["s"])
-        post.update(A=bumped, C=r["C"] + (0 if ctx.has("B10") else 1), s=bumped,
-                    sc=lift(tr.compute_decode_seq_len_ns, r["sc"]))
-    needed = lift(tr.compute_pages_for_len, post["A"], page)
-    post.update(k=r["k"] + 1, prep=zs.BoolVal(True), resolved=zs.BoolVal(False), w=width,
-                amax=zs.IntVal(shape.max_accept_len),
-                pages=zs.If(needed > r["pages"], needed, r["pages"]))
-    guard = zs.And(is_live(r), zs.Not(r["prep"]), r["q"] <= ctx.max_pending)
+        bumped = lift(tr.compute_decode_seq_len_ns, r["seq_len"])
+        post.update(
+            kv_allocated_len=bumped,
+            kv_committed_len=r["kv_committed_len"] + (0 if ctx.has("B10") else 1),
+            seq_len=bumped,
+            seq_len_cpu=lift(tr.compute_decode_seq_len_ns, r["seq_len_cpu"]),
+        )
+    needed = lift(tr.compute_pages_for_len, post["kv_allocated_len"], page)
+    post.update(
+        inflight_steps=r["inflight_steps"] + 1,
+        prepared=zs.BoolVal(True),
+        resolved=zs.BoolVal(False),
+        write_width=width,
+        max_accept_len=zs.IntVal(shape.max_accept_len),
+        page_count=zs.If(needed > r["page_count"], needed, r["page_count"]),
+    )
+    guard = zs.And(is_live(r), zs.Not(r["prepared"]), r["launched_steps"] <= ctx.max_pending)
     return Step(guard, post)
 
 
 def resolve_seq_lens_cpu(ctx: Context, r: Record) -> Step:
     """Spec overlap: SB.seq_lens (and the mirror when kept) = new_seq_lens_buf[row]."""
     post = dict(r)
-    post.update(s=r["pub"], sc=r["pub"], resolved=zs.BoolVal(True))
-    return Step(zs.And(r["prep"], is_live(r)), post)
+    post.update(
+        seq_len=r["published_seq_len"],
+        seq_len_cpu=r["published_seq_len"],
+        resolved=zs.BoolVal(True),
+    )
+    return Step(zs.And(r["prepared"], is_live(r)), post)
 
 
 def launch(ctx: Context, r: Record, accept: Term) -> Step:
-    """The forward: draft + verify write [s, s + W); T += accept; publish s + accept;
-    the step joins the in-flight queue. Non-spec writes position s - 1: T += 1."""
+    """The forward: draft + verify write [seq_len, seq_len + W); kv_len_true += accept;
+    publish seq_len + accept; the step joins the in-flight queue. Non-spec writes position
+    seq_len - 1: kv_len_true += 1."""
     post = dict(r)
     advance = accept if ctx.is_spec else zs.IntVal(1)
-    published = lift(tr.compute_verify_new_seq_len, r["s"], accept)
-    slot_two = r["q"] >= 1
-    post.update(T=r["T"] + advance, q=r["q"] + 1, prep=zs.BoolVal(False),
-                resolved=zs.BoolVal(False),
-                a1=zs.If(slot_two, r["a1"], advance), a2=zs.If(slot_two, advance, r["a2"]),
-                ext=zs.And(slot_two, r["ext"]))
+    published = lift(tr.compute_verify_new_seq_len, r["seq_len"], accept)
+    slot_two = r["launched_steps"] >= 1
+    post.update(
+        kv_len_true=r["kv_len_true"] + advance,
+        launched_steps=r["launched_steps"] + 1,
+        prepared=zs.BoolVal(False),
+        resolved=zs.BoolVal(False),
+        accept_oldest=zs.If(slot_two, r["accept_oldest"], advance),
+        accept_newest=zs.If(slot_two, advance, r["accept_newest"]),
+        extend_inflight=zs.And(slot_two, r["extend_inflight"]),
+    )
     if ctx.is_spec:
-        post["pub"] = published
+        post["published_seq_len"] = published
         if not ctx.overlap:  # run_batch re-applies new_seq_lens to SB
-            post.update(s=published, sc=published)
+            post.update(seq_len=published, seq_len_cpu=published)
         elif ctx.has("B6"):  # a -future_indices sentinel (rows are >= 1)
-            post.update(s=zs.IntVal(-1))
-    guards = [r["prep"]]
+            post.update(seq_len=zs.IntVal(-1))
+    guards = [r["prepared"]]
     if not ctx.has("B14"):
-        guards.append(r["holds"])  # the re-filter after early result processing
+        guards.append(r["holds_kv"])  # the re-filter after early result processing
     if ctx.relay:
         guards.append(r["resolved"])
-    accept_ok = zs.And(accept >= 1, accept <= r["amax"]) if ctx.is_spec else accept == 1
+    accept_ok = zs.And(accept >= 1, accept <= r["max_accept_len"]) if ctx.is_spec else accept == 1
     return Step(zs.And(*guards, accept_ok), post, {"accept": accept})
 
 
@@ -215,45 +290,68 @@ def process_result(ctx: Context, r: Record, eos: Term, eos_at: Term) -> Step:
     settle committed once (spec) and release at finish; stale: only the pre-claim refund."""
     cell = ctx.config.cell
     post = dict(r)
-    extend = r["ext"]
-    accept = zs.If(extend, 1, r["a1"])
+    extend = r["extend_inflight"]
+    accept = zs.If(extend, 1, r["accept_oldest"])
     eos_index = zs.If(eos, eos_at, -1)
-    run_with_eos = lift(tr.compute_run_len, accept, r["M"] - r["O"], eos_at)
-    run_no_eos = lift(tr.compute_run_len, accept, r["M"] - r["O"], None)
+    run_with_eos = lift(tr.compute_run_len, accept, r["max_new_tokens"] - r["output_len"], eos_at)
+    run_no_eos = lift(tr.compute_run_len, accept, r["max_new_tokens"] - r["output_len"], None)
     run = zs.If(eos, run_with_eos, run_no_eos)
     stale = zs.Not(is_live(r))
     if ctx.has("B3"):
         stale = zs.BoolVal(False)
     settled = accept if ctx.has("B11") else run
-    committed_live = lift(tr.compute_committed_after_result, cell, r["C"], settled, False,
-                          False)
+    committed_live = lift(
+        tr.compute_committed_after_result, cell, r["kv_committed_len"], settled, False, False
+    )
     if ctx.has("B10") and not cell.is_spec:
         committed_live = committed_live + 1
     committed_stale = zs.If(
-        r["fin"],
-        lift(tr.compute_committed_after_result, cell, r["C"], run, True, True),
-        lift(tr.compute_committed_after_result, cell, r["C"], run, True, False))
-    committed = zs.If(stale, r["C"], zs.If(extend, r["C"], committed_live))
+        r["finished"],
+        lift(tr.compute_committed_after_result, cell, r["kv_committed_len"], run, True, True),
+        lift(tr.compute_committed_after_result, cell, r["kv_committed_len"], run, True, False),
+    )
+    committed = zs.If(
+        stale, r["kv_committed_len"], zs.If(extend, r["kv_committed_len"], committed_live)
+    )
     committed = zs.If(zs.And(stale, zs.Not(extend)), committed_stale, committed)
-    output = zs.If(stale, r["O"], r["O"] + run)
+    output = zs.If(stale, r["output_len"], r["output_len"] + run)
     hit_eos = zs.And(eos, eos_index < run)
-    finishing = zs.And(zs.Not(stale), zs.Or(hit_eos, output >= r["M"]))
-    with_kv = r["P"] + output - 1
+    finishing = zs.And(zs.Not(stale), zs.Or(hit_eos, output >= r["max_new_tokens"]))
+    with_kv = r["prompt_len"] + output - 1
     # B14: without the re-filter the finished request's prepared step stays in the batch.
     dropped = zs.BoolVal(False) if ctx.has("B14") else finishing
-    cached = (committed if ctx.has("B11") else
-              lift(tr.compute_cached_len, committed, r["P"], output))
+    cached = (
+        committed
+        if ctx.has("B11")
+        else lift(tr.compute_cached_len, committed, r["prompt_len"], output)
+    )
     post.update(
         # A finished request's prepared, unlaunched step is dropped with it (the re-filter).
-        C=committed, O=output, q=r["q"] - 1, a1=r["a2"], ext=zs.BoolVal(False),
-        k=r["k"] - 1 - zs.If(zs.And(dropped, r["prep"]), 1, 0),
-        prep=zs.And(r["prep"], zs.Not(dropped)),
+        kv_committed_len=committed,
+        output_len=output,
+        launched_steps=r["launched_steps"] - 1,
+        accept_oldest=r["accept_newest"],
+        extend_inflight=zs.BoolVal(False),
+        inflight_steps=r["inflight_steps"] - 1 - zs.If(zs.And(dropped, r["prepared"]), 1, 0),
+        prepared=zs.And(r["prepared"], zs.Not(dropped)),
         resolved=zs.And(r["resolved"], zs.Not(dropped)),
-        Stl=zs.If(zs.Or(stale, extend), r["Stl"], r["Stl"] + r["a1"]),
-        fin=zs.Or(r["fin"], finishing), holds=zs.And(r["holds"], zs.Not(finishing)))
-    notes = {"run": run, "accept": accept, "stale": stale, "finishing": finishing,
-             "cached": cached, "with_kv": with_kv, "extend": extend, "claimed": r["k"] - 1}
-    guard = zs.And(r["q"] >= 1, eos_at >= 0, zs.Implies(eos, eos_at < accept))
+        settled_len=zs.If(
+            zs.Or(stale, extend), r["settled_len"], r["settled_len"] + r["accept_oldest"]
+        ),
+        finished=zs.Or(r["finished"], finishing),
+        holds_kv=zs.And(r["holds_kv"], zs.Not(finishing)),
+    )
+    notes = {
+        "in_running_batch": run,
+        "accept": accept,
+        "stale": stale,
+        "finishing": finishing,
+        "cached": cached,
+        "with_kv": with_kv,
+        "extend": extend,
+        "claimed": r["inflight_steps"] - 1,
+    }
+    guard = zs.And(r["launched_steps"] >= 1, eos_at >= 0, zs.Implies(eos, eos_at < accept))
     return Step(guard, post, notes)
 
 
@@ -261,17 +359,28 @@ def retract(ctx: Context, r: Record) -> Step:
     """release_req + reset_for_retract: committed = allocated = 0, row and pages freed;
     the ghost truth restarts (a late result of this request is stale)."""
     post = dict(r)
-    post.update(C=zs.IntVal(0), A=zs.IntVal(0), ret=zs.BoolVal(True), holds=zs.BoolVal(False),
-                pages=zs.IntVal(0), T=zs.IntVal(0), Stl=zs.IntVal(0), k=r["k"] - zs.If(
-                    r["prep"], 1, 0), prep=zs.BoolVal(False), resolved=zs.BoolVal(False))
-    return Step(zs.And(is_live(r), zs.Not(r["prep"])), post)
+    post.update(
+        kv_committed_len=zs.IntVal(0),
+        kv_allocated_len=zs.IntVal(0),
+        is_retracted=zs.BoolVal(True),
+        holds_kv=zs.BoolVal(False),
+        page_count=zs.IntVal(0),
+        kv_len_true=zs.IntVal(0),
+        settled_len=zs.IntVal(0),
+        inflight_steps=r["inflight_steps"] - zs.If(r["prepared"], 1, 0),
+        prepared=zs.BoolVal(False),
+        resolved=zs.BoolVal(False),
+    )
+    return Step(zs.And(is_live(r), zs.Not(r["prepared"])), post)
 
 
 def readmit(ctx: Context, r: Record) -> Step:
     """A retracted request returns to the waiting queue's prefill (is_retracted cleared
     by prepare_for_extend)."""
     step = prepare_for_extend(ctx, r)
-    return Step(zs.And(r["ret"], zs.Not(r["holds"]), r["q"] == 0), step.post)
+    return Step(
+        zs.And(r["is_retracted"], zs.Not(r["holds_kv"]), r["launched_steps"] == 0), step.post
+    )
 
 
 TransitionBuilder = Callable[[Context, Record, str], Step]

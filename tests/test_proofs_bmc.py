@@ -26,7 +26,7 @@ from overlap_spec.harness.prove.tier import ProveJob, run_jobs, witness_rows
 from overlap_spec.harness.trace.check import record_script_trace
 from overlap_spec.proofs import bmc
 from overlap_spec.proofs import solver as zs
-from overlap_spec.proofs.induction import Cell as MatrixCell
+from overlap_spec.proofs.induction import Obligation
 from overlap_spec.proofs.model import Context, make_record
 from overlap_spec.spec.bugs import BUG_IDS, get_bug
 from overlap_spec.spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell
@@ -34,19 +34,28 @@ from overlap_spec.spec.config import MINIMAL, ModelConfig, enumerate_cells, get_
 CELLS = [c.name for c in enumerate_cells()]
 
 
-def _check(cell: str, depth: int, requests: int, faults: frozenset[str] = frozenset(),
-           invariants: tuple[str, ...] | None = None, window: bool = True) -> bmc.BmcResult:
+def _check(
+    cell: str,
+    depth: int,
+    requests: int,
+    faults: frozenset[str] = frozenset(),
+    invariants: tuple[str, ...] | None = None,
+    window: bool = True,
+) -> bmc.BmcResult:
     ctx = Context(ModelConfig(get_cell(cell), MINIMAL), faults)
-    return bmc.check_bounded(ctx, depth, requests, invariants, timeout_ms=120_000,
-                             window=window)
+    return bmc.check_bounded(ctx, depth, requests, invariants, timeout_ms=120_000, window=window)
 
 
 @pytest.mark.parametrize("cell", CELLS)
 def test_clean_model_unrolled_has_no_violation_within_small_bound(cell: str) -> None:
     """The plain unrolling (no step, no window): every check, LOOP included, on runs."""
     result = _check(cell, 2, 2, window=False)
-    assert result.verdict == zs.PROVED, (result.verdict, result.invariant, result.where,
-                                         result.reason)
+    assert result.verdict == zs.PROVED, (
+        result.verdict,
+        result.invariant,
+        result.where,
+        result.reason,
+    )
     assert not result.inductive and result.windows == 0
 
 
@@ -54,8 +63,12 @@ def test_clean_model_unrolled_has_no_violation_within_small_bound(cell: str) -> 
 @pytest.mark.parametrize("cell", CELLS)
 def test_clean_model_unrolled_has_no_violation_within_k4_b2(cell: str) -> None:
     result = _check(cell, 4, 2, window=False)
-    assert result.verdict == zs.PROVED, (result.verdict, result.invariant, result.where,
-                                         result.reason)
+    assert result.verdict == zs.PROVED, (
+        result.verdict,
+        result.invariant,
+        result.where,
+        result.reason,
+    )
 
 
 @pytest.mark.parametrize("cell", CELLS)
@@ -65,8 +78,12 @@ def test_clean_model_has_no_violation_within_default_bound(cell: str) -> None:
     assert (bmc.DEFAULT_DEPTH, bmc.DEFAULT_REQUESTS) == (6, 3)
     result = _check(cell, bmc.DEFAULT_DEPTH, bmc.DEFAULT_REQUESTS)
     assert result.inductive, result
-    assert result.verdict == zs.PROVED, (result.verdict, result.invariant, result.where,
-                                         result.reason)
+    assert result.verdict == zs.PROVED, (
+        result.verdict,
+        result.invariant,
+        result.where,
+        result.reason,
+    )
 
 
 def test_z3_column_kills_every_bug_with_a_replaying_script(tmp_path: Path) -> None:
@@ -85,7 +102,10 @@ def test_z3_column_kills_every_bug_with_a_replaying_script(tmp_path: Path) -> No
             outcome = run_script(load_script(cell_kill.script_path))
             assert outcome.violation is not None, (bug_id, cell_kill.cell)
             assert set(outcome.violation.all_ids) & set(bug.invariants), (
-                bug_id, cell_kill.cell, outcome.violation.all_ids)
+                bug_id,
+                cell_kill.cell,
+                outcome.violation.all_ids,
+            )
             # Without the fault the same script passes: the bug, not the script, fails it.
             clean = load_script(cell_kill.script_path)
             clean.faults = ()
@@ -95,7 +115,9 @@ def test_z3_column_kills_every_bug_with_a_replaying_script(tmp_path: Path) -> No
             # it is caught by the differential checker or the race detector.
             verdict = record_script_trace(cell_kill.script, tmp_path / "z3.trace.ndjson")
             assert verdict.invariant_id == outcome.violation.invariant_id, (
-                bug_id, verdict.describe())
+                bug_id,
+                verdict.describe(),
+            )
             as_gpu = dataclasses.replace(cell_kill.script, implementation="gpu_impl")
             if run_differential(as_gpu).ok:
                 gpu_missed.append((bug_id, cell_kill.cell))
@@ -110,15 +132,31 @@ def test_counterexample_decodes_to_the_script_it_describes() -> None:
     and the model's verdict is the reference's."""
     ctx = Context(ModelConfig(get_cell("ov-p1-none"), MINIMAL), frozenset({"B11"}))
     unrolling = bmc.build_unrolling(ctx, 2, 1)
-    pins = [unrolling.admit_at[0] == 0, unrolling.prompt_len[0] == 2,
-            unrolling.max_new_tokens[0] == 1]
+    pins = [
+        unrolling.admit_at[0] == 0,
+        unrolling.prompt_len[0] == 2,
+        unrolling.max_new_tokens[0] == 1,
+    ]
     for it in unrolling.iterations:
-        pins += [it.allow_prefill, it.retract == 0, zs.Not(it.disable_overlap),
-                 it.eos_offset == 0, it.accept[0] == 1, zs.Not(it.eos[0])]
+        pins += [
+            it.allow_prefill,
+            it.retract == 0,
+            zs.Not(it.disable_overlap),
+            it.eos_offset == 0,
+            it.accept[0] == 1,
+            zs.Not(it.eos[0]),
+        ]
     outcome = zs.check_sat([*unrolling.constraints, *pins])
     assert outcome.verdict == zs.SATISFIABLE
-    result = bmc.BmcResult("ov-p1-none", 2, 1, zs.COUNTEREXAMPLE, outcome.seconds,
-                           unrolling=unrolling, raw_model=outcome.raw_model)
+    result = bmc.BmcResult(
+        "ov-p1-none",
+        2,
+        1,
+        zs.COUNTEREXAMPLE,
+        outcome.seconds,
+        unrolling=unrolling,
+        raw_model=outcome.raw_model,
+    )
     script = decode_counterexample(result, ("B11",))
     assert script.cell == "ov-p1-none" and script.faults == ("B11",)
     assert isinstance(script.ops[0], Admit) and script.ops[0] == Admit(2, 1)
@@ -130,8 +168,9 @@ def test_counterexample_decodes_to_the_script_it_describes() -> None:
     # The decoded run is the one the model describes: the overlap loop prepares a decode
     # (the overshoot tick) before the prefill's result finishes the request, so with B11
     # the model violates KV9 at the finish release, and so does the reference.
-    fired = {v.invariant for v in unrolling.violations
-             if zs.evaluate(outcome.raw_model, v.term) is True}
+    fired = {
+        v.invariant for v in unrolling.violations if zs.evaluate(outcome.raw_model, v.term) is True
+    }
     assert "KV9" in fired, fired
     replays, found, message = replay_counterexample(script, get_bug("B11").invariants)
     assert replays and found == "KV9", message
@@ -162,7 +201,9 @@ def test_allocation_lemma_check_can_fail() -> None:
     r = make_record("t")
     rung = zs.Int("t.rung")
     step = builder.decode_step(r, rung)
-    one_more = dataclasses.replace(step, post={**step.post, "pages": step.post["pages"] + 1})
+    one_more = dataclasses.replace(
+        step, post={**step.post, "page_count": step.post["page_count"] + 1}
+    )
     unguarded = dataclasses.replace(step, guard=zs.BoolVal(True))
     for wrong in (one_more, unguarded):
         outcome = zs.prove([builder.rung_domain(rung)], builder.allocation_lemma(r, rung, wrong))
@@ -176,8 +217,9 @@ def test_an_unproved_lemma_is_not_used(monkeypatch: pytest.MonkeyPatch) -> None:
     with_lemma = bmc.build_unrolling(ctx, 2, 2, use_lemma=True)
     without = bmc.build_unrolling(ctx, 2, 2, use_lemma=False)
     assert len(with_lemma.constraints) > len(without.constraints)
-    monkeypatch.setattr(bmc, "prove_allocation_lemma",
-                        lambda ctx, timeout_ms=0: zs.Outcome(zs.UNKNOWN, 0.0))
+    monkeypatch.setattr(
+        bmc, "prove_allocation_lemma", lambda ctx, timeout_ms=0: zs.Outcome(zs.UNKNOWN, 0.0)
+    )
     result = bmc.check_bounded(ctx, 2, 2, window=False)
     assert result.lemma == zs.UNKNOWN and result.verdict == zs.PROVED
     assert result.unrolling is not None
@@ -192,7 +234,7 @@ def test_parallel_jobs_give_the_rows_of_one_process() -> None:
     two = run_jobs(cells, job, 2)
     assert list(one) == list(two) == [c.name for c in cells]
 
-    def rows(results: dict[str, list[MatrixCell]]) -> list[tuple[str, str, str]]:
+    def rows(results: dict[str, list[Obligation]]) -> list[tuple[str, str, str]]:
         return [(r.transition, r.invariant, r.verdict) for v in results.values() for r in v]
 
     assert rows(one) == rows(two)
@@ -207,10 +249,13 @@ def test_inductive_step_is_not_vacuous(cell: str) -> None:
     ctx = Context(ModelConfig(get_cell(cell), MINIMAL))
     step, assumed = bmc.build_inductive_step(ctx, 6, 3, True)
     it = step.iterations[0]
-    witnesses = {"prefill": it.prefill,
-                 "decode launch": zs.And(zs.Not(it.prefill), zs.Or(*it.launched)),
-                 "two launched": zs.Or(*[zs.And(a, b) for a, b in
-                                         zip(it.launched, it.launched[1:], strict=False)])}
+    witnesses = {
+        "prefill": it.prefill,
+        "decode launch": zs.And(zs.Not(it.prefill), zs.Or(*it.launched)),
+        "two launched": zs.Or(
+            *[zs.And(a, b) for a, b in zip(it.launched, it.launched[1:], strict=False)]
+        ),
+    }
     for name, witness in witnesses.items():
         outcome = zs.check_sat([*step.constraints, *assumed, witness])
         assert outcome.verdict == zs.SATISFIABLE, name
@@ -231,15 +276,17 @@ def test_inductive_step_fails_under_a_bug_and_the_unrolling_finds_it() -> None:
 def test_window_path_proves_when_the_step_does_not(monkeypatch: pytest.MonkeyPatch) -> None:
     """With the step forced to fail, iterations 1..K-1 are proved one by one from the
     previous iteration's end checks (a count: K-1 windows), and the verdict is the same."""
-    monkeypatch.setattr(bmc, "check_inductive_step",
-                        lambda *args, **kwargs: zs.Outcome(zs.SATISFIABLE, 0.0))
+    monkeypatch.setattr(
+        bmc, "check_inductive_step", lambda *args, **kwargs: zs.Outcome(zs.SATISFIABLE, 0.0)
+    )
     result = _check("ov-p4-v2chain-cpu-preclaim", 3, 2)
     assert result.verdict == zs.PROVED and not result.inductive
     assert result.windows == 2
 
 
-@pytest.mark.parametrize("cell", ["ov-p4-v2chain-cpu-preclaim", "nov-p1-none",
-                                  "ov-p1-v2tree-nocpu-honest", "ov-p4-none"])
+@pytest.mark.parametrize(
+    "cell", ["ov-p4-v2chain-cpu-preclaim", "nov-p1-none", "ov-p1-v2tree-nocpu-honest", "ov-p4-none"]
+)
 def test_every_checked_id_has_a_reachable_witness(cell: str) -> None:
     """No BMC check is vacuous: a run within K=2, B=2 gives each one something to check
     (all 22 cells run in `prove` / `check` as the "reachable" rows)."""
@@ -258,8 +305,11 @@ def test_a_vacuous_check_is_reported_as_a_failure() -> None:
 
 
 def test_witness_rows_map_vacuity_to_a_failing_verdict(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(bmc, "find_reachable_witnesses", lambda *a, **k: {
-        "KV1": zs.SATISFIABLE, "RP3": zs.UNSATISFIABLE, "SL3": zs.UNKNOWN})
+    monkeypatch.setattr(
+        bmc,
+        "find_reachable_witnesses",
+        lambda *a, **k: {"KV1": zs.SATISFIABLE, "RP3": zs.UNSATISFIABLE, "SL3": zs.UNKNOWN},
+    )
     rows = {r.invariant: r for r in witness_rows(get_cell("ov-p1-none"))}
     assert rows["KV1"].verdict == zs.PROVED
     assert rows["RP3"].verdict == zs.COUNTEREXAMPLE and "vacuous" in rows["RP3"].detail

@@ -22,8 +22,7 @@ from overlap_spec.harness.prove.tier import (
     run_jobs,
 )
 from overlap_spec.proofs import solver as zs
-from overlap_spec.proofs.induction import DEFAULT_BATCH_BOUND
-from overlap_spec.proofs.induction import Cell as MatrixCell
+from overlap_spec.proofs.induction import DEFAULT_BATCH_BOUND, Obligation
 from overlap_spec.spec.config import PRESETS
 
 
@@ -62,7 +61,7 @@ def cmd_prove(args: argparse.Namespace) -> int:
         return 2
     started = time.perf_counter()
 
-    def progress(name: str, rows: list[MatrixCell]) -> None:
+    def progress(name: str, rows: list[Obligation]) -> None:
         if not args.quiet:
             bad = sum(r.verdict != zs.PROVED for r in rows)
             print(f"{name:<32} {len(rows) - bad}/{len(rows)} proved", file=sys.stderr)

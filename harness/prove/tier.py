@@ -20,8 +20,7 @@ from typing import Any, Final
 from overlap_spec.harness.verdict import TierReport, Verdict
 from overlap_spec.proofs import bmc
 from overlap_spec.proofs import solver as zs
-from overlap_spec.proofs.induction import DEFAULT_BATCH_BOUND, prove_cell
-from overlap_spec.proofs.induction import Cell as MatrixCell
+from overlap_spec.proofs.induction import DEFAULT_BATCH_BOUND, Obligation, prove_cell
 from overlap_spec.proofs.model import Context
 from overlap_spec.proofs.streams import get_expected_ids, prove_protocol
 from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, enumerate_cells, get_cell
@@ -36,7 +35,7 @@ CHECK_BMC_BOUND: Final = (DEFAULT_DEPTH, DEFAULT_REQUESTS)
 
 
 def prove_one_cell(cell: Cell, preset: str = "minimal", bound: int = DEFAULT_BATCH_BOUND,
-                   timeout_ms: int = DEFAULT_TIMEOUT_MS) -> list[MatrixCell]:
+                   timeout_ms: int = DEFAULT_TIMEOUT_MS) -> list[Obligation]:
     """Inductive rows plus the happens-before rows (transition "streams") of one cell."""
     ctx = Context(ModelConfig(cell, PRESETS[preset]))
     rows = prove_cell(ctx, bound, timeout_ms)
@@ -44,15 +43,15 @@ def prove_one_cell(cell: Cell, preset: str = "minimal", bound: int = DEFAULT_BAT
     for invariant in get_expected_ids(cell):
         hb = found.get(invariant)
         if hb is None:
-            rows.append(MatrixCell("streams", invariant, zs.UNKNOWN, 0.0, "not produced"))
+            rows.append(Obligation("streams", invariant, zs.UNKNOWN, 0.0, "not produced"))
         else:
-            rows.append(MatrixCell("streams", invariant, hb.verdict, hb.seconds, hb.detail))
+            rows.append(Obligation("streams", invariant, hb.verdict, hb.seconds, hb.detail))
     return rows
 
 
 def bmc_row(cell: Cell, preset: str = "minimal", depth: int = DEFAULT_DEPTH,
             requests: int = DEFAULT_REQUESTS,
-            timeout_ms: int = DEFAULT_BMC_TIMEOUT_MS) -> MatrixCell:
+            timeout_ms: int = DEFAULT_BMC_TIMEOUT_MS) -> Obligation:
     """The clean model's BMC as a matrix row: transition "bmc", invariant "K=..,B=..";
     proved = no violation of any check within the bound."""
     ctx = Context(ModelConfig(cell, PRESETS[preset]))
@@ -64,7 +63,7 @@ def bmc_row(cell: Cell, preset: str = "minimal", depth: int = DEFAULT_DEPTH,
     detail = {zs.PROVED: f"no violation within K={depth}, B={requests} ({how})",
               zs.COUNTEREXAMPLE: f"{result.invariant} at {result.where}",
               zs.UNKNOWN: f"solver gave up: {result.reason}"}[result.verdict]
-    return MatrixCell("bmc", label, result.verdict, result.seconds, detail)
+    return Obligation("bmc", label, result.verdict, result.seconds, detail)
 
 
 # The bound of the reachable witnesses: every checked ID has one in every cell here.
@@ -72,7 +71,7 @@ WITNESS_BOUND: Final = (2, 2)
 
 
 def witness_rows(cell: Cell, preset: str = "minimal",
-                 timeout_ms: int = DEFAULT_BMC_TIMEOUT_MS) -> list[MatrixCell]:
+                 timeout_ms: int = DEFAULT_BMC_TIMEOUT_MS) -> list[Obligation]:
     """Transition "reachable": per ID the BMC checks, a run within WITNESS_BOUND that
     gives the check something to check. A vacuous check is a failure, like a
     counterexample; undecided is unknown."""
@@ -87,11 +86,11 @@ def witness_rows(cell: Cell, preset: str = "minimal",
     rows = []
     for invariant, answer in sorted(found.items()):
         verdict, detail = verdicts.get(answer, (zs.UNKNOWN, "solver gave up"))
-        rows.append(MatrixCell("reachable", invariant, verdict, seconds, detail))
+        rows.append(Obligation("reachable", invariant, verdict, seconds, detail))
     return rows
 
 
-def build_proofs_json(results: dict[str, list[MatrixCell]], seconds: float,
+def build_proofs_json(results: dict[str, list[Obligation]], seconds: float,
                       bound: int) -> dict[str, Any]:
     counts = {zs.PROVED: 0, zs.COUNTEREXAMPLE: 0, zs.UNKNOWN: 0, zs.NOT_APPLICABLE: 0}
     cells: dict[str, Any] = {}
@@ -107,7 +106,7 @@ def build_proofs_json(results: dict[str, list[MatrixCell]], seconds: float,
 
 
 def run_proofs(cells: list[Cell], preset: str = "minimal", bound: int = DEFAULT_BATCH_BOUND,
-               timeout_ms: int = DEFAULT_TIMEOUT_MS) -> dict[str, list[MatrixCell]]:
+               timeout_ms: int = DEFAULT_TIMEOUT_MS) -> dict[str, list[Obligation]]:
     return {cell.name: prove_one_cell(cell, preset, bound, timeout_ms) for cell in cells}
 
 
@@ -123,7 +122,7 @@ class ProveJob:
     bmc_timeout_ms: int
 
 
-def run_job(job: ProveJob) -> list[MatrixCell]:
+def run_job(job: ProveJob) -> list[Obligation]:
     cell = get_cell(job.cell)
     rows = prove_one_cell(cell, job.preset, job.bound, job.timeout_ms)
     if job.bmc is not None:
@@ -144,12 +143,12 @@ def _expected_cost(cell: Cell) -> tuple[bool, bool, bool]:
 
 
 def run_jobs(cells: list[Cell], job: ProveJob, jobs: int,
-             progress: Callable[[str, list[MatrixCell]], None] | None = None,
-             ) -> dict[str, list[MatrixCell]]:
+             progress: Callable[[str, list[Obligation]], None] | None = None,
+             ) -> dict[str, list[Obligation]]:
     """``job`` (its cell field replaced) for every cell, on ``jobs`` worker processes
     (1: in this process). Results come back in ``cells`` order whatever the finish order."""
     todo = [replace(job, cell=c.name) for c in sorted(cells, key=_expected_cost, reverse=True)]
-    done: dict[str, list[MatrixCell]] = {}
+    done: dict[str, list[Obligation]] = {}
     if jobs <= 1 or len(todo) <= 1:
         for item in todo:
             done[item.cell] = run_job(item)
@@ -189,9 +188,9 @@ def run_proofs_for_check(cell_names: list[str] | None, jobs: int = 1) -> dict[st
     return document
 
 
-def render_matrix(results: dict[str, list[MatrixCell]]) -> str:
+def render_matrix(results: dict[str, list[Obligation]]) -> str:
     """One line per (transition, invariant): verdict over the cells, and the time."""
-    merged: dict[tuple[str, str], list[tuple[str, MatrixCell]]] = {}
+    merged: dict[tuple[str, str], list[tuple[str, Obligation]]] = {}
     for cell, rows in results.items():
         for row in rows:
             merged.setdefault((row.transition, row.invariant), []).append((cell, row))
