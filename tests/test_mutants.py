@@ -10,8 +10,8 @@ import json
 from pathlib import Path
 
 import pytest
-from overlap_spec.harness.cli import main
 
+from overlap_spec.harness.cli import main
 from overlap_spec.harness.drive.script import Admit, Iterate, Script, load_script, run_script
 from overlap_spec.harness.drive.stateful import get_profile
 from overlap_spec.harness.mutants.matrix import MutantResult, run_mutants

@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 import pytest
-from overlap_spec.harness.cli import main
 
+from overlap_spec.harness.cli import main
 from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
