@@ -8,9 +8,9 @@ from __future__ import annotations
 from overlap_spec.reference.memory import OutOfMemory
 from overlap_spec.reference.req import Req
 from overlap_spec.reference.runtime import Runtime
+from overlap_spec.spec import relation
 from overlap_spec.spec.happens_before import SCHEDULE
 from overlap_spec.spec.transitions import (
-    compute_cached_len,
     compute_ns_decode_pages_needed,
     compute_pages_for_len,
     compute_v2_decode_pages_needed,
@@ -40,36 +40,40 @@ def write_row_columns(rt: Runtime, req: Req, start: int, end: int, operation: st
     rt.hb.write(SCHEDULE, ("req_to_token", req.req_pool_idx), operation)
 
 
-def grow_to(rt: Runtime, req: Req, new_allocated: int, operation: str) -> None:
-    """Own enough pages for ``new_allocated`` positions and record them in the row."""
+def back_columns(rt: Runtime, req: Req, start: int, operation: str) -> None:
+    """Back the columns the relation just allocated, [start, kv_allocated_len), with pages
+    and record them in the row (``alloc_token_slots`` / paged, then the row write)."""
     p = rt.config.page_size
-    extra = compute_pages_for_len(new_allocated, p) - len(req.pages)
+    extra = compute_pages_for_len(req.kv_allocated_len, p) - len(req.pages)
     if extra > 0:
         req.pages.extend(alloc_pages(rt, extra))
-    write_row_columns(rt, req, req.kv_allocated_len, new_allocated, operation)
-    req.kv_allocated_len = new_allocated
+    write_row_columns(rt, req, start, req.kv_allocated_len, operation)
 
 
-def alloc_for_extend(rt: Runtime, req: Req, fill_len: int) -> None:
-    """One pool row, pages for ``fill_len`` positions; committed = allocated = fill_len."""
+def alloc_for_extend(rt: Runtime, req: Req) -> None:
+    """One pool row, pages for fill_len positions; committed = allocated = fill_len."""
     row = rt.req_to_token.alloc()
     if row is None:
         raise OutOfMemory("no free req_to_token row")
-    req.req_pool_idx = row
-    req.holds_kv = True
-    req.kv_allocated_len = 0
-    grow_to(rt, req, fill_len, "alloc_for_extend")
-    req.kv_committed_len = fill_len
+    req.apply(relation.prepare_for_extend, row)
+    back_columns(rt, req, 0, "alloc_for_extend")
 
 
 def alloc_for_decode(rt: Runtime, req: Req, seq_len: int) -> None:
-    """Non-spec decode: one slot at column ``seq_len``; committed and allocated += 1.
+    """Non-spec decode: one slot at column ``seq_len``; committed and allocated += 1
+    (spec.relation.prepare_for_decode; B10 moves the committed claim to result time)."""
+    allocated = req.kv_allocated_len
+    req.apply(relation.prepare_for_decode, seq_len, rt.faults)
+    back_columns(rt, req, allocated, "alloc_for_decode")
 
-    B10 moves the committed claim to result time (settle-at-result, #27971).
-    """
-    grow_to(rt, req, seq_len + 1, "alloc_for_decode")
-    if not rt.has_fault("B10"):
-        req.kv_committed_len += 1
+
+def alloc_for_decode_spec_v2(rt: Runtime, req: Req) -> None:
+    """Spec v2: grow to the reserve target (spec.relation.prepare_for_decode_spec_v2)."""
+    cfg = rt.config
+    allocated = req.kv_allocated_len
+    req.apply(relation.prepare_for_decode_spec_v2, rt.get_decode_reserve(), cfg.page_size,
+              cfg.cell.preclaim, rt.faults)
+    back_columns(rt, req, allocated, "prepare_for_decode")
 
 
 def get_decode_pages_needed(rt: Runtime, req: Req, seq_len: int) -> int:
@@ -84,27 +88,16 @@ def get_decode_pages_needed(rt: Runtime, req: Req, seq_len: int) -> int:
 def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
     """Release a request's KV once: committed part to the tree (finish), rest freed.
 
-    Frame: frees the pool row and every page; with ``is_insert`` the pages covering
-    ``effective_kv_committed_len`` go to the tree cache. kv_committed_len is unchanged.
+    The record's update is spec.relation.release_kv_cache; here the memory follows it:
+    the pool row and every page are freed, and with ``is_insert`` the pages covering the
+    cached length go to the tree cache.
     """
-    assert req.holds_kv and req.req_pool_idx is not None, f"r{req.rid} released twice"
-    req.release_count += 1
-    p = rt.config.page_size
-    cached_pages = 0
-    if is_insert:
-        committed = req.kv_committed_len
-        if rt.has_fault("B11"):
-            cached = committed
-        else:
-            cached = compute_cached_len(committed, req.prompt_len, len(req.output_ids))
-        cached = max(0, min(cached, req.kv_allocated_len))
-        cached_pages = compute_pages_for_len(cached, p)
-        req.cached_len = cached
-        req.committed_at_release = committed
-        rt.ghost.on_release(req)
+    row = req.req_pool_idx
+    req.apply(relation.release_kv_cache, is_insert, rt.faults)  # its guard: released twice
+    assert row is not None
+    cached = req.cached_len if is_insert else None
+    cached_pages = 0 if cached is None else compute_pages_for_len(cached, rt.config.page_size)
     rt.tree.cache_finished_req(req.pages[:cached_pages])
     rt.allocator.free(req.pages[cached_pages:])
-    rt.req_to_token.free(req.req_pool_idx)
+    rt.req_to_token.free(row)
     req.pages = []
-    req.holds_kv = False
-    req.req_pool_idx = None

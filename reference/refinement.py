@@ -9,7 +9,7 @@ the happens-before record found since the previous observation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from overlap_spec.reference.runtime import Runtime
 from overlap_spec.spec.interface import Observer
@@ -22,13 +22,20 @@ from overlap_spec.spec.state import (
     ObservationPoint,
     RequestView,
 )
-from overlap_spec.spec.units import PageId, PoolRow, SlotId, TokenCount
+from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, TokenCount
 
 if TYPE_CHECKING:
     from overlap_spec.reference.req import Req
     from overlap_spec.reference.schedule_batch import ScheduleBatch
-    from overlap_spec.reference.scheduler import Scheduler
     from overlap_spec.reference.worker import ForwardBatch
+
+
+class Observed(Protocol):
+    """What an observation reads off the scheduler (reference/scheduler.py), named here
+    so that the refinement does not import the scheduler that owns it."""
+
+    step_index: int
+    requests: dict[RequestId, Req]
 
 
 class Refinement:
@@ -108,7 +115,7 @@ class Refinement:
             pool_rows=rt.req_to_token.size,
         )
 
-    def observe(self, point: ObservationPoint, scheduler: Scheduler, **parts: Any) -> None:
+    def observe(self, point: ObservationPoint, scheduler: Observed, **parts: Any) -> None:
         if self.observer is None:
             return
         races = self.rt.hb.races[self.races_seen:]

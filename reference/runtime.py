@@ -11,7 +11,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from overlap_spec.reference.memory import ReqToTokenPool, TokenToKVPoolAllocator, TreeCache
-from overlap_spec.reference.req import GhostBook
 from overlap_spec.spec.config import ModelConfig, SpecShape
 from overlap_spec.spec.happens_before import FORWARD, SCHEDULE, HappensBefore
 
@@ -29,7 +28,6 @@ class Runtime:
     config: ModelConfig
     faults: frozenset[str]
     hb: HappensBefore = field(default_factory=HappensBefore)
-    ghost: GhostBook = field(default_factory=GhostBook)
     next_tensor_id: int = 0
     live_tensors: set[int] = field(default_factory=set)
 

@@ -9,16 +9,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
-from overlap_spec.reference.mem_cache import alloc_for_decode, alloc_for_extend, grow_to
+from overlap_spec.reference.mem_cache import (
+    alloc_for_decode,
+    alloc_for_decode_spec_v2,
+    alloc_for_extend,
+)
 from overlap_spec.reference.req import Req
 from overlap_spec.reference.runtime import DeviceTensor, Runtime
 from overlap_spec.spec.happens_before import SCHEDULE
-from overlap_spec.spec.transitions import (
-    compute_decode_seq_len_ns,
-    compute_fill_len,
-    compute_page_align_up,
-    compute_v2_alloc_target,
-)
+from overlap_spec.spec.transitions import compute_decode_seq_len_ns
 from overlap_spec.spec.units import PoolRow
 
 
@@ -42,18 +41,13 @@ class ScheduleBatch:
     def prepare_for_extend(cls, rt: Runtime, reqs: list[Req]) -> ScheduleBatch:
         """Prefill: a pool row and KV for fill_len per request; every mirror exact.
 
-        Changes per request: req_pool_idx, pages, kv_committed_len = kv_allocated_len =
-        fill_len, is_retracted = False, waiting = False. Batch: seq_lens (pinned H2D),
-        seq_lens_cpu, seq_lens_sum (eager). Leaves output_ids.
+        Per request: spec.relation.prepare_for_extend, then its pages. Batch: seq_lens
+        (pinned H2D), seq_lens_cpu, seq_lens_sum (eager).
         """
         lens: list[int] = []
         for req in reqs:
-            fill_len = compute_fill_len(req.prompt_len, len(req.output_ids))
-            alloc_for_extend(rt, req, fill_len)
-            rt.ghost.on_prepare_extend(req)
-            req.is_retracted = False
-            req.waiting = False
-            lens.append(fill_len)
+            alloc_for_extend(rt, req)
+            lens.append(req.kv_allocated_len)
         rows = [req.req_pool_idx for req in reqs]
         assert all(row is not None for row in rows)
         pool_rows = [PoolRow(row) for row in rows if row is not None]
@@ -77,10 +71,9 @@ class ScheduleBatch:
         Spec-v2: reserve up to max(cur, committed + 2A), page aligned; seq_lens untouched."""
         rt = self.rt
         self.forward_mode = "decode"
-        for req in self.reqs:
-            rt.ghost.on_prepare_decode(req)
         if rt.config.cell.is_spec:
-            self._prepare_for_decode_spec_v2()
+            for req in self.reqs:
+                alloc_for_decode_spec_v2(rt, req)
             return
         old = self.seq_lens.values
         for req, seq_len in zip(self.reqs, old, strict=True):
@@ -95,22 +88,6 @@ class ScheduleBatch:
         if self.seq_lens_cpu is not None:
             self.seq_lens_cpu = [compute_decode_seq_len_ns(s) for s in self.seq_lens_cpu]
         self.seq_lens_sum = None
-
-    def _prepare_for_decode_spec_v2(self) -> None:
-        """Frame: kv_allocated_len (and kv_committed_len + 1 with the pre-claim) only."""
-        rt = self.rt
-        cfg = rt.config
-        reserve = rt.get_decode_reserve()
-        for req in self.reqs:
-            if rt.has_fault("B12"):
-                # No max(cur, ...) clamp: a down-switch can shrink the allocation.
-                target = compute_page_align_up(req.kv_committed_len + reserve, cfg.page_size)
-            else:
-                target = compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len,
-                                                 reserve, cfg.page_size)
-            grow_to(rt, req, target, "prepare_for_decode")
-            if cfg.cell.preclaim:
-                req.kv_committed_len += 1
 
     # -- filter / merge -----------------------------------------------------------
     def filter_batch(self, keep_indices: list[int] | None = None) -> None:

@@ -32,6 +32,7 @@ from overlap_spec.reference.req import Req
 from overlap_spec.reference.runtime import Runtime
 from overlap_spec.reference.schedule_batch import ScheduleBatch
 from overlap_spec.reference.worker import READ_DONE, ForwardResult, ModelWorker, token_for
+from overlap_spec.spec import relation
 from overlap_spec.spec.bugs import BUG_IDS
 from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.happens_before import COPY, FORWARD, HOST, SCHEDULE
@@ -48,7 +49,6 @@ from overlap_spec.spec.state import (
     ResultView,
 )
 from overlap_spec.spec.transitions import (
-    compute_committed_after_result,
     compute_fill_len,
     compute_forward_write_width,
     compute_pages_for_len,
@@ -101,19 +101,17 @@ class Scheduler:
         self.accept_counters = (0, 0)
 
     # ------------------------------------------------------------------ interface
-    def admit(self, prompt_len: int, max_new_tokens: int) -> RequestId:
+    def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False) -> RequestId:
         rid = RequestId(self.next_rid)
         self.next_rid += 1
-        req = Req(rid, TokenCount(prompt_len), TokenCount(max_new_tokens))
+        req = Req(rid, TokenCount(prompt_len), TokenCount(max_new_tokens), prebuilt)
         self.requests[rid] = req
         self.waiting_queue.append(req)
         return rid
 
     def admit_prebuilt(self, prompt_len: int, max_new_tokens: int) -> RequestId:
         """A PD-decode request whose prefill ran elsewhere: KV and first token arrive ready."""
-        rid = self.admit(prompt_len, max(max_new_tokens, 2))
-        self.requests[rid].prebuilt = True
-        return rid
+        return self.admit(prompt_len, max_new_tokens, prebuilt=True)
 
     def abort(self, rid: RequestId) -> None:
         """Waiting: leave the queue finished. Running: deferred until its next result."""
@@ -122,13 +120,7 @@ class Scheduler:
             return
         if req.waiting:
             self.waiting_queue.remove(req)
-            req.waiting = False
-            req.is_retracted = False
-            req.finished_reason = "abort"
-            self.rt.ghost.on_abort(req, waiting=True)
-        else:
-            req.to_finish = "abort"
-            self.rt.ghost.on_abort(req, waiting=False)
+        req.apply(relation.abort)
         self.refinement.observe(ObservationPoint.ABORT, self)
 
     def run_iteration(self, choices: IterationChoices) -> None:
@@ -267,8 +259,7 @@ class Scheduler:
         for req in chosen:
             self.future_map.on_row_acquired(req)
             tokens.append(token_for(req, 0))
-            req.output_ids.append(tokens[-1])
-            rt.ghost.on_prebuilt(req)
+            req.apply(relation.process_prebuilt, tokens[-1])
         if self.config.cell.is_spec:
             self.future_map.publish(chosen, rows, list(batch.seq_lens.values), stream=SCHEDULE)
         self.future_map.stash(chosen, rows, tokens, stream=SCHEDULE)
@@ -343,8 +334,7 @@ class Scheduler:
 
     def release_req(self, req: Req) -> None:
         release_kv_cache(self.rt, req, is_insert=False)
-        req.reset_for_retract()
-        self.rt.ghost.on_retract(req)
+        req.apply(relation.reset_for_retract)
 
     # ------------------------------------------------------------------ run_batch
     def run_batch(self, batch: ScheduleBatch, choices: IterationChoices) -> ForwardResult:
@@ -354,7 +344,7 @@ class Scheduler:
         step = StepId(self.next_step)
         self.next_step += 1
         for req in batch.reqs:
-            rt.ghost.on_launch(step, req, batch.forward_mode == "extend")
+            req.apply(relation.launch, step)
         resolve = None
         unseeded: list[tuple[RequestId, PoolRow]] = []
         if cfg.cell.is_spec and cfg.cell.overlap and batch.forward_mode == "decode":
@@ -511,36 +501,21 @@ class Scheduler:
         for j, req in enumerate(result.reqs):
             accept = result.accept_lens[j]
             eos_at = result.eos_at[j]
-            rt.ghost.on_result(result.step, req, accept, eos_at)
-            was_stale = req.finished() or req.is_retracted
+            was_stale = relation.is_stale(req.state)
             stale = was_stale and not rt.has_fault("B3")
             finished_before = req.finished()
             out_before, committed_before = len(req.output_ids), req.kv_committed_len
-            remaining = req.max_new_tokens - len(req.output_ids)
-            run_len = compute_run_len(accept, remaining, eos_at)
+            run_len = compute_run_len(accept, req.max_new_tokens - out_before, eos_at)
+            start = j * result.stride
+            tokens = tuple(result.next_token_ids[start:start + result.stride])
+            req.apply(relation.process_result, cfg.cell, result.step, result.forward_mode,
+                      accept, eos_at, tokens, rt.faults)
             all_correct += accept - 1
             if not stale:
                 live_correct += accept - 1
                 live_count += 1
-                start = j * result.stride
-                run = result.next_token_ids[start:start + run_len]
-                if result.forward_mode == "decode":
-                    settled = accept if rt.has_fault("B11") else run_len
-                    req.kv_committed_len = compute_committed_after_result(
-                        cfg.cell, req.kv_committed_len, settled, False, False)
-                    if rt.has_fault("B10") and not cfg.cell.is_spec:
-                        req.kv_committed_len += 1  # settle at result time
-                req.output_ids.extend(run)
-                if cfg.cell.is_spec and result.forward_mode == "decode":
-                    req.spec_verify_ct += 1
-                    req.spec_num_correct_drafts += accept - 1
-                hit_eos = eos_at is not None and eos_at < run_len
-                req.update_finish_state(hit_eos)
                 if req.finished() and req.holds_kv:
                     release_kv_cache(rt, req, is_insert=True)
-            elif result.forward_mode == "decode":
-                req.kv_committed_len = compute_committed_after_result(
-                    cfg.cell, req.kv_committed_len, run_len, True, finished_before)
             entries.append(ProcessedEntry(
                 rid=req.rid, stale=was_stale, finished_before=finished_before,
                 accept_len=accept, run_len=run_len if not stale else 0, stride=result.stride,

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from overlap_spec.reference.req import EOS_TOKEN, Req
 from overlap_spec.reference.runtime import DeviceTensor, Runtime
 from overlap_spec.reference.schedule_batch import ScheduleBatch
+from overlap_spec.spec.relation import forward_decode, forward_extend
 from overlap_spec.spec.state import IterationChoices, KvWrite, PublishRecord
 from overlap_spec.spec.transitions import compute_draft_extend_seq_lens, compute_verify_new_seq_len
 from overlap_spec.spec.units import StepId
@@ -134,7 +135,7 @@ class ModelWorker:
         eos: list[int | None] = []
         for j, (req, fill_len) in enumerate(zip(batch.reqs, fb.seq_lens, strict=True)):
             self._write_kv(req, 0, fill_len, faults)
-            rt.ghost.on_forward_extend(step, req)
+            req.apply(forward_extend, step)
             run, eos_at = self._sample(req, j, 1, choices, 1)
             tokens += run
             eos.append(eos_at)
@@ -154,7 +155,7 @@ class ModelWorker:
         eos: list[int | None] = []
         for j, (req, seq_len) in enumerate(zip(batch.reqs, fb.seq_lens, strict=True)):
             self._write_kv(req, seq_len - 1, seq_len, faults)  # the token being processed
-            rt.ghost.on_forward_decode(step, req, 1)
+            req.apply(forward_decode, step, 1)
             run, eos_at = self._sample(req, j, 1, choices, 1)
             tokens += run
             eos.append(eos_at)
@@ -182,7 +183,7 @@ class ModelWorker:
             self._write_kv(req, seq_len, seq_len + shape.topk * shape.steps, faults)  # draft
             self._write_kv(req, seq_len, seq_len + shape.draft_tokens, faults)  # verify
             accept = choices.get_accept_len(j, shape.max_accept_len)
-            rt.ghost.on_forward_decode(step, req, accept)
+            req.apply(forward_decode, step, accept)
             run, eos_at = self._sample(req, j, accept, choices, stride)
             tokens += run
             accept_lens.append(accept)

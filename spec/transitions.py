@@ -1,9 +1,10 @@
 """The arithmetic of every scheduler transition, as pure functions over ints.
 
-These are the rules the design promises; ``reference/`` calls them at the
-places upstream does the same arithmetic, and ``proofs/`` will interpret the
-same definitions over Z3 terms. Each function states which state variable it
-computes; the transition that uses it changes only that variable (frame).
+These are the rules the design promises; ``relation.py`` applies them to a
+request (which transition, its guard, frame and ghost update), ``reference/``
+calls that relation and the batch-level ones here, and ``proofs/`` interprets
+the same definitions over Z3 terms. Each function states which state variable
+it computes; the transition that uses it changes only that variable (frame).
 
 Timeline of one overlapped iteration i (digest section 3)::
 

@@ -32,18 +32,29 @@ BatchView                     ``ScheduleBatch``: ``forward_mode``, ``reqs``, ``s
 AllocatorView                 allocator free pages (``free_pages`` + ``release_pages``, or
                               ``get_all_free_pages()``), ``ReqToTokenPool.free_slots``; the
                               disabled radix cache holds no pages
-ghost                         the stand-in worker's :class:`~upstream.worker.Ghost`
+ghost                         :class:`~spec.relation.Ghost`, written only by the spec's
+                              ghost transitions (stand-in worker, hooks)
 ============================  ============================================================
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.interface import BatchState, ObservableState, Observer, RequestState
 from overlap_spec.spec.invariants import InvariantViolation
+from overlap_spec.spec.relation import (
+    Ghost,
+    ghost_abort,
+    ghost_launch,
+    ghost_prepare_decode,
+    ghost_prepare_extend,
+    ghost_release,
+    ghost_result,
+    ghost_retract,
+)
 from overlap_spec.spec.state import (
     AllocatorView,
     BatchView,
@@ -64,7 +75,7 @@ from overlap_spec.spec.state import (
 from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
 from overlap_spec.upstream import hooks
 from overlap_spec.upstream.session import Session, UpstreamCrash, get_session
-from overlap_spec.upstream.worker import EOS_TOKEN, Ghost, StepRecord
+from overlap_spec.upstream.worker import EOS_TOKEN, StepRecord
 
 
 class _Track:
@@ -158,9 +169,7 @@ class UpstreamScheduler:
         if track is None or track.is_finished():
             return
         waiting = self._is_waiting(track.req)
-        track.ghost.abort_requested = True
-        if waiting:
-            track.ghost.finished = True
+        track.ghost = ghost_abort(track.ghost, waiting)
         self.scheduler.abort_request(AbortReq(rid=track.req.rid))
         if waiting and not self._is_waiting(track.req):
             track.left = True
@@ -233,6 +242,11 @@ class UpstreamScheduler:
     def get_ghost(self, req: Any) -> Ghost:
         return self.by_req[id(req)].ghost
 
+    def update_ghost(self, req: Any, transition: Callable[..., Ghost], *args: Any) -> None:
+        """Apply one of the spec's ghost transitions (spec/relation.py) to req's ghost."""
+        track = self.by_req[id(req)]
+        track.ghost = transition(track.ghost, *args)
+
     def on_launch(self, step: StepId, batch: Any, reqs: Sequence[Any], seq_lens: list[int],
                   widths: list[int], is_extend: bool) -> None:
         self.launched = True
@@ -249,7 +263,9 @@ class UpstreamScheduler:
                 rid=self.get_rid(req), holds_kv=bool(req.kv.holds_kv), seq_len=seq_len,
                 published_seq_len=published, kv_allocated_len=int(req.kv.kv_allocated_len),
                 ghost_kv_len=TokenCount(ghost.kv_len_true), write_width=TokenCount(width)))
-            ghost.on_launch(step, is_extend)
+            if is_extend:
+                self.update_ghost(req, ghost_prepare_extend)
+            self.update_ghost(req, ghost_launch, step)
         self.members = tuple(members)
 
     def write_kv(self, req: Any, rid: RequestId, start: int, end: int) -> list[KvWrite]:
@@ -339,20 +355,19 @@ class UpstreamScheduler:
     def on_prepare_extend(self, batch: Any) -> None:
         """A prefill claims its fill length at prepare time; nothing is settled yet."""
         for req in batch.reqs:
-            self.get_ghost(req).extend_inflight = True
+            self.update_ghost(req, ghost_prepare_extend)
 
     def on_prepare_decode(self, batch: Any) -> None:
         for req in batch.reqs:
-            self.get_ghost(req).prepared_steps = 1
+            self.update_ghost(req, ghost_prepare_decode)
 
     def on_retract(self, retracted: list[Any], aborted: list[Any]) -> None:
         self.retracted_in_operation |= {self.get_rid(req) for req in retracted}
         for req in retracted:
-            self.get_ghost(req).on_retract()
+            self.update_ghost(req, ghost_retract)
             self.by_req[id(req)].release_count = 0  # a new holding starts at re-admission
         for req in aborted:
-            ghost = self.get_ghost(req)
-            ghost.abort_requested = ghost.finished = True
+            self.update_ghost(req, ghost_abort, True)
 
     def on_release(self, req: Any, checkpointed: bool) -> None:
         track = self.by_req.get(id(req))
@@ -362,7 +377,7 @@ class UpstreamScheduler:
         if req.finished():
             track.committed_at_release = int(req.kv.kv_committed_len)
             track.cached_len = int(req.owned_kv_len()) if checkpointed else 0
-            track.ghost.on_release()
+            track.ghost = ghost_release(track.ghost)
 
     def on_run_batch_exit(self, batch: Any, result: Any) -> None:
         if self.launch is None:
@@ -384,8 +399,9 @@ class UpstreamScheduler:
                            len(req.output_ids), int(req.kv.kv_committed_len)))
             if record is not None:
                 eos = record.eos_at[j]
-                track.ghost.on_result(record.step, int(req.sampling_params.max_new_tokens),
-                                      record.accept_lens[j], eos)
+                track.ghost = ghost_result(track.ghost, record.step,
+                                           int(req.sampling_params.max_new_tokens),
+                                           record.accept_lens[j], eos)
         return record, before
 
     def after_result(self, batch: Any, result: Any, token: Any) -> None:

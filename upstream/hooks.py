@@ -23,10 +23,6 @@ class _QuietHost:
     """Serves the stand-in worker while no adapter is attached (draining between examples)."""
 
     def __init__(self) -> None:
-        from overlap_spec.upstream.worker import Ghost
-
-        self._ghost_type = Ghost
-        self._ghosts: dict[int, Any] = {}
         self._steps = 0
 
     def __getattr__(self, item: str) -> Any:
@@ -41,9 +37,6 @@ class _QuietHost:
 
     def get_rid(self, req: Any) -> int:
         return -1
-
-    def get_ghost(self, req: Any) -> Any:
-        return self._ghosts.setdefault(id(req), self._ghost_type())
 
     def write_kv(self, *args: Any) -> list[Any]:
         return []

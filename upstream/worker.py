@@ -7,7 +7,8 @@ publishes where ``eagle_worker_v2`` publishes (``on_publish(seq_lens)`` after a 
 prefill, ``on_publish(seq_lens + accept_lens)`` between verify and draft-extend; the
 scheduler itself publishes ``seq_lens + 1`` for non-spec), writes each position's KV slot
 through ``req_to_token`` and records every write outside what the request owns, and keeps
-the ghost truth (:class:`Ghost`) beside each request.
+the ghost truth (:class:`spec.relation.Ghost`) beside each request, through the spec's
+ghost transitions.
 
 The ghost is the environment's own account (what it emitted, what KV it really wrote), kept
 here and never read from a scheduler field it could get wrong.
@@ -15,10 +16,11 @@ here and never read from a scheduler field it could get wrong.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 from overlap_spec.spec.config import ModelConfig
+from overlap_spec.spec.relation import ghost_forward_decode, ghost_forward_extend
 from overlap_spec.spec.state import IterationChoices, KvWrite
 from overlap_spec.spec.units import RequestId, StepId
 
@@ -29,67 +31,6 @@ def token_for(rid: int, index: int) -> int:
     """A deterministic non-EOS token: the same function as the reference's, so a
     differential run compares output_ids token for token."""
     return 1 + (rid * 31 + index * 7) % 97
-
-
-@dataclass
-class Ghost:
-    """Truth per request the scheduler does not keep (see :class:`spec.state.GhostView`)."""
-
-    epoch: int = 0
-    kv_len_true: int = 0
-    settled_len: int = 0
-    inflight_steps: int = 0
-    prepared_steps: int = 0  # a decode prepared (claim made) but not yet launched
-    extend_inflight: bool = False
-    output_len_true: int = 0
-    finished: bool = False
-    abort_requested: bool = False
-    inflight_at_release: int = 0
-    claimed_at_release: int = 0
-    step_epoch: dict[StepId, int] = field(default_factory=dict)
-    step_kv_len: dict[StepId, int] = field(default_factory=dict)
-    step_kind: dict[StepId, str] = field(default_factory=dict)
-
-    def on_retract(self) -> None:
-        self.epoch += 1
-        self.kv_len_true = self.settled_len = 0
-        self.inflight_steps = self.prepared_steps = 0
-        self.extend_inflight = False
-
-    def on_launch(self, step: StepId, is_extend: bool) -> None:
-        self.inflight_steps += 1
-        self.prepared_steps = 0
-        self.step_epoch[step] = self.epoch
-        if is_extend:
-            self.extend_inflight = True
-
-    def on_result(self, step: StepId, max_new_tokens: int, accept_len: int,
-                  eos_at: int | None) -> None:
-        """Settle a step by the environment's own cut: EOS and max_new_tokens end the
-        visible output (the scheduler may keep more; that is what the checks compare)."""
-        epoch = self.step_epoch.pop(step, None)
-        kv_len = self.step_kv_len.pop(step, None)
-        kind = self.step_kind.pop(step, "")
-        if epoch != self.epoch:
-            return
-        self.inflight_steps -= 1
-        if kind == "extend":
-            self.extend_inflight = False
-        if self.finished:
-            return
-        run_len = min(accept_len, max(max_new_tokens - self.output_len_true, 0))
-        if eos_at is not None and eos_at + 1 < run_len:
-            run_len = eos_at + 1
-        if kv_len is not None:
-            self.settled_len = kv_len
-        self.output_len_true += run_len
-        hit_eos = eos_at is not None and eos_at < run_len
-        if hit_eos or self.abort_requested or self.output_len_true >= max_new_tokens:
-            self.finished = True
-
-    def on_release(self) -> None:
-        self.inflight_at_release = self.inflight_steps
-        self.claimed_at_release = self.inflight_steps + self.prepared_steps
 
 
 @dataclass
@@ -156,7 +97,6 @@ class StandInWorker:
         tokens: list[int] = []
         eos_at: list[int | None] = []
         for j, (req, rid, seq_len) in enumerate(zip(reqs, rids, seq_lens, strict=True)):
-            ghost: Ghost = host.get_ghost(req)
             if is_extend:
                 start, end = 0, seq_len  # the prefill writes every position it fills
             elif spec:
@@ -165,11 +105,9 @@ class StandInWorker:
                 start, end = seq_len - 1, seq_len  # the token being processed
             faults += host.write_kv(req, rid, start, end)
             if is_extend:
-                ghost.kv_len_true = len(req.origin_input_ids) + ghost.output_len_true
-                ghost.step_kind[step] = "extend"
+                host.update_ghost(req, ghost_forward_extend, step, len(req.origin_input_ids))
             else:
-                ghost.kv_len_true += accept_lens[j]
-            ghost.step_kv_len[step] = ghost.kv_len_true
+                host.update_ghost(req, ghost_forward_decode, step, accept_lens[j])
             base = len(req.output_ids)
             run = [token_for(int(rid), base + k) for k in range(stride)]
             eos = choices.get_eos_index(j, accept_lens[j])

@@ -1,0 +1,503 @@
+"""The per-request transition relation: which transition fires, its guard, frame and ghost.
+
+``transitions.py`` holds the arithmetic; this module says where it applies. A request is a
+frozen :class:`RequestRecord` (the fields of upstream's ``Req`` / ``req.kv.*`` the spec
+talks about) carrying its :class:`Ghost`, the truth the scheduler does not keep. Every
+transition is a pure function ``(record, parameters) -> record`` and states
+
+- its guard: a violated precondition raises :class:`GuardViolation` naming the
+  transition, the request and the field;
+- its frame: the fields it may change. :func:`transition` checks after every call that
+  every other field is unchanged and raises :class:`FrameViolation` otherwise (always on:
+  a few dozen comparisons per call);
+- its ghost update, by the ghost transitions (``ghost_*``) at the end of the module.
+
+One request's life (sglang 0.5.23 names)::
+
+    admit ─▶ prepare_for_extend ─▶ launch ─▶ forward_extend ─▶ process_result ─┐
+                 ▲            ┌────────────────────────────────────────────────┘
+                 │            ▼
+                 │      prepare_for_decode(_spec_v2) ─▶ launch ─▶ forward_decode
+                 │            ▲                                        │
+                 │            └──────────── process_result ◀───────────┘
+                 │                                │ finished
+                 │                                ▼
+                 │                        release_kv_cache(is_insert=True)
+                 └─ reset_for_retract ◀─ release_kv_cache(is_insert=False)   (retract_decode)
+
+``abort`` fires at any time before the finish; ``process_prebuilt`` replaces the prefill's
+result for a PD-decode request. Pages and ``req_to_token`` columns are the allocator's: an
+implementation backs the lengths decided here with memory (``reference/mem_cache.py``).
+
+Bug switches that change a per-request update arrive as ``faults`` (B-ids of
+``spec/bugs.py``); with none the relation is the intended design.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from typing import Any, Concatenate, ParamSpec, TypeVar
+
+from overlap_spec.spec.config import Cell
+from overlap_spec.spec.transitions import (
+    compute_cached_len,
+    compute_committed_after_result,
+    compute_decode_seq_len_ns,
+    compute_fill_len,
+    compute_page_align_up,
+    compute_run_len,
+    compute_v2_alloc_target,
+)
+from overlap_spec.spec.units import PoolRow, RequestId, StepId, TokenCount
+
+NO_FAULTS: frozenset[str] = frozenset()
+
+
+class GuardViolation(Exception):
+    """A transition fired in a state its guard excludes."""
+
+
+class FrameViolation(Exception):
+    """A transition changed a field outside its frame."""
+
+
+@dataclass(frozen=True)
+class GhostStep:
+    """One launched step of a request, until its result is processed."""
+
+    epoch: int  # the request's epoch at launch: a result of an older epoch settles nothing
+    kv_len: int | None = None  # kv_len_true after this step's forward
+    is_extend: bool = False  # the forward was the prefill
+
+
+@dataclass(frozen=True)
+class Ghost:
+    """Truth per request the scheduler does not keep (read as :class:`spec.state.GhostView`).
+
+    Written only by the ``ghost_*`` transitions, at fixed places no scheduler decision can
+    move (launch, forward, result, retract, release); faults never change them.
+    """
+
+    epoch: int = 0  # bumps at each retraction
+    kv_len_true: int = 0
+    settled_len: int = 0
+    inflight_steps: int = 0  # launched in this epoch, result not yet processed
+    prepared_steps: int = 0  # a decode prepared (claim made) but not yet launched
+    extend_inflight: bool = False
+    output_len_true: int = 0
+    finished: bool = False
+    abort_requested: bool = False
+    inflight_at_release: int = 0  # launched, unprocessed steps at the finish release
+    claimed_at_release: int = 0  # the same plus a prepared, never-launched step
+    steps: Mapping[StepId, GhostStep] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """One request as the relation sees it (upstream ``Req`` and ``req.kv``, M2)."""
+
+    rid: RequestId
+    prompt_len: TokenCount
+    max_new_tokens: TokenCount
+    output_ids: tuple[int, ...] = ()
+    kv_committed_len: int = 0  # int, not TokenCount: a bug can make it negative
+    kv_allocated_len: int = 0
+    req_pool_idx: PoolRow | None = None
+    finished_reason: str | None = None
+    to_finish: str | None = None  # deferred abort, promoted by update_finish_state
+    is_retracted: bool = False
+    prebuilt: bool = False  # PD decode: KV and the first token arrive without a prefill
+    waiting: bool = True
+    holds_kv: bool = False
+    release_count: int = 0  # releases in the current epoch
+    cached_len: int | None = None
+    committed_at_release: int | None = None
+    spec_verify_ct: int = 0
+    spec_num_correct_drafts: int = 0
+    ghost: Ghost = field(default_factory=Ghost)
+
+    @property
+    def output_len(self) -> int:
+        return len(self.output_ids)
+
+    def is_finished(self) -> bool:
+        return self.finished_reason is not None
+
+
+# --- guards and frames ---------------------------------------------------------------------
+R = TypeVar("R")
+P = ParamSpec("P")
+
+
+def _describe(record: object) -> str:
+    rid = getattr(record, "rid", None)
+    return "the ghost" if rid is None else f"request r{rid}"
+
+
+def require(ok: bool, name: str, record: object, field_name: str, detail: str) -> None:
+    """Raise :class:`GuardViolation` unless ``ok``: which transition, request and field."""
+    if not ok:
+        value = getattr(record, field_name, "?")
+        raise GuardViolation(f"{name} guard violated for {_describe(record)}: "
+                             f"{field_name}={value!r}, {detail}")
+
+
+def get_frame_violations(frame: frozenset[str], pre: Any, post: Any,
+                         prefix: str = "") -> list[str]:
+    """Fields outside ``frame`` whose value differs between ``pre`` and ``post``.
+
+    A dotted name (``ghost.epoch``) frames one field of a nested record; the plain name
+    (``ghost``) frames all of it.
+    """
+    changed: list[str] = []
+    for f in fields(pre):
+        name = prefix + f.name
+        before, after = getattr(pre, f.name), getattr(post, f.name)
+        if name in frame or before == after:
+            continue
+        if any(entry.startswith(name + ".") for entry in frame):
+            changed += get_frame_violations(frame, before, after, name + ".")
+        else:
+            changed.append(f"{name}: {before!r} -> {after!r}")
+    return changed
+
+
+# Every transition's frame by name, for reports and tests.
+FRAMES: dict[str, frozenset[str]] = {}
+
+
+def transition(*frame: str) -> Callable[[Callable[Concatenate[R, P], R]],
+                                        Callable[Concatenate[R, P], R]]:
+    """Declare a transition's frame; every call checks nothing outside it changed."""
+    allowed = frozenset(frame)
+
+    def decorate(fn: Callable[Concatenate[R, P], R]) -> Callable[Concatenate[R, P], R]:
+        def checked(pre: R, /, *args: P.args, **kwargs: P.kwargs) -> R:
+            post = fn(pre, *args, **kwargs)
+            changed = get_frame_violations(allowed, pre, post)
+            if changed:
+                raise FrameViolation(f"{fn.__name__} changed {_describe(pre)} outside its "
+                                     f"frame: {'; '.join(changed)}")
+            return post
+
+        functools.update_wrapper(checked, fn)
+        FRAMES[fn.__name__] = allowed
+        return checked
+
+    return decorate
+
+
+# --- the scheduler's transitions -------------------------------------------------------------
+def admit(rid: RequestId, prompt_len: TokenCount, max_new_tokens: TokenCount,
+          prebuilt: bool = False) -> RequestRecord:
+    """A new request in the waiting queue (``Scheduler.handle_generate_request``).
+
+    A PD-decode request (``prebuilt``) arrives with its first token, so it needs room
+    for at least one more.
+    """
+    if prebuilt:
+        max_new_tokens = TokenCount(max(max_new_tokens, 2))
+    return RequestRecord(rid, prompt_len, max_new_tokens, prebuilt=prebuilt)
+
+
+@transition("waiting", "is_retracted", "finished_reason", "to_finish",
+            "ghost.abort_requested", "ghost.finished")
+def abort(req: RequestRecord) -> RequestRecord:
+    """``Scheduler.abort_request``: a waiting request leaves finished; a running one is
+    marked ``to_finish`` and finishes at its next result (update_finish_state)."""
+    require(not req.is_finished(), "abort", req, "finished_reason", "expected None")
+    ghost = ghost_abort(req.ghost, waiting=req.waiting)
+    if req.waiting:
+        return replace(req, waiting=False, is_retracted=False, finished_reason="abort",
+                       ghost=ghost)
+    return replace(req, to_finish="abort", ghost=ghost)
+
+
+@transition("req_pool_idx", "holds_kv", "kv_allocated_len", "kv_committed_len",
+            "is_retracted", "waiting", "ghost.extend_inflight")
+def prepare_for_extend(req: RequestRecord, row: PoolRow) -> RequestRecord:
+    """``ScheduleBatch.prepare_for_extend`` / ``alloc_for_extend`` for one request: a pool
+    row and committed = allocated = fill_len (prompt plus every output token, so a
+    retracted request is re-prefilled). Leaves output_ids."""
+    name = "prepare_for_extend"
+    require(req.waiting, name, req, "waiting", "expected a waiting request")
+    require(not req.holds_kv, name, req, "holds_kv", "expected a request without KV")
+    require(not req.is_finished(), name, req, "finished_reason", "expected None")
+    fill_len = compute_fill_len(req.prompt_len, req.output_len)
+    return replace(req, req_pool_idx=row, holds_kv=True, kv_allocated_len=fill_len,
+                   kv_committed_len=fill_len, is_retracted=False, waiting=False,
+                   ghost=ghost_prepare_extend(req.ghost))
+
+
+def _require_decodable(name: str, req: RequestRecord) -> None:
+    require(req.holds_kv, name, req, "holds_kv", "expected a request holding KV")
+    require(not req.is_finished(), name, req, "finished_reason", "expected None")
+
+
+@transition("kv_allocated_len", "kv_committed_len", "ghost.prepared_steps")
+def prepare_for_decode(req: RequestRecord, seq_len: int,
+                       faults: frozenset[str] = NO_FAULTS) -> RequestRecord:
+    """Non-spec ``prepare_for_decode`` / ``alloc_for_decode``: one slot at column seq_len,
+    so allocated = seq_len + 1, and the slot is claimed now: committed += 1.
+
+    B10 moves the claim to result time (settle-at-result, #27971).
+    """
+    _require_decodable("prepare_for_decode", req)
+    claim = 0 if "B10" in faults else 1
+    return replace(req, kv_allocated_len=compute_decode_seq_len_ns(seq_len),
+                   kv_committed_len=req.kv_committed_len + claim,
+                   ghost=ghost_prepare_decode(req.ghost))
+
+
+@transition("kv_allocated_len", "kv_committed_len", "ghost.prepared_steps")
+def prepare_for_decode_spec_v2(req: RequestRecord, reserve: int, page_size: int,
+                               preclaim: bool, faults: frozenset[str] = NO_FAULTS
+                               ) -> RequestRecord:
+    """Spec-v2 ``prepare_for_decode``: reserve up to max(cur, committed + reserve), page
+    aligned; with the pre-claim (PR 23456) the bonus slot is claimed now. seq_lens is
+    untouched (batch state).
+
+    B12 drops the max(cur, ...) clamp: a down-switch can shrink the allocation.
+    """
+    _require_decodable("prepare_for_decode_spec_v2", req)
+    if "B12" in faults:
+        target = compute_page_align_up(req.kv_committed_len + reserve, page_size)
+    else:
+        target = compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len,
+                                         reserve, page_size)
+    return replace(req, kv_allocated_len=target,
+                   kv_committed_len=req.kv_committed_len + (1 if preclaim else 0),
+                   ghost=ghost_prepare_decode(req.ghost))
+
+
+@transition("ghost.inflight_steps", "ghost.prepared_steps", "ghost.steps")
+def launch(req: RequestRecord, step: StepId) -> RequestRecord:
+    """``run_batch``: the step is launched for this request. Only the ghost changes; a
+    request released before the launch (B14) is launched all the same."""
+    return replace(req, ghost=ghost_launch(req.ghost, step))
+
+
+@transition("ghost.kv_len_true", "ghost.steps")
+def forward_extend(req: RequestRecord, step: StepId) -> RequestRecord:
+    """The prefill forward (environment): KV for prompt and output is really written."""
+    return replace(req, ghost=ghost_forward_extend(req.ghost, step, req.prompt_len))
+
+
+@transition("ghost.kv_len_true", "ghost.steps")
+def forward_decode(req: RequestRecord, step: StepId, advanced_by: int) -> RequestRecord:
+    """A decode forward (environment): ``advanced_by`` positions settle (1, or accept_len
+    after verify)."""
+    return replace(req, ghost=ghost_forward_decode(req.ghost, step, advanced_by))
+
+
+def compute_finished_reason(req: RequestRecord, hit_eos: bool) -> str | None:
+    """``Req.update_finish_state``: a deferred abort wins, then EOS, then the length limit."""
+    if req.to_finish is not None:
+        return req.to_finish
+    if hit_eos:
+        return "stop"
+    if req.output_len >= req.max_new_tokens:
+        return "length"
+    return req.finished_reason
+
+
+def is_stale(req: RequestRecord) -> bool:
+    """A result row of a finished or retracted request: skipped (PR 23456, #18848)."""
+    return req.is_finished() or req.is_retracted
+
+
+@transition("output_ids", "kv_committed_len", "finished_reason", "spec_verify_ct",
+            "spec_num_correct_drafts", "ghost.inflight_steps", "ghost.extend_inflight",
+            "ghost.steps", "ghost.settled_len", "ghost.output_len_true", "ghost.finished")
+def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: str,
+                   accept_len: int, eos_at: int | None, tokens: tuple[int, ...],
+                   faults: frozenset[str] = NO_FAULTS) -> RequestRecord:
+    """One row of ``process_batch_result_prefill / _decode`` (``_resolve_spec_v2_tokens``).
+
+    The ghost settles the step first, by the environment's own cut. A live row keeps the
+    accepted run cut at EOS and max_new_tokens (``tokens``: the row's sampled tokens),
+    commits it (compute_committed_after_result) and updates the finish state; a stale row
+    only settles its pre-claim. The release of a finished request is
+    :func:`release_kv_cache`, next.
+
+    Faults: B3 processes stale rows as live; B11 commits the uncut run; B10 commits the
+    non-spec slot here instead of at prepare time.
+    """
+    name = "process_result"
+    require(accept_len >= 1, name, req, "output_ids", f"accept_len={accept_len} < 1")
+    ghost = ghost_result(req.ghost, step, req.max_new_tokens, accept_len, eos_at)
+    finished_before = req.is_finished()
+    stale = is_stale(req) and "B3" not in faults
+    run_len = compute_run_len(accept_len, req.max_new_tokens - req.output_len, eos_at)
+    decode = forward_mode == "decode"
+    if stale:
+        committed = req.kv_committed_len
+        if decode:
+            committed = compute_committed_after_result(cell, committed, run_len, True,
+                                                       finished_before)
+        return replace(req, kv_committed_len=committed, ghost=ghost)
+    require(run_len <= len(tokens), name, req, "output_ids",
+            f"the row holds {len(tokens)} tokens, the run keeps {run_len}")
+    committed = req.kv_committed_len
+    if decode:
+        settled = accept_len if "B11" in faults else run_len
+        committed = compute_committed_after_result(cell, committed, settled, False, False)
+        if "B10" in faults and not cell.is_spec:
+            committed += 1  # settle at result time
+    verified = cell.is_spec and decode
+    grown = replace(req, output_ids=req.output_ids + tokens[:run_len],
+                    kv_committed_len=committed, ghost=ghost,
+                    spec_verify_ct=req.spec_verify_ct + (1 if verified else 0),
+                    spec_num_correct_drafts=req.spec_num_correct_drafts
+                    + (accept_len - 1 if verified else 0))
+    hit_eos = eos_at is not None and eos_at < run_len
+    return replace(grown, finished_reason=compute_finished_reason(grown, hit_eos))
+
+
+@transition("release_count", "holds_kv", "req_pool_idx", "cached_len",
+            "committed_at_release", "ghost.inflight_at_release", "ghost.claimed_at_release")
+def release_kv_cache(req: RequestRecord, is_insert: bool,
+                     faults: frozenset[str] = NO_FAULTS) -> RequestRecord:
+    """``release_kv_cache`` (mem_cache/common.py): the row and KV are released once.
+
+    At a finish (``is_insert``) the tree caches ``effective_kv_committed_len``, never past
+    the allocation (compute_cached_len). kv_committed_len is unchanged. B11 caches
+    kv_committed_len itself.
+    """
+    name = "release_kv_cache"
+    require(req.holds_kv, name, req, "holds_kv", "released twice")
+    require(req.req_pool_idx is not None, name, req, "req_pool_idx", "released twice")
+    released = replace(req, release_count=req.release_count + 1, holds_kv=False,
+                       req_pool_idx=None)
+    if not is_insert:
+        return released
+    committed = req.kv_committed_len
+    if "B11" in faults:
+        cached = committed
+    else:
+        cached = compute_cached_len(committed, req.prompt_len, req.output_len)
+    return replace(released, cached_len=max(0, min(cached, req.kv_allocated_len)),
+                   committed_at_release=committed, ghost=ghost_release(req.ghost))
+
+
+@transition("is_retracted", "prebuilt", "kv_committed_len", "kv_allocated_len",
+            "req_pool_idx", "holds_kv", "waiting", "release_count", "ghost.epoch",
+            "ghost.kv_len_true", "ghost.settled_len", "ghost.inflight_steps",
+            "ghost.prepared_steps", "ghost.extend_inflight")
+def reset_for_retract(req: RequestRecord) -> RequestRecord:
+    """``Req.reset_for_retract`` after ``release_req`` (``retract_decode``): back to the
+    waiting queue with no KV; output_ids are kept for the re-prefill, a prebuilt request
+    is re-prefilled here. The ghost starts a new epoch."""
+    require(not req.holds_kv, "reset_for_retract", req, "holds_kv",
+            "expected the KV released first (release_kv_cache)")
+    return replace(req, is_retracted=True, prebuilt=False, kv_committed_len=0,
+                   kv_allocated_len=0, req_pool_idx=None, holds_kv=False, waiting=True,
+                   release_count=0, ghost=ghost_retract(req.ghost))
+
+
+@transition("output_ids", "ghost.kv_len_true", "ghost.settled_len", "ghost.output_len_true",
+            "ghost.extend_inflight")
+def process_prebuilt(req: RequestRecord, token: int) -> RequestRecord:
+    """PD decode ``process_prebuilt``: the prefill ran elsewhere; its KV and first output
+    token arrive settled, after :func:`prepare_for_extend` gave the request its row."""
+    name = "process_prebuilt"
+    require(req.prebuilt, name, req, "prebuilt", "expected a PD-decode request")
+    require(req.holds_kv, name, req, "holds_kv", "expected prepare_for_extend first")
+    require(req.output_len == 0, name, req, "output_ids", "expected no output yet")
+    return replace(req, output_ids=(*req.output_ids, token),
+                   ghost=ghost_prebuilt(req.ghost, req.prompt_len))
+
+
+# --- the ghost's transitions (the environment's account) ---------------------------------------
+@transition("extend_inflight")
+def ghost_prepare_extend(ghost: Ghost) -> Ghost:
+    """A prefill claims its whole fill length at prepare time; nothing is settled yet."""
+    return replace(ghost, extend_inflight=True)
+
+
+@transition("prepared_steps")
+def ghost_prepare_decode(ghost: Ghost) -> Ghost:
+    return replace(ghost, prepared_steps=1)
+
+
+@transition("inflight_steps", "prepared_steps", "steps")
+def ghost_launch(ghost: Ghost, step: StepId) -> Ghost:
+    require(step not in ghost.steps, "ghost_launch", ghost, "steps", f"step {step} launched twice")
+    return replace(ghost, inflight_steps=ghost.inflight_steps + 1, prepared_steps=0,
+                   steps={**ghost.steps, step: GhostStep(ghost.epoch)})
+
+
+def _require_launched(name: str, ghost: Ghost, step: StepId) -> GhostStep:
+    launched = ghost.steps.get(step)
+    require(launched is not None, name, ghost, "steps", f"step {step} was never launched")
+    assert launched is not None
+    return launched
+
+
+@transition("kv_len_true", "steps")
+def ghost_forward_extend(ghost: Ghost, step: StepId, prompt_len: int) -> Ghost:
+    launched = _require_launched("ghost_forward_extend", ghost, step)
+    kv_len = prompt_len + ghost.output_len_true
+    return replace(ghost, kv_len_true=kv_len,
+                   steps={**ghost.steps, step: replace(launched, kv_len=kv_len, is_extend=True)})
+
+
+@transition("kv_len_true", "steps")
+def ghost_forward_decode(ghost: Ghost, step: StepId, advanced_by: int) -> Ghost:
+    launched = _require_launched("ghost_forward_decode", ghost, step)
+    kv_len = ghost.kv_len_true + advanced_by
+    return replace(ghost, kv_len_true=kv_len,
+                   steps={**ghost.steps, step: replace(launched, kv_len=kv_len)})
+
+
+@transition("inflight_steps", "extend_inflight", "steps", "settled_len", "output_len_true",
+            "finished")
+def ghost_result(ghost: Ghost, step: StepId, max_new_tokens: int, accept_len: int,
+                 eos_at: int | None) -> Ghost:
+    """Settle a step by the environment's own cut: EOS and max_new_tokens end the visible
+    output. Written out here rather than with compute_run_len, so that a wrong cut in the
+    scheduler cannot hide in the truth it is checked against. A result of an older epoch
+    (launched before a retraction) settles nothing."""
+    launched = ghost.steps.get(step)
+    steps = {k: v for k, v in ghost.steps.items() if k != step}
+    if launched is None or launched.epoch != ghost.epoch:
+        return replace(ghost, steps=steps)
+    settled = replace(ghost, steps=steps, inflight_steps=ghost.inflight_steps - 1,
+                      extend_inflight=ghost.extend_inflight and not launched.is_extend)
+    if ghost.finished:
+        return settled
+    run_len = min(accept_len, max(max_new_tokens - ghost.output_len_true, 0))
+    if eos_at is not None and eos_at + 1 < run_len:
+        run_len = eos_at + 1
+    output_len = ghost.output_len_true + run_len
+    hit_eos = eos_at is not None and eos_at < run_len
+    return replace(settled, output_len_true=output_len,
+                   settled_len=ghost.settled_len if launched.kv_len is None else launched.kv_len,
+                   finished=hit_eos or ghost.abort_requested or output_len >= max_new_tokens)
+
+
+@transition("kv_len_true", "settled_len", "output_len_true", "extend_inflight")
+def ghost_prebuilt(ghost: Ghost, prompt_len: int) -> Ghost:
+    return replace(ghost, kv_len_true=prompt_len, settled_len=prompt_len, output_len_true=1,
+                   extend_inflight=False)
+
+
+@transition("abort_requested", "finished")
+def ghost_abort(ghost: Ghost, waiting: bool) -> Ghost:
+    """An abort is requested; a waiting request is finished at once."""
+    return replace(ghost, abort_requested=True, finished=ghost.finished or waiting)
+
+
+@transition("inflight_at_release", "claimed_at_release")
+def ghost_release(ghost: Ghost) -> Ghost:
+    return replace(ghost, inflight_at_release=ghost.inflight_steps,
+                   claimed_at_release=ghost.inflight_steps + ghost.prepared_steps)
+
+
+@transition("epoch", "kv_len_true", "settled_len", "inflight_steps", "prepared_steps",
+            "extend_inflight")
+def ghost_retract(ghost: Ghost) -> Ghost:
+    return replace(ghost, epoch=ghost.epoch + 1, kv_len_true=0, settled_len=0,
+                   inflight_steps=0, prepared_steps=0, extend_inflight=False)
