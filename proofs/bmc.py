@@ -134,6 +134,8 @@ class Unrolling:
     admit_at: list[Term] = field(default_factory=list)
     prompt_len: list[Term] = field(default_factory=list)
     max_new_tokens: list[Term] = field(default_factory=list)
+    # Each request's record at the end of iteration i (the refinement test reads it).
+    states: list[list[Record]] = field(default_factory=list)
 
 
 @dataclass
@@ -740,6 +742,7 @@ class _Builder:
         self.check_state(i, "end of iteration")
         self.check_loop(i, now)
         self.out.ends.append((first, len(self.out.violations)))
+        self.out.states.append([dict(r) for r in self.reqs])
         self.out.iterations.append(
             IterationTerms(
                 allow,
