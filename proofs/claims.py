@@ -382,8 +382,8 @@ def rp2(ctx: Context, r: Record, step: Step) -> Term:
     top = min(stride, ctx.config.max_accept_len)
     return zs.And(
         p["output_len"] <= p["max_new_tokens"],
-        0 <= n["in_running_batch"],
-        n["in_running_batch"] <= n["accept"],
+        0 <= n["run_len"],
+        n["run_len"] <= n["accept"],
         1 <= n["accept"],
         n["accept"] <= top,
     )

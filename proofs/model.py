@@ -342,7 +342,7 @@ def process_result(ctx: Context, r: Record, eos: Term, eos_at: Term) -> Step:
         holds_kv=zs.And(r["holds_kv"], zs.Not(finishing)),
     )
     notes = {
-        "in_running_batch": run,
+        "run_len": run,
         "accept": accept,
         "stale": stale,
         "finishing": finishing,
