@@ -35,6 +35,4 @@ class Runtime:
 
     def get_decode_reserve(self) -> int:
         """The v2 reserve ahead of kv_committed_len: lag bound + W (B16: 2A of this rung)."""
-        if self.has_fault("B16"):
-            return 2 * self.shape.alloc_len_per_decode
-        return self.config.get_decode_reserve(self.shape)
+        return self.config.get_decode_reserve(self.shape, self.faults)

@@ -42,8 +42,10 @@ from typing import Final
 from overlap_spec.proofs import solver as zs
 from overlap_spec.proofs.solver import Term
 from overlap_spec.proofs.symbolic import lift
+from overlap_spec.spec import relation
 from overlap_spec.spec import transitions as tr
 from overlap_spec.spec.config import ModelConfig, SpecShape
+from overlap_spec.spec.units import PoolRow, RequestId, TokenCount
 
 INT_FIELDS: Final = (
     "prompt_len",
@@ -152,9 +154,7 @@ class Context:
         return 1 if self.overlap else 0
 
     def get_reserve(self, shape: SpecShape) -> int:
-        if self.has("B16"):
-            return 2 * shape.alloc_len_per_decode
-        return self.config.get_decode_reserve(shape)
+        return self.config.get_decode_reserve(shape, self.faults)
 
     def get_lead(self, claimed: Term) -> Term:
         return lift(tr.compute_committed_lead, self.config.cell, claimed)
@@ -199,34 +199,44 @@ def prepare_for_extend(ctx: Context, r: Record) -> Step:
     return Step(guard, post)
 
 
+def decode_kv(committed: int, allocated: int, seq_len: int, spec: bool, reserve: int,
+              page_size: int, preclaim: bool, faults: frozenset[str]) -> tuple[int, int]:
+    """(kv_allocated_len, kv_committed_len) after ``prepare_for_decode``: the spec's own
+    transition (``spec.relation``), run here on a live request holding KV and lifted into
+    Z3 below, so the proofs do not restate it (B10, B12 included). The other fields of the
+    record do not enter this transition; the model's guard says when it fires."""
+    request = relation.RequestRecord(
+        RequestId(0), TokenCount(1), TokenCount(1), kv_committed_len=committed,
+        kv_allocated_len=allocated, req_pool_idx=PoolRow(0), waiting=False, holds_kv=True)
+    if spec:
+        post = relation.prepare_for_decode_spec_v2(request, reserve, page_size, preclaim,
+                                                   faults)
+    else:
+        post = relation.prepare_for_decode(request, seq_len, faults)
+    return post.kv_allocated_len, post.kv_committed_len
+
+
 def prepare_for_decode(ctx: Context, r: Record, shape: SpecShape) -> Step:
     """Non-spec: claim one slot, seq_lens + 1. Spec-v2: reserve max(cur, committed + R),
     page aligned; seq_lens untouched; the J2 pre-claim adds 1 to committed."""
     page = ctx.config.page_size
     post = dict(r)
     width = lift(tr.compute_forward_write_width, shape, "decode")
-    if ctx.is_spec:
-        reserve = ctx.get_reserve(shape)
-        if ctx.has("B12"):
-            target = lift(tr.compute_page_align_up, r["kv_committed_len"] + reserve, page)
-        else:
-            target = lift(
-                tr.compute_v2_alloc_target,
-                r["kv_committed_len"],
-                r["kv_allocated_len"],
-                reserve,
-                page,
-            )
+    allocated, committed = lift(
+        decode_kv,
+        r["kv_committed_len"],
+        r["kv_allocated_len"],
+        r["seq_len"],
+        ctx.is_spec,
+        ctx.get_reserve(shape) if ctx.is_spec else 0,
+        page,
+        ctx.config.cell.preclaim,
+        ctx.faults,
+    )
+    post.update(kv_allocated_len=allocated, kv_committed_len=committed)
+    if not ctx.is_spec:
         post.update(
-            kv_allocated_len=target,
-            kv_committed_len=r["kv_committed_len"] + (1 if ctx.config.cell.preclaim else 0),
-        )
-    else:
-        bumped = lift(tr.compute_decode_seq_len_ns, r["seq_len"])
-        post.update(
-            kv_allocated_len=bumped,
-            kv_committed_len=r["kv_committed_len"] + (0 if ctx.has("B10") else 1),
-            seq_len=bumped,
+            seq_len=lift(tr.compute_decode_seq_len_ns, r["seq_len"]),
             seq_len_cpu=lift(tr.compute_decode_seq_len_ns, r["seq_len_cpu"]),
         )
     needed = lift(tr.compute_pages_for_len, post["kv_allocated_len"], page)

@@ -47,9 +47,7 @@ class Runtime:
 
     def get_decode_reserve(self) -> int:
         """The v2 reserve ahead of kv_committed_len for this iteration's rung."""
-        if self.has_fault("B16"):
-            return 2 * self.shape.alloc_len_per_decode  # the J2 formula: 2A of this rung
-        return self.config.get_decode_reserve(self.shape)
+        return self.config.get_decode_reserve(self.shape, self.faults)
 
     def new_tensor(self, values: Sequence[int], operation: str,
                    stream: str = SCHEDULE) -> DeviceTensor:

@@ -179,13 +179,17 @@ class ModelConfig:
         of the widest rung under overlap (max_speculative_num_draft_tokens), 0 without."""
         return TokenCount(self.draft_tokens if self.cell.overlap and self.cell.is_spec else 0)
 
-    def get_decode_reserve(self, shape: SpecShape) -> TokenCount:
+    def get_decode_reserve(self, shape: SpecShape,
+                           faults: frozenset[str] = frozenset()) -> TokenCount:
         """Reserve ahead of kv_committed_len: lag bound + this step's write width W.
 
         For a fixed shape this is the digest's 2A. Under an adaptive down-switch the
         in-flight verify may be wider than this step, so 2A of the new rung is too
-        little (found by this model; upstream's derivation, task #486, agrees): B16.
+        little (found by this model; upstream's derivation, task #486, agrees): B16
+        (in ``faults``) is the 2A-of-this-rung formula.
         """
+        if "B16" in faults:
+            return TokenCount(2 * shape.alloc_len_per_decode)
         return TokenCount(self.lag_bound + shape.alloc_len_per_decode)
 
     @property

@@ -13,6 +13,7 @@ import pytest
 
 from overlap_spec.harness.drive.script import Admit, Iterate, Script, run_script
 from overlap_spec.harness.prove.tier import run_proofs
+from overlap_spec.proofs import model
 from overlap_spec.proofs import solver as zs
 from overlap_spec.proofs.induction import find_witnesses
 from overlap_spec.proofs.model import Context
@@ -100,8 +101,10 @@ def _random_args(function: Callable[..., Any], rng: random.Random) -> tuple[Any,
             values.append(config.get_shape(rng.randint(0, 3)))
         elif name == "forward_mode":
             values.append(rng.choice(["decode", "extend"]))
-        elif name in ("stale", "finished"):
+        elif name in ("stale", "finished", "spec", "preclaim"):
             values.append(rng.random() < 0.5)
+        elif name == "faults":
+            values.append(frozenset(b for b in ("B10", "B12", "B16") if rng.random() < 0.3))
         elif name == "eos_at":
             values.append(None if rng.random() < 0.4 else rng.randint(-1, 6))
         elif name == "seq_lens":
@@ -111,6 +114,14 @@ def _random_args(function: Callable[..., Any], rng: random.Random) -> tuple[Any,
         else:
             values.append(rng.randint(-8, 40))
     return tuple(values)
+
+
+def test_the_lifted_relation_transition_agrees_with_the_relation() -> None:
+    """proofs/model.py lifts spec.relation's prepare_for_decode instead of restating it."""
+    rng = random.Random(20261124)
+    for _ in range(500):
+        args = _random_args(model.decode_kv, rng)
+        assert _agrees(model.decode_kv, args), args
 
 
 def test_lifted_transitions_agree_with_the_spec_on_random_states() -> None:
