@@ -29,6 +29,7 @@ from overlap_spec.proofs.model import (
     Record,
     build_transition,
     get_request_transitions,
+    is_fresh,
     make_array_record,
     make_record,
     select,
@@ -56,20 +57,7 @@ def initial_record(prefix: str) -> tuple[Record, Term]:
     """A newly admitted, waiting request: nothing held, nothing in flight."""
     r = make_record(prefix)
     constraints = zs.And(
-        zs.Not(r["holds_kv"]),
-        zs.Not(r["finished"]),
-        zs.Not(r["is_retracted"]),
-        zs.Not(r["prepared"]),
-        zs.Not(r["resolved"]),
-        zs.Not(r["extend_inflight"]),
-        r["launched_steps"] == 0,
-        r["inflight_steps"] == 0,
-        r["output_len"] == 0,
-        r["kv_committed_len"] == 0,
-        r["kv_allocated_len"] == 0,
-        r["kv_len_true"] == 0,
-        r["settled_len"] == 0,
-        r["page_count"] == 0,
+        is_fresh(r),
         1 <= r["prompt_len"],
         1 <= r["max_new_tokens"],
     )

@@ -106,6 +106,26 @@ def is_live(r: Record) -> Term:
     return zs.And(r["holds_kv"], zs.Not(r["finished"]), zs.Not(r["is_retracted"]))
 
 
+def is_fresh(r: Record) -> Term:
+    """A request as admitted: nothing held, nothing in flight, no output."""
+    return zs.And(
+        zs.Not(r["holds_kv"]),
+        zs.Not(r["finished"]),
+        zs.Not(r["is_retracted"]),
+        zs.Not(r["prepared"]),
+        zs.Not(r["resolved"]),
+        zs.Not(r["extend_inflight"]),
+        r["launched_steps"] == 0,
+        r["inflight_steps"] == 0,
+        r["output_len"] == 0,
+        r["kv_committed_len"] == 0,
+        r["kv_allocated_len"] == 0,
+        r["kv_len_true"] == 0,
+        r["settled_len"] == 0,
+        r["page_count"] == 0,
+    )
+
+
 def get_lag(r: Record) -> Term:
     """Accepts of launched, unprocessed steps: what kv_len_true is ahead of the settled length."""
     return zs.If(r["launched_steps"] >= 1, r["accept_oldest"], 0) + zs.If(
@@ -199,18 +219,32 @@ def prepare_for_extend(ctx: Context, r: Record) -> Step:
     return Step(guard, post)
 
 
-def decode_kv(committed: int, allocated: int, seq_len: int, spec: bool, reserve: int,
-              page_size: int, preclaim: bool, faults: frozenset[str]) -> tuple[int, int]:
+def decode_kv(
+    committed: int,
+    allocated: int,
+    seq_len: int,
+    spec: bool,
+    reserve: int,
+    page_size: int,
+    preclaim: bool,
+    faults: frozenset[str],
+) -> tuple[int, int]:
     """(kv_allocated_len, kv_committed_len) after ``prepare_for_decode``: the spec's own
     transition (``spec.relation``), run here on a live request holding KV and lifted into
     Z3 below, so the proofs do not restate it (B10, B12 included). The other fields of the
     record do not enter this transition; the model's guard says when it fires."""
     request = relation.RequestRecord(
-        RequestId(0), TokenCount(1), TokenCount(1), kv_committed_len=committed,
-        kv_allocated_len=allocated, req_pool_idx=PoolRow(0), waiting=False, holds_kv=True)
+        RequestId(0),
+        TokenCount(1),
+        TokenCount(1),
+        kv_committed_len=committed,
+        kv_allocated_len=allocated,
+        req_pool_idx=PoolRow(0),
+        waiting=False,
+        holds_kv=True,
+    )
     if spec:
-        post = relation.prepare_for_decode_spec_v2(request, reserve, page_size, preclaim,
-                                                   faults)
+        post = relation.prepare_for_decode_spec_v2(request, reserve, page_size, preclaim, faults)
     else:
         post = relation.prepare_for_decode(request, seq_len, faults)
     return post.kv_allocated_len, post.kv_committed_len
