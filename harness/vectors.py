@@ -27,12 +27,8 @@ from typing import Any
 
 from overlap_spec.harness.drive.cells import DEFAULT_SEED
 from overlap_spec.harness.drive.checker import InvariantChecker
+from overlap_spec.harness.drive.generate import generate_random_ops
 from overlap_spec.harness.drive.script import (
-    Abort,
-    Admit,
-    AdmitPrebuilt,
-    Iterate,
-    Op,
     Script,
     op_from_json,
     op_to_json,
@@ -41,44 +37,12 @@ from overlap_spec.harness.trace.codec import CodecError, decode_dataclass, encod
 from overlap_spec.harness.trace.format import TraceFormatError
 from overlap_spec.harness.trace.record import RecordedRun, record_script
 from overlap_spec.spec.bugs import BUGS
-from overlap_spec.spec.config import PRESETS, ModelConfig, SpecMode, enumerate_cells
+from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells
 from overlap_spec.spec.invariants import InvariantViolation
-from overlap_spec.spec.state import IterationChoices, Observation
+from overlap_spec.spec.state import Observation
 
 VECTOR_FORMAT = "overlap-spec-vector"
 VECTOR_VERSION = 1
-
-
-def generate_random_ops(config: ModelConfig, rng: random.Random, count: int) -> list[Op]:
-    """A random operation sequence drawn like the Hypothesis machine draws (stateful.py)."""
-    preset = config.preset
-    width = preset.max_running_requests
-    top = config.max_accept_len
-    steps = preset.chain_steps if config.cell.spec_mode is SpecMode.V2_CHAIN else 0
-    ops: list[Op] = []
-    admitted = 0
-    for _ in range(count):
-        roll = rng.random()
-        if admitted < 4 and (roll < 0.3 or admitted == 0):
-            admitted += 1
-            if rng.random() < 0.2:
-                ops.append(AdmitPrebuilt(rng.randint(1, preset.max_prompt_len),
-                                         rng.randint(2, preset.max_new_tokens)))
-            else:
-                ops.append(Admit(rng.randint(1, preset.max_prompt_len),
-                                 rng.randint(1, preset.max_new_tokens)))
-        elif roll > 0.95:
-            ops.append(Abort(rng.randrange(admitted)))
-        else:
-            accept = tuple(top if rng.random() < 0.3 else rng.randint(1, top)
-                           for _ in range(width))
-            eos = frozenset({rng.randrange(width)}) if rng.random() < 0.25 else frozenset()
-            ops.append(Iterate(IterationChoices(
-                allow_prefill=rng.random() < 0.8, retract=int(rng.random() < 0.1),
-                accept_lens=accept, eos_positions=eos, disable_overlap=rng.random() < 0.15,
-                spec_steps=rng.choice([0, 0, 1, steps]) if steps else 0,
-                eos_offset=rng.randrange(top))))
-    return ops
 
 
 def _config_json(config: ModelConfig) -> dict[str, Any]:

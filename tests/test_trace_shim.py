@@ -18,11 +18,11 @@ from typing import Any
 
 import pytest
 
+from overlap_spec.harness.drive.generate import generate_random_ops
 from overlap_spec.harness.drive.script import Script, apply_op, load_script
 from overlap_spec.harness.trace.check import check_trace, check_trace_file, record_script_trace
 from overlap_spec.harness.trace.format import OK, VIOLATION, TraceFormatError, parse_trace
 from overlap_spec.harness.trace.shim import TraceShim
-from overlap_spec.harness.vectors import generate_random_ops
 from overlap_spec.reference.schedule_batch import ScheduleBatch
 from overlap_spec.reference.scheduler import Scheduler
 from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell

@@ -29,6 +29,7 @@ from hypothesis.stateful import (
 )
 
 from overlap_spec.harness.drive.checker import InvariantChecker
+from overlap_spec.harness.drive.generate import get_strategies
 from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
@@ -42,7 +43,7 @@ from overlap_spec.harness.drive.script import (
 )
 from overlap_spec.harness.trace.check import TraceVerdict, record_script_trace
 from overlap_spec.harness.trace.format import get_trace_path
-from overlap_spec.spec.config import ModelConfig, SpecMode
+from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.invariants import InvariantViolation
 from overlap_spec.spec.state import IterationChoices
 from overlap_spec.spec.units import RequestId
@@ -99,16 +100,7 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
     release's reserve does not depend on the adaptive rung, which its controller picks).
     """
     upstream = implementation == "upstream"
-    width = config.preset.max_running_requests
-    max_accept = config.max_accept_len
-    max_steps = config.preset.chain_steps if config.cell.spec_mode is SpecMode.V2_CHAIN else 0
-    # Full acceptance and the extreme rungs are where the reserve arithmetic is tight, so
-    # they are drawn more often than a uniform draw would (shrinking still goes to 1 / 0).
-    accept_len = st.one_of(st.integers(1, max_accept), st.just(max_accept))
-    # Early result processing removes the lag that overlap bugs need; keep it occasional.
-    rarely = st.sampled_from([False, False, False, True])
-    spec_steps = st.just(0) if upstream else st.one_of(
-        st.just(0), st.sampled_from(sorted({1, max_steps})), st.integers(0, max_steps))
+    draw = get_strategies(config, upstream)
     factory = get_factory(implementation)
 
     class SchedulerMachine(RuleBasedStateMachine):
@@ -128,25 +120,22 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
             apply_op(self.model, op, self.admitted)
 
         @precondition(lambda self: len(self.admitted) < MAX_REQUESTS)
-        @rule(prompt_len=st.integers(1, config.preset.max_prompt_len),
-              max_new_tokens=st.integers(1, config.preset.max_new_tokens))
+        @rule(prompt_len=draw.prompt_len, max_new_tokens=draw.max_new_tokens)
         def admit(self, prompt_len: int, max_new_tokens: int) -> None:
             self._apply(Admit(prompt_len, max_new_tokens))
 
         @precondition(lambda self: not upstream and len(self.admitted) < MAX_REQUESTS)
-        @rule(prompt_len=st.integers(1, config.preset.max_prompt_len),
-              max_new_tokens=st.integers(2, config.preset.max_new_tokens))
+        @rule(prompt_len=draw.prompt_len, max_new_tokens=draw.prebuilt_max_new_tokens)
         def admit_prebuilt(self, prompt_len: int, max_new_tokens: int) -> None:
             self._apply(AdmitPrebuilt(prompt_len, max_new_tokens))
 
         @rule(allow_prefill=st.booleans(),
               retract=st.integers(0, 1),
-              accept_lens=st.lists(accept_len, min_size=width, max_size=width),
-              eos_positions=st.one_of(st.just(frozenset()), st.frozensets(
-                  st.integers(0, width - 1), min_size=1, max_size=1)),
-              disable_overlap=rarely,
-              spec_steps=spec_steps,
-              eos_offset=st.integers(0, max_accept - 1))
+              accept_lens=draw.accept_lens,
+              eos_positions=draw.eos_positions,
+              disable_overlap=draw.rarely,
+              spec_steps=draw.spec_steps,
+              eos_offset=draw.eos_offset)
         def iterate(self, allow_prefill: bool, retract: int, accept_lens: list[int],
                     eos_positions: frozenset[int], disable_overlap: bool,
                     spec_steps: int, eos_offset: int) -> None:

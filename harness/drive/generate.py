@@ -1,0 +1,96 @@
+"""The one operation distribution: what the checkers draw, in two interpretations.
+
+- :func:`get_strategies`: the Hypothesis strategies the state machine's rules draw from
+  (``stateful.py``), so a search shrinks toward small values;
+- :func:`generate_random_ops`: the same kind of sequence from a seeded ``random.Random``,
+  for the conformance vectors and the trace tests, which need a fixed byte-for-byte
+  output from a seed without Hypothesis.
+
+Both bias the draw the same way: full acceptance and the extreme rungs (where the reserve
+arithmetic is tight) more often than uniform, early result processing occasionally.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import strategies as st
+
+from overlap_spec.harness.drive.script import Abort, Admit, AdmitPrebuilt, Iterate, Op
+from overlap_spec.spec.config import ModelConfig, SpecMode
+from overlap_spec.spec.state import IterationChoices
+
+
+@dataclass(frozen=True)
+class OpStrategies:
+    """What one cell's state machine draws its operations' arguments from."""
+
+    prompt_len: Any
+    max_new_tokens: Any
+    prebuilt_max_new_tokens: Any
+    accept_lens: Any
+    eos_positions: Any
+    rarely: Any
+    spec_steps: Any
+    eos_offset: Any
+
+
+def get_strategies(config: ModelConfig, upstream: bool = False) -> OpStrategies:
+    """The strategies for ``config``'s cell and preset. The upstream tier draws the
+    configured speculative shape only (the release's controller picks its rung)."""
+    preset = config.preset
+    width = preset.max_running_requests
+    max_accept = config.max_accept_len
+    max_steps = preset.chain_steps if config.cell.spec_mode is SpecMode.V2_CHAIN else 0
+    # Full acceptance and the extreme rungs are where the reserve arithmetic is tight, so
+    # they are drawn more often than a uniform draw would (shrinking still goes to 1 / 0).
+    accept_len = st.one_of(st.integers(1, max_accept), st.just(max_accept))
+    spec_steps = st.just(0) if upstream else st.one_of(
+        st.just(0), st.sampled_from(sorted({1, max_steps})), st.integers(0, max_steps))
+    return OpStrategies(
+        prompt_len=st.integers(1, preset.max_prompt_len),
+        max_new_tokens=st.integers(1, preset.max_new_tokens),
+        prebuilt_max_new_tokens=st.integers(2, preset.max_new_tokens),
+        accept_lens=st.lists(accept_len, min_size=width, max_size=width),
+        eos_positions=st.one_of(st.just(frozenset()), st.frozensets(
+            st.integers(0, width - 1), min_size=1, max_size=1)),
+        # Early result processing removes the lag that overlap bugs need; keep it occasional.
+        rarely=st.sampled_from([False, False, False, True]),
+        spec_steps=spec_steps,
+        eos_offset=st.integers(0, max_accept - 1),
+    )
+
+
+def generate_random_ops(config: ModelConfig, rng: random.Random, count: int) -> list[Op]:
+    """A random operation sequence drawn like :func:`get_strategies` draws (a fixed seed
+    gives fixed bytes: the vectors depend on it)."""
+    preset = config.preset
+    width = preset.max_running_requests
+    top = config.max_accept_len
+    steps = preset.chain_steps if config.cell.spec_mode is SpecMode.V2_CHAIN else 0
+    ops: list[Op] = []
+    admitted = 0
+    for _ in range(count):
+        roll = rng.random()
+        if admitted < 4 and (roll < 0.3 or admitted == 0):
+            admitted += 1
+            if rng.random() < 0.2:
+                ops.append(AdmitPrebuilt(rng.randint(1, preset.max_prompt_len),
+                                         rng.randint(2, preset.max_new_tokens)))
+            else:
+                ops.append(Admit(rng.randint(1, preset.max_prompt_len),
+                                 rng.randint(1, preset.max_new_tokens)))
+        elif roll > 0.95:
+            ops.append(Abort(rng.randrange(admitted)))
+        else:
+            accept = tuple(top if rng.random() < 0.3 else rng.randint(1, top)
+                           for _ in range(width))
+            eos = frozenset({rng.randrange(width)}) if rng.random() < 0.25 else frozenset()
+            ops.append(Iterate(IterationChoices(
+                allow_prefill=rng.random() < 0.8, retract=int(rng.random() < 0.1),
+                accept_lens=accept, eos_positions=eos, disable_overlap=rng.random() < 0.15,
+                spec_steps=rng.choice([0, 0, 1, steps]) if steps else 0,
+                eos_offset=rng.randrange(top))))
+    return ops
