@@ -338,97 +338,31 @@ class Scheduler:
 
     # ------------------------------------------------------------------ run_batch
     def run_batch(self, batch: ScheduleBatch, choices: IterationChoices) -> ForwardResult:
-        rt = self.rt
+        """Launch ``batch``: relay resolve, the RAW fence, the forward inside the
+        isolation of the batch's fields, the token relay, the result copy; then the
+        LAUNCH and RUN_BATCH observations."""
         cfg = self.config
-        hb = rt.hb
         step = StepId(self.next_step)
         self.next_step += 1
         for req in batch.reqs:
             req.apply(relation.launch, step)
-        resolve = None
-        unseeded: list[tuple[RequestId, PoolRow]] = []
-        if cfg.cell.is_spec and cfg.cell.overlap and batch.forward_mode == "decode":
-            assert batch.future_indices is not None
-            unseeded = self.future_map.get_unseeded_rows(batch.reqs, batch.future_indices)
-            resolve = self.future_map.resolve_seq_lens_cpu(batch)
-            self._observe_batch(ObservationPoint.RESOLVE_SEQ_LENS_CPU, batch, resolve=resolve)
+        unseeded = self._resolve_relay(batch)
         if cfg.cell.overlap:
-            hb.wait_stream(FORWARD, SCHEDULE)  # RAW fence at launch (ST1)
+            self.rt.hb.wait_stream(FORWARD, SCHEDULE)  # RAW fence at launch (ST1)
         rows = list(batch.req_pool_indices_cpu)
         gathers = []
         if cfg.cell.overlap and batch.forward_mode == "decode":
             gathers = self.future_map.resolve_forward_inputs(batch.reqs, rows)
-        width = compute_forward_write_width(rt.shape, batch.forward_mode)
-        members = tuple(
-            LaunchMember(
-                rid=req.rid,
-                holds_kv=req.holds_kv,
-                seq_len=s,
-                published_seq_len=(self.future_map.new_seq_lens_buf[row]
-                                   if cfg.cell.is_spec and cfg.cell.overlap else None),
-                kv_allocated_len=req.kv_allocated_len,
-                ghost_kv_len=TokenCount(req.ghost.kv_len_true),
-                write_width=width,
-            )
-            for req, s, row in zip(batch.reqs, batch.seq_lens.values, rows, strict=True)
-        )
+        members = self._launch_members(batch, rows)
         entry = self.refinement.get_batch_view(batch)
         self.isolation_entry = entry
         snapshot = self._isolation_snapshot(batch)
         if cfg.cell.overlap:
             self.record_batch_in_overlap(batch)
-        future_indices = list(rows)
-        publishes: list[PublishRecord] = []
-        accept_lens = [choices.get_accept_len(j, rt.shape.max_accept_len)
-                       for j in range(len(batch.reqs))]
-
-        def on_publish(values: list[int]) -> None:
-            seq_in = batch.seq_lens.values
-            for j, (req, value) in enumerate(zip(batch.reqs, values, strict=True)):
-                accept = None if batch.forward_mode == "extend" else accept_lens[j]
-                publishes.append(
-                    PublishRecord(req.rid, future_indices[j], seq_in[j], accept, value))
-            self.future_map.publish(batch.reqs, future_indices, values)
-
-        result = self.worker.forward_batch_generation(batch, step, choices, on_publish)
-        self.kv_write_fault_count += len(result.kv_write_faults)
-        if not cfg.cell.is_spec and cfg.cell.overlap:
-            # Non-spec publish of seq_lens + 1: written, never read by the schedule side.
-            self.future_map.publish(batch.reqs, future_indices, result.new_seq_lens)
-        result.publishes = publishes
-        # Relay the sampled / bonus token for the next forward (stash on F).
-        last_tokens = [
-            result.next_token_ids[j * result.stride + result.accept_lens[j] - 1]
-            for j in range(len(batch.reqs))
-        ]
-        self.future_map.stash(batch.reqs, future_indices, last_tokens)
-        if rt.has_fault("B13") and cfg.cell.is_spec and cfg.cell.overlap:
-            # ngram kept forward-written accept state on spec_info for filter_batch.
-            batch.extra["accept_lens"] = rt.new_tensor(result.accept_lens, "verify accept_lens",
-                                                       stream=rt.forward_stream)
-        # Result D2H on the copy stream, then copy_done.
-        result.copy_done = f"copy_done:{step}"
-        hb.wait_stream(COPY, rt.forward_stream)
-        hb.write(COPY, ("result", step), "copy_to_cpu")
-        hb.record(result.copy_done, COPY)
-        # Isolation exit: spec restores every field; non-spec keeps its own.
-        if cfg.cell.is_spec:
-            self._isolation_restore(batch, snapshot)
-        batch.input_ids = None
-        reapplied = None
-        if cfg.cell.is_spec:
-            batch.future_indices = list(future_indices) if cfg.cell.overlap else None
-            if not cfg.cell.overlap:
-                reapplied = tuple(result.new_seq_lens)
-                batch.seq_lens = rt.new_tensor(result.new_seq_lens, "run_batch re-apply")
-                if batch.seq_lens_cpu is not None:
-                    hb.synchronize_stream(SCHEDULE)  # new_seq_lens.to("cpu")
-                    batch.seq_lens_cpu = list(result.new_seq_lens)
-                    batch.seq_lens_sum = sum(batch.seq_lens_cpu)
-            elif rt.has_fault("B6"):
-                # #25879: a negative sentinel until the next resolve replaces it.
-                batch.seq_lens = rt.new_tensor([-row for row in future_indices],
-                                               "run_batch sentinel")
+        result, publishes = self._forward(batch, step, choices, rows)
+        self._relay_tokens(batch, rows, result)
+        self._copy_result(result, step)
+        reapplied = self._exit_isolation(batch, snapshot, rows, result)
         launch = LaunchView(
             step=step,
             forward_mode=batch.forward_mode,
@@ -445,6 +379,107 @@ class Scheduler:
         self.refinement.observe(ObservationPoint.RUN_BATCH, self, batch=batch, launch=launch,
                                 isolation=isolation)
         return result
+
+    def _resolve_relay(self, batch: ScheduleBatch) -> list[tuple[RequestId, PoolRow]]:
+        """Spec overlap decode: ``resolve_seq_lens_cpu`` brings the published seq_lens back
+        (observed); returns the rows nothing has published to yet."""
+        cfg = self.config
+        if not (cfg.cell.is_spec and cfg.cell.overlap and batch.forward_mode == "decode"):
+            return []
+        assert batch.future_indices is not None
+        unseeded = self.future_map.get_unseeded_rows(batch.reqs, batch.future_indices)
+        resolve = self.future_map.resolve_seq_lens_cpu(batch)
+        self._observe_batch(ObservationPoint.RESOLVE_SEQ_LENS_CPU, batch, resolve=resolve)
+        return unseeded
+
+    def _launch_members(self, batch: ScheduleBatch, rows: list[PoolRow]
+                        ) -> tuple[LaunchMember, ...]:
+        """What the LAUNCH observation says of each member, read before the forward."""
+        cfg = self.config
+        width = compute_forward_write_width(self.rt.shape, batch.forward_mode)
+        relayed = cfg.cell.is_spec and cfg.cell.overlap
+        return tuple(
+            LaunchMember(
+                rid=req.rid,
+                holds_kv=req.holds_kv,
+                seq_len=s,
+                published_seq_len=self.future_map.new_seq_lens_buf[row] if relayed else None,
+                kv_allocated_len=req.kv_allocated_len,
+                ghost_kv_len=TokenCount(req.ghost.kv_len_true),
+                write_width=width,
+            )
+            for req, s, row in zip(batch.reqs, batch.seq_lens.values, rows, strict=True)
+        )
+
+    def _forward(self, batch: ScheduleBatch, step: StepId, choices: IterationChoices,
+                 rows: list[PoolRow]) -> tuple[ForwardResult, list[PublishRecord]]:
+        """The worker's forward; every publish it makes is recorded for the observation."""
+        accept_lens = [choices.get_accept_len(j, self.rt.shape.max_accept_len)
+                       for j in range(len(batch.reqs))]
+        future_indices = list(rows)
+        publishes: list[PublishRecord] = []
+
+        def on_publish(values: list[int]) -> None:
+            seq_in = batch.seq_lens.values
+            for j, (req, value) in enumerate(zip(batch.reqs, values, strict=True)):
+                accept = None if batch.forward_mode == "extend" else accept_lens[j]
+                publishes.append(
+                    PublishRecord(req.rid, future_indices[j], seq_in[j], accept, value))
+            self.future_map.publish(batch.reqs, future_indices, values)
+
+        result = self.worker.forward_batch_generation(batch, step, choices, on_publish)
+        self.kv_write_fault_count += len(result.kv_write_faults)
+        result.publishes = publishes
+        return result, publishes
+
+    def _relay_tokens(self, batch: ScheduleBatch, rows: list[PoolRow],
+                      result: ForwardResult) -> None:
+        """The forward stream's relay for the next launch: the non-spec seq_lens publish,
+        the sampled / bonus token stash, and B13's forward-written accept state."""
+        rt, cfg = self.rt, self.config
+        if not cfg.cell.is_spec and cfg.cell.overlap:
+            # Non-spec publish of seq_lens + 1: written, never read by the schedule side.
+            self.future_map.publish(batch.reqs, list(rows), result.new_seq_lens)
+        last_tokens = [
+            result.next_token_ids[j * result.stride + result.accept_lens[j] - 1]
+            for j in range(len(batch.reqs))
+        ]
+        self.future_map.stash(batch.reqs, list(rows), last_tokens)
+        if rt.has_fault("B13") and cfg.cell.is_spec and cfg.cell.overlap:
+            # ngram kept forward-written accept state on spec_info for filter_batch.
+            batch.extra["accept_lens"] = rt.new_tensor(result.accept_lens, "verify accept_lens",
+                                                       stream=rt.forward_stream)
+
+    def _copy_result(self, result: ForwardResult, step: StepId) -> None:
+        """Result D2H on the copy stream, then ``copy_done``."""
+        hb = self.rt.hb
+        result.copy_done = f"copy_done:{step}"
+        hb.wait_stream(COPY, self.rt.forward_stream)
+        hb.write(COPY, ("result", step), "copy_to_cpu")
+        hb.record(result.copy_done, COPY)
+
+    def _exit_isolation(self, batch: ScheduleBatch, snapshot: dict[str, Any],
+                        rows: list[PoolRow], result: ForwardResult) -> tuple[int, ...] | None:
+        """Isolation exit: spec restores every field (then re-applies new_seq_lens without
+        overlap); non-spec keeps its own. Returns the re-applied seq_lens, if any."""
+        rt, cfg, hb = self.rt, self.config, self.rt.hb
+        if cfg.cell.is_spec:
+            self._isolation_restore(batch, snapshot)
+        batch.input_ids = None
+        if not cfg.cell.is_spec:
+            return None
+        batch.future_indices = list(rows) if cfg.cell.overlap else None
+        if not cfg.cell.overlap:
+            batch.seq_lens = rt.new_tensor(result.new_seq_lens, "run_batch re-apply")
+            if batch.seq_lens_cpu is not None:
+                hb.synchronize_stream(SCHEDULE)  # new_seq_lens.to("cpu")
+                batch.seq_lens_cpu = list(result.new_seq_lens)
+                batch.seq_lens_sum = sum(batch.seq_lens_cpu)
+            return tuple(result.new_seq_lens)
+        if rt.has_fault("B6"):
+            # #25879: a negative sentinel until the next resolve replaces it.
+            batch.seq_lens = rt.new_tensor([-row for row in rows], "run_batch sentinel")
+        return None
 
     def _isolation_snapshot(self, batch: ScheduleBatch) -> dict[str, Any]:
         fields = ("forward_mode", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "input_ids",
