@@ -418,11 +418,13 @@ def check_kv6(config: ModelConfig, obs: Observation) -> int:
     for r in obs.requests:
         if r.release_count > 1:
             raise fail("KV6", obs, f"for request r{r.rid}: released {r.release_count} times")
-        if not r.finished or r.committed_at_release is None:
+        if not r.finished:
             continue
         if obs.point is ObservationPoint.PROCESS_RESULT and r.holds_kv:
             raise fail("KV6", obs, f"for request r{r.rid}: finished but its KV was not "
                        "released after its result was processed")
+        if r.committed_at_release is None:
+            continue  # finished without a finish release: nothing settles after it
         # Only the J2-era spec pre-claim is refunded by late results (PR 23456).
         refund = r.inflight_at_release if (config.cell.is_spec and config.cell.preclaim) else 0
         settled = r.committed_at_release - refund
@@ -501,6 +503,9 @@ def check_kv9(config: ModelConfig, obs: Observation) -> int:
                            f"{expected}")
             count += 1
     for r in obs.requests:
+        if r.finished and not r.holds_kv and r.release_count > 0 and r.cached_len is None:
+            raise fail("KV9", obs, f"for request r{r.rid}: released at its finish without "
+                       "caching its KV")
         if r.cached_len is None or r.committed_at_release is None:
             continue
         with_kv = r.prompt_len + r.output_len - 1  # the newest token has no KV yet
@@ -526,7 +531,7 @@ def check_rp_output(config: ModelConfig, obs: Observation) -> int:
         if r.is_live and r.output_len != r.ghost.output_len_true:
             raise fail("RP2", obs, f"for request r{r.rid}: output_ids has {r.output_len} "
                        f"tokens, the environment emitted {r.ghost.output_len_true}")
-        if r.finished and r.committed_at_release is not None and not r.ghost.finished:
+        if r.finished and not r.ghost.finished:
             raise fail("RP2", obs, f"for request r{r.rid}: finished with {r.output_len} "
                        "tokens before EOS, max_new_tokens or an abort")
         count += 1 if r.output_len else 0

@@ -27,7 +27,12 @@ from overlap_spec.harness.drive.script import (
 from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.happens_before import FORWARD, HOST, SCHEDULE, Access, Race
 from overlap_spec.spec.invariants import INVARIANT_IDS, InvariantViolation, get_invariant
-from overlap_spec.spec.state import SCHEDULE_SIDE_POINTS, IterationChoices, Observation
+from overlap_spec.spec.state import (
+    SCHEDULE_SIDE_POINTS,
+    IterationChoices,
+    Observation,
+    ObservationPoint,
+)
 from overlap_spec.spec.units import RequestId
 
 CELLS = ("ov-p1-none", "nov-p4-none", "ov-p4-v2chain-cpu-preclaim", "ov-p1-v2chain-nocpu-honest",
@@ -180,3 +185,60 @@ def test_predicate_rejects_a_state_that_breaks_its_claim(invariant_id: str) -> N
         assert str(info.value).startswith(f"{invariant_id} violated ")
         rejected += 1
     assert rejected, f"{invariant_id}: no observation could be perturbed"
+
+
+def _finished_and_released(r: object) -> bool:
+    return bool(r.finished and r.committed_at_release is not None)  # type: ignore[attr-defined]
+
+
+def _leaked(o: Observation) -> Observation:
+    """A finished request whose finish release never ran: it still holds its KV, and
+    nothing was recorded at release (committed_at_release, cached_len)."""
+    return _with_request(o, _finished_and_released, holds_kv=True, committed_at_release=None,
+                         cached_len=None, release_count=0)
+
+
+def _result_points(cell: str) -> list[tuple[ModelConfig, Observation]]:
+    config, observations = _RUNS[cell]
+    return [(config, o) for o in observations if o.point is ObservationPoint.PROCESS_RESULT
+            and any(_finished_and_released(r) for r in o.requests)]
+
+
+@pytest.mark.parametrize("cell", ["ov-p1-none", "ov-p4-v2chain-cpu-preclaim"])
+def test_a_finished_request_that_leaks_its_kv_is_caught(cell: str) -> None:
+    """KV6's "finished but not released" branch fires on a request no release touched (it
+    used to skip every request without committed_at_release, which only a release sets)."""
+    targets = _result_points(cell)
+    assert targets, f"no processed finish in {cell}"
+    for config, obs in targets[:10]:
+        with pytest.raises(InvariantViolation) as info:
+            get_invariant("KV6").check(config, _leaked(obs))
+        assert info.value.invariant_id == "KV6" and "not released" in str(info.value)
+
+
+@pytest.mark.parametrize("cell", ["ov-p1-none", "ov-p4-v2chain-cpu-preclaim"])
+def test_a_finish_before_the_environment_finished_is_caught_without_a_release(cell: str
+                                                                               ) -> None:
+    """RP2 judges a finish the environment did not make even when no release followed."""
+    targets = _result_points(cell)
+    assert targets
+    for config, obs in targets[:10]:
+        i = _first_request(obs, _finished_and_released)
+        rid = obs.requests[i].rid
+        broken = _with_request(_leaked(obs), lambda r, rid=rid: r.rid == rid,
+                               ghost=replace(obs.requests[i].ghost, finished=False),
+                               holds_kv=False)
+        with pytest.raises(InvariantViolation) as info:
+            get_invariant("RP2").check(config, broken)
+        assert info.value.invariant_id == "RP2"
+
+
+@pytest.mark.parametrize("cell", ["ov-p1-none", "ov-p4-v2chain-cpu-preclaim"])
+def test_a_finish_release_that_caches_nothing_is_caught(cell: str) -> None:
+    targets = _result_points(cell)
+    assert targets
+    for config, obs in targets[:10]:
+        broken = _with_request(obs, _finished_and_released, cached_len=None)
+        with pytest.raises(InvariantViolation) as info:
+            get_invariant("KV9").check(config, broken)
+        assert info.value.invariant_id == "KV9" and "without caching" in str(info.value)
