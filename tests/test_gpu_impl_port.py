@@ -80,8 +80,10 @@ def first_divergence(config: ModelConfig, ops: list[Op],
             except Exception as error:  # noqa: BLE001 - compared below
                 errors.append(error)
         if errors[0] is not None or errors[1] is not None:
+            # A crash in both is inconclusive (nothing was compared after it), never agreement.
             same = type(errors[0]).__name__ == type(errors[1]).__name__
-            return None if same else f"op {index} {op}: raised {errors[0]!r} vs {errors[1]!r}"
+            verdict = "inconclusive: both" if same else "raised"
+            return f"op {index} {op}: {verdict} {errors[0]!r} vs {errors[1]!r}"
         expected, got = reference.get_observable_state(), gpu.get_observable_state()
         if expected != got:
             return f"op {index} {op}:\n  reference {expected}\n  gpu_impl  {got}"
@@ -100,6 +102,19 @@ def test_gpu_impl_matches_the_reference_after_every_operation(config: ModelConfi
         assert divergence is None, f"{config.name} seed {seed}: {divergence}"
 
 
+def test_a_crash_in_both_is_inconclusive_not_agreement(monkeypatch: pytest.MonkeyPatch) -> None:
+    config = CONFIGS[0]
+
+    def crash(self: object, choices: IterationChoices) -> None:
+        raise RuntimeError("both crash")
+
+    monkeypatch.setattr(ReferenceScheduler, "run_iteration", crash)
+    monkeypatch.setattr(GpuScheduler, "run_iteration", crash)
+    ops = make_ops(config, random.Random(0), 20)
+    divergence = first_divergence(config, ops)
+    assert divergence is not None and "inconclusive" in divergence
+
+
 def test_fault_ids_are_the_catalogue_and_unknown_ones_are_refused() -> None:
     assert frozenset(BUG_IDS) == SUPPORTED_FAULTS
     with pytest.raises(ValueError, match="unknown fault"):
@@ -114,8 +129,10 @@ VALUE_FAULTS = sorted(set(BUG_IDS) - {"B4", "B5", "B8", "B9", "B13", "B15"})
 def test_each_value_fault_diverges_from_the_clean_reference(bug_id: str) -> None:
     bug = next(b for b in BUGS if b.id == bug_id)
     config = next(c for c in CONFIGS if bug.applies(c.cell) and c.cell.overlap)
-    assert any(first_divergence(config, make_ops(config, random.Random(seed), 60),
-                                frozenset({bug_id})) is not None for seed in range(20))
+    found = [first_divergence(config, make_ops(config, random.Random(seed), 60),
+                              frozenset({bug_id})) for seed in range(20)]
+    # A divergence, not a crash both share (that compares nothing).
+    assert any(d is not None and "inconclusive" not in d for d in found), found
 
 
 def run_with_detector(config: ModelConfig, faults: frozenset[str], seeds: int) -> int:
