@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from overlap_spec.harness.cli import main
 from overlap_spec.harness.drive.script import (
@@ -160,3 +161,14 @@ def test_check_runs_the_differential_and_proof_tiers(tmp_path: Path) -> None:
     assert doc["differential"]["status"] == "pass" and cell["verdict"] == "pass"
     assert cell["examples"] > 0
     assert doc["proofs"]["ok"] is True and doc["proofs"]["counts"]["unknown"] == 0
+
+
+def test_only_a_watching_detector_says_no_race() -> None:
+    from overlap_spec.harness.differential.compare import DifferentialOutcome
+    from overlap_spec.harness.differential.tier import describe_race_check
+
+    assert describe_race_check(torch.device("cpu")).startswith("no race")
+    assert describe_race_check(torch.device("cuda")).startswith("races not checked")
+    assert "sanitizer" in describe_race_check(torch.device("cuda"), cuda_sanitizer=True)
+    assert DifferentialOutcome(3, races_checked=False).describe().endswith("races not checked")
+    assert DifferentialOutcome(3).describe().endswith("no race")

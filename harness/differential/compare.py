@@ -54,6 +54,7 @@ class DifferentialOutcome:
     divergence: Divergence | None = None
     races: list[RaceReport] = field(default_factory=list)
     race_step: int | None = None
+    races_checked: bool = True  # False: real CUDA streams with no detector watching them
 
     @property
     def ok(self) -> bool:
@@ -64,7 +65,8 @@ class DifferentialOutcome:
             return self.divergence.describe()
         if self.races:
             return f"race at step {self.race_step}: {self.races[0].describe()}"
-        return f"reference and gpu_impl agree on all {self.ops} ops; no race"
+        races = "no race" if self.races_checked else "races not checked"
+        return f"reference and gpu_impl agree on all {self.ops} ops; {races}"
 
 
 class DifferentialFailure(AssertionError):
@@ -158,7 +160,7 @@ class DifferentialPair:
             self.gpu = GpuScheduler(config, faults, None, streams=self.streams)
         self.ref_admitted: list[RequestId] = []
         self.gpu_admitted: list[RequestId] = []
-        self.outcome = DifferentialOutcome(0)
+        self.outcome = DifferentialOutcome(0, races_checked=self.detector is not None)
 
     @contextmanager
     def _watching(self) -> Iterator[None]:
