@@ -36,7 +36,7 @@ class Verdict(enum.StrEnum):
 ITEM_VERDICTS: dict[str, Verdict] = {
     "pass": Verdict.PASS, "ok": Verdict.PASS, "killed": Verdict.PASS, "proved": Verdict.PASS,
     "fail": Verdict.FAIL, "violation": Verdict.FAIL, "survived": Verdict.FAIL,
-    "counterexample": Verdict.FAIL, "vacuous": Verdict.VACUOUS,
+    "counterexample": Verdict.FAIL, "other-id": Verdict.FAIL, "vacuous": Verdict.VACUOUS,
     "inconclusive": Verdict.INCONCLUSIVE, "unknown": Verdict.INCONCLUSIVE,
     "error": Verdict.INCONCLUSIVE, "n/a": Verdict.NOT_APPLICABLE, "skipped": Verdict.SKIPPED,
 }

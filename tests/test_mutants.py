@@ -105,3 +105,22 @@ def test_mutants_cli_json(tmp_path: Path) -> None:
     assert entry["verdict"] == "killed" and entry["invariant"] == "ST2"
     assert isinstance(entry["ops"], int) and isinstance(entry["seconds"], float)
     assert main(["mutants", "--bugs", "B99"]) == 2
+
+
+def test_a_violation_of_an_unlisted_id_is_not_a_kill(tmp_path: Path) -> None:
+    """The README's rule: a kill trips an invariant the catalogue lists for the bug. B8
+    trips ST2; against a catalogue entry that lists only KV1 it is "other-id", which
+    fails the matrix like a survivor, and says what it tripped."""
+    import dataclasses
+
+    from overlap_spec.harness.mutants.matrix import render_mutants, run_mutant_in_cell
+    from overlap_spec.harness.mutants.select import OTHER_ID
+    from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
+
+    bug = dataclasses.replace(get_bug("B8"), invariants=("KV1",))
+    config = ModelConfig(get_cell("ov-p1-none"), PRESETS["minimal"])
+    kill = run_mutant_in_cell(bug, config, get_profile("ci"), SEED, tmp_path)
+    assert kill.verdict == OTHER_ID and "ST2" in (kill.detail or "")
+    result = MutantResult(bug, "hypothesis", [kill])
+    assert result.verdict == OTHER_ID
+    assert "killed by another ID" in render_mutants([result])

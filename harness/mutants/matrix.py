@@ -32,6 +32,7 @@ from overlap_spec.harness.mutants.select import (
     KILLED,
     NO_GPU_PATH,
     NOT_APPLICABLE,
+    OTHER_ID,
     SURVIVED,
     get_applicable_cells,
     get_gpu_unobservable_reason,
@@ -73,7 +74,9 @@ class MutantResult:
             return NOT_APPLICABLE
         if all(c.verdict == KILLED for c in ran):
             return KILLED
-        return SURVIVED
+        if any(c.verdict == SURVIVED for c in ran):
+            return SURVIVED
+        return OTHER_ID
 
     @property
     def seconds(self) -> float:
@@ -110,9 +113,12 @@ def run_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed: in
         name = "-".join([config.name.replace("@", "-"), bug.id])
         path = save_script(small, save_dir / f"{name}.json")
         record_script_trace(small, get_trace_path(path))  # the kill as a checkable trace
-        kill = CellKill(config.name, KILLED, "hypothesis", invariant, tripped,
-                        len(small.ops), small.count_requests(), 0.0,
-                        f"overlap-spec replay {path}")
+        listed = set(tripped) & set(bug.invariants)
+        kill = CellKill(config.name, KILLED if listed else OTHER_ID, "hypothesis", invariant,
+                        tripped, len(small.ops), small.count_requests(), 0.0,
+                        f"overlap-spec replay {path}",
+                        None if listed else f"tripped {', '.join(tripped)}; the catalogue "
+                        f"lists {', '.join(bug.invariants)}")
     kill.seconds = time.perf_counter() - started
     return kill
 
@@ -149,9 +155,13 @@ def run_gpu_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed
         name = "-".join([config.name.replace("@", "-"), bug.id, "gpu_impl"])
         path = save_script(small, save_dir / f"{name}.json")
         record_script_trace(small, get_trace_path(path))  # gpu_impl's own trace of the kill
-        kill = CellKill(config.name, KILLED, "gpu_impl", kind, (kind,), len(small.ops),
-                        small.count_requests(), 0.0, f"overlap-spec replay {path}",
-                        outcome.describe())
+        race_id = kind.removeprefix("race:") if kind.startswith("race:") else None
+        listed = race_id is None or race_id in bug.invariants
+        kill = CellKill(config.name, KILLED if listed else OTHER_ID, "gpu_impl", kind, (kind,),
+                        len(small.ops), small.count_requests(), 0.0,
+                        f"overlap-spec replay {path}",
+                        outcome.describe() if listed else f"race {race_id}; the catalogue "
+                        f"lists {', '.join(bug.invariants)}: {outcome.describe()}")
     kill.seconds = time.perf_counter() - started
     return kill
 
@@ -256,6 +266,8 @@ def render_mutants(results: list[MutantResult]) -> str:
         for cell in result.cells:
             if cell.verdict == NOT_APPLICABLE:
                 lines.append(f"      n/a in {cell.cell}: {cell.detail}")
+            elif cell.verdict == OTHER_ID:
+                lines.append(f"      killed by another ID in {cell.cell} ({cell.detail})")
             elif cell.verdict != KILLED:
                 lines.append(f"      survived in {cell.cell}" +
                              (f" ({cell.detail})" if cell.detail else ""))

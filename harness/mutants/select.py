@@ -9,6 +9,9 @@ from overlap_spec.spec.bugs import Bug
 from overlap_spec.spec.config import Cell, enumerate_cells
 
 KILLED, SURVIVED, NOT_APPLICABLE = "killed", "survived", "n/a"
+# A violation, but of no invariant the catalogue lists for the bug: not a kill (the
+# checker caught something else, or the bug's mechanism is not the one modelled).
+OTHER_ID = "other-id"
 CHECKERS = ("hypothesis", "gpu_impl", "z3")
 NO_GPU_PATH = "gpu_impl has no code path for this bug"
 
