@@ -383,8 +383,11 @@ class Scheduler:
     def _copy_result_to_host(self, result: ForwardResult, forward: str) -> None:
         """Result D2H on the copy stream after the forward, then record copy_done:<step>."""
         streams = self.streams
-        result.next_token_ids_cpu = streams.host_tensor(result.next_token_ids.numel())
-        result.accept_lens_cpu = streams.host_tensor(result.accept_lens.numel())
+        # Named "result": a read before copy_done is an ST5 race (spec classify_race).
+        result.next_token_ids_cpu = streams.name(
+            streams.host_tensor(result.next_token_ids.numel()), "result")
+        result.accept_lens_cpu = streams.name(
+            streams.host_tensor(result.accept_lens.numel()), "result")
         result.copy_done = f"copy_done:{result.step}"
         streams.wait_stream(COPY, forward)
         streams.copy_to_host(result.next_token_ids, result.next_token_ids_cpu, COPY)

@@ -107,3 +107,23 @@ def test_host_work_is_ordered_before_what_the_host_enqueues_next() -> None:
         streams.host_write(host, [7, 8, 9])
     assert detector.races == [], [r.describe() for r in detector.races]
     assert device.tolist() == [4, 5, 6]
+
+
+def test_a_result_read_before_copy_done_is_st5(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Processing a result without waiting for its copy_done races the copy stream's D2H
+    write on the host's read: the spec names that ST5 (results after copy_done), not ST2."""
+    from overlap_spec.harness.differential.compare import run_differential
+    from overlap_spec.harness.drive.script import Admit, Iterate, Script
+    from overlap_spec.spec.state import IterationChoices
+
+    original = Streams.synchronize_event
+
+    def skip_copy_done(self: Streams, event: str) -> None:
+        if not event.startswith("copy_done"):
+            original(self, event)
+
+    monkeypatch.setattr(Streams, "synchronize_event", skip_copy_done)
+    ops = [Admit(3, 4), *[Iterate(IterationChoices()) for _ in range(3)]]
+    outcome = run_differential(Script("ov-p1-none", "minimal", ops), device=torch.device("cpu"))
+    assert outcome.races, outcome.describe()
+    assert outcome.races[0].get_invariant() == "ST5", outcome.races[0].describe()
