@@ -28,7 +28,6 @@ from overlap_spec.spec.state import (
 )
 from overlap_spec.spec.transitions import (
     compute_committed_lead,
-    compute_draft_extend_seq_lens,
     compute_host_sync_budget,
     compute_ns_expected_seq_len,
     compute_pages_for_len,
@@ -287,7 +286,14 @@ def check_sl10(config: ModelConfig, obs: Observation) -> int:
         if getattr(sb, name) != getattr(entry, name):
             raise fail("SL10", obs, f"for the batch: ScheduleBatch.{name}={getattr(sb, name)}"
                        f" changed from {getattr(entry, name)} inside the forward")
-    expected = compute_draft_extend_seq_lens(entry.seq_lens, fb.draft_tokens)
+    # Stated here, not through compute_draft_extend_seq_lens (which the implementations
+    # call): an expected value from the function under test cannot catch its mistake.
+    rungs = {config.get_shape(steps).draft_tokens
+             for steps in range(config.preset.chain_steps + 1)}
+    if fb.draft_tokens not in rungs:
+        raise fail("SL10", obs, f"for the draft-extend ForwardBatch: D_tok={fb.draft_tokens}"
+                   f" is no rung's draft token count {sorted(rungs)}")
+    expected = tuple(s + fb.draft_tokens for s in entry.seq_lens)
     if fb.seq_lens != expected:
         raise fail("SL10", obs, f"for the draft-extend ForwardBatch: seq_lens="
                    f"{list(fb.seq_lens)} != seq_lens + D_tok={list(expected)}")

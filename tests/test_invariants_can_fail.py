@@ -242,3 +242,22 @@ def test_a_finish_release_that_caches_nothing_is_caught(cell: str) -> None:
         with pytest.raises(InvariantViolation) as info:
             get_invariant("KV9").check(config, broken)
         assert info.value.invariant_id == "KV9" and "without caching" in str(info.value)
+
+
+def test_sl10_catches_a_mistake_shared_with_the_function_the_implementation_calls(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A wrong draft-extend arithmetic in spec.transitions, used by the reference, must not
+    also move SL10's expected value: the predicate states +D_tok itself."""
+    from overlap_spec.harness.drive.script import run_script
+    from overlap_spec.reference import worker
+    from overlap_spec.spec import invariants, transitions
+
+    def off_by_one(seq_lens: tuple[int, ...], draft_tokens: int) -> tuple[int, ...]:
+        return tuple(s + draft_tokens - 1 for s in seq_lens)
+
+    for module in (worker, invariants, transitions):
+        monkeypatch.setattr(module, "compute_draft_extend_seq_lens", off_by_one, raising=False)
+    ops = [Admit(3, 6), *[Iterate(IterationChoices(accept_lens=(2,))) for _ in range(4)]]
+    # No CPU mirror: the device seq_lens are the only place the +D_tok shows.
+    outcome = run_script(Script("ov-p1-v2chain-nocpu-honest", "minimal", ops))
+    assert outcome.violation is not None and outcome.violation.invariant_id == "SL10"
