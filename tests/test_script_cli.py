@@ -172,3 +172,25 @@ def test_only_a_watching_detector_says_no_race() -> None:
     assert "sanitizer" in describe_race_check(torch.device("cuda"), cuda_sanitizer=True)
     assert DifferentialOutcome(3, races_checked=False).describe().endswith("races not checked")
     assert DifferentialOutcome(3).describe().endswith("no race")
+
+
+def test_a_differential_that_compared_too_little_is_vacuous_not_a_pass() -> None:
+    from overlap_spec.harness.differential.compare import (
+        MIN_COMPARED_OPS,
+        MIN_LAUNCHES,
+        DifferentialResult,
+    )
+    from overlap_spec.harness.differential.tier import differential_tier_report
+    from overlap_spec.harness.verdict import Verdict
+    from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
+
+    config = ModelConfig(get_cell("ov-p1-none"), PRESETS["minimal"])
+    enough = DifferentialResult(config, frozenset(), 1, 1.0, examples=10,
+                                compared_ops=MIN_COMPARED_OPS, launches=MIN_LAUNCHES)
+    thin = DifferentialResult(config, frozenset(), 1, 1.0, examples=1, compared_ops=3,
+                              launches=1)
+    assert differential_tier_report([enough]).verdict is Verdict.PASS
+    report = differential_tier_report([enough, thin])
+    assert report.verdict is Verdict.VACUOUS and report.verdict.fails_run
+    cell = report.section["differential"]["cells"]["ov-p1-none@minimal"]
+    assert cell["verdict"] == "vacuous" and cell["compared_ops"] == 3

@@ -25,7 +25,7 @@ from overlap_spec.gpu_impl.race import RaceDetector, RaceReport
 from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
 from overlap_spec.gpu_impl.streams import Streams
 from overlap_spec.harness.drive.checker import InvariantChecker
-from overlap_spec.harness.drive.script import Op, Script, apply_op, op_to_json
+from overlap_spec.harness.drive.script import Iterate, Op, Script, apply_op, op_to_json
 from overlap_spec.harness.drive.stateful import Profile, get_machine_test, make_machine
 from overlap_spec.reference.scheduler import Scheduler as ReferenceScheduler
 from overlap_spec.spec.config import ModelConfig
@@ -161,6 +161,7 @@ class DifferentialPair:
         self.ref_admitted: list[RequestId] = []
         self.gpu_admitted: list[RequestId] = []
         self.outcome = DifferentialOutcome(0, races_checked=self.detector is not None)
+        self.reference_state: ObservableState | None = None  # after the last compared op
 
     @contextmanager
     def _watching(self) -> Iterator[None]:
@@ -198,8 +199,8 @@ class DifferentialPair:
                     None if gpu_error is None else f"{gpu_kind}: {gpu_error}")
                 return self.outcome
             raise ref_error  # type: ignore[misc]  # both failed alike: the reference's error
-        difference = compare_states(self.reference.get_observable_state(),
-                                    self.gpu.get_observable_state())
+        self.reference_state = self.reference.get_observable_state()
+        difference = compare_states(self.reference_state, self.gpu.get_observable_state())
         if difference is not None:
             self.outcome.divergence = Divergence(step, describe_op(op), *difference)
         return self.outcome
@@ -219,6 +220,13 @@ def run_differential(script: Script, faults: frozenset[str] | None = None,
     return pair.outcome
 
 
+# The least a cell's differential must compare before its agreement means anything:
+# operations whose states were compared, and iterations that launched a non-empty batch
+# (the ci profile compares thousands; a run under these compared almost nothing).
+MIN_COMPARED_OPS = 200
+MIN_LAUNCHES = 50
+
+
 @dataclass
 class DifferentialResult:
     config: ModelConfig
@@ -228,10 +236,17 @@ class DifferentialResult:
     failure: DifferentialFailure | None = None
     error: BaseException | None = None
     examples: int = 0
+    compared_ops: int = 0  # operations after which both states were compared
+    launches: int = 0  # iterations that launched a non-empty batch
 
     @property
     def ok(self) -> bool:
         return self.failure is None and self.error is None
+
+    @property
+    def exercised_enough(self) -> bool:
+        """Whether agreement here is evidence: at least the minimum budget compared."""
+        return self.compared_ops >= MIN_COMPARED_OPS and self.launches >= MIN_LAUNCHES
 
 
 def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int,
@@ -241,7 +256,7 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
                             shrink: bool = True) -> DifferentialResult:
     """Hypothesis-generated operation sequences (the stateful checker's rules) in one cell."""
     base = make_machine(config, frozenset(), "reference")
-    counter = {"examples": 0}
+    counter = {"examples": 0, "compared_ops": 0, "launches": 0}
 
     class DifferentialMachine(base):  # type: ignore[valid-type, misc]
         def __init__(self) -> None:
@@ -258,6 +273,11 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
                 raise DifferentialFailure(outcome, Script(
                     self.script.cell, self.script.preset, list(self.script.ops),
                     tuple(sorted(faults)), implementation="gpu_impl"))
+            counter["compared_ops"] += 1
+            if isinstance(op, Iterate):
+                assert self.pair.reference_state is not None
+                launched = self.pair.reference_state.last_batch
+                counter["launches"] += int(launched is not None and bool(launched.rids))
 
     DifferentialMachine.__name__ = f"DifferentialMachine[{config.name}]"
     examples = max_examples if max_examples is not None else profile.max_examples
@@ -273,4 +293,6 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
         result.error = error
     result.seconds = time.perf_counter() - started
     result.examples = counter["examples"]
+    result.compared_ops = counter["compared_ops"]
+    result.launches = counter["launches"]
     return result

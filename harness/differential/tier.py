@@ -14,6 +14,8 @@ import torch
 
 from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS as GPU_SUPPORTED_FAULTS
 from overlap_spec.harness.differential.compare import (
+    MIN_COMPARED_OPS,
+    MIN_LAUNCHES,
     DifferentialResult,
     check_cell_differential,
     get_default_device,
@@ -26,7 +28,7 @@ from overlap_spec.harness.drive.stateful import (
     get_failure_dir,
     get_profile,
 )
-from overlap_spec.harness.verdict import TierReport, Verdict
+from overlap_spec.harness.verdict import TierReport, Verdict, combine
 from overlap_spec.spec.config import ModelConfig
 
 
@@ -84,9 +86,16 @@ def render_differential(results: list[DifferentialResult],
         elif result.error is not None:
             lines.append(f"  {result.config.name}: inconclusive, crash "
                          f"{type(result.error).__name__}: {result.error}")
-    clean = sum(r.ok for r in results)
+    for result in results:
+        if result.ok and not result.exercised_enough:
+            lines.append(f"  {result.config.name}: vacuous, compared {result.compared_ops} ops "
+                         f"and {result.launches} launches (minimum {MIN_COMPARED_OPS} and "
+                         f"{MIN_LAUNCHES})")
+    clean = sum(r.ok and r.exercised_enough for r in results)
+    compared = sum(r.compared_ops for r in results)
+    launches = sum(r.launches for r in results)
     lines.append(f"differential gpu_impl vs reference: {clean}/{len(results)} cells agree, "
-                 + race_check)
+                 f"{compared} ops and {launches} launches compared, {race_check}")
     return "\n".join(lines)
 
 
@@ -94,11 +103,13 @@ def build_differential_json(results: list[DifferentialResult]) -> dict[str, Any]
     if not results:
         return {"status": "skipped"}
     return {
-        "status": "pass" if all(r.ok for r in results) else "fail",
+        "status": differential_verdict(results).value,
+        "minimum": {"compared_ops": MIN_COMPARED_OPS, "launches": MIN_LAUNCHES},
         "cells": {
             r.config.name: {
-                "verdict": "pass" if r.ok else "fail" if r.failure else "inconclusive",
-                "examples": r.examples, "seconds": round(r.seconds, 3), "seed": r.seed,
+                "verdict": _cell_verdict(r).value,
+                "examples": r.examples, "compared_ops": r.compared_ops,
+                "launches": r.launches, "seconds": round(r.seconds, 3), "seed": r.seed,
                 **({"finding": r.failure.outcome.describe(),
                     "replay": f"overlap-spec replay {r.failure.script_path}"}
                    if r.failure is not None else {}),
@@ -131,17 +142,28 @@ def cmd_diff(args: argparse.Namespace) -> int:
     results = run_differential_tier(configs, profile, args.seed, device, args.quiet,
                                     Path(args.out) if args.out else None, faults)
     print(render_differential(results, describe_race_check(device, args.cuda_sanitizer)))
-    ok = all(r.ok for r in results)
+    ok = not differential_verdict(results).fails_run
     print(f"{'OK' if ok else 'FAILED'}: seed {args.seed}, profile {profile.name}, "
           f"device {device}, {time.perf_counter() - started:.1f}s")
     return 0 if ok else 1
 
 
+def _cell_verdict(result: DifferentialResult) -> Verdict:
+    if result.failure is not None:
+        return Verdict.FAIL
+    if result.error is not None:
+        return Verdict.INCONCLUSIVE
+    return Verdict.PASS if result.exercised_enough else Verdict.VACUOUS
+
+
+def differential_verdict(results: list[DifferentialResult]) -> Verdict:
+    """PASS when gpu_impl agreed with the reference in every cell, with no race, after
+    comparing at least the minimum budget; a cell under it is vacuous."""
+    return combine([_cell_verdict(r) for r in results])
+
+
 def differential_tier_report(results: list[DifferentialResult]) -> TierReport:
-    """PASS when gpu_impl agreed with the reference in every cell with no race."""
-    ok = all(r.ok for r in results)
-    verdict = Verdict.PASS if ok else (
-        Verdict.FAIL if any(r.failure is not None for r in results) else Verdict.INCONCLUSIVE)
-    return TierReport("differential", verdict,
-                      f"differential {sum(r.ok for r in results)}/{len(results)} cells",
+    verdict = differential_verdict(results)
+    clean = sum(_cell_verdict(r) is Verdict.PASS for r in results)
+    return TierReport("differential", verdict, f"differential {clean}/{len(results)} cells",
                       {"differential": build_differential_json(results)})
