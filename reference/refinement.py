@@ -43,6 +43,7 @@ class Refinement:
         self.rt = rt
         self.observer = observer
         self.races_seen = 0
+        self.checked_seen = 0
 
     def get_request_view(self, req: Req) -> RequestView:
         g = req.ghost
@@ -118,8 +119,11 @@ class Refinement:
     def observe(self, point: ObservationPoint, scheduler: Observed, **parts: Any) -> None:
         if self.observer is None:
             return
-        races = self.rt.hb.races[self.races_seen:]
-        self.races_seen = len(self.rt.hb.races)
+        hb = self.rt.hb
+        races = hb.races[self.races_seen:]
+        self.races_seen = len(hb.races)
+        checked = tuple(hb.checked[self.checked_seen:])
+        self.checked_seen = len(hb.checked)
         batch = parts.pop("batch", None)
         obs = Observation(
             point=point,
@@ -128,6 +132,7 @@ class Refinement:
             batch=None if batch is None else self.get_batch_view(batch),
             allocator=self.get_allocator_view(),
             races=tuple(races),
+            checked_pairs=checked,
             **parts,
         )
         self.observer(obs)

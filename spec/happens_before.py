@@ -84,6 +84,10 @@ class HappensBefore:
     last_write: dict[BufferKey, Access] = field(default_factory=dict)
     reads_since_write: dict[BufferKey, list[Access]] = field(default_factory=dict)
     races: list[Race] = field(default_factory=list)
+    # Every conflicting pair of accesses by two participants whose order was checked,
+    # ordered or not: the witnesses of the stream claims (a race is a checked pair that
+    # was not ordered). Same-participant pairs are ordered by FIFO and not counted.
+    checked: list[Race] = field(default_factory=list)
     freed: dict[BufferKey, Access] = field(default_factory=dict)  # use after free is ST4
     host_syncs: list[str] = field(default_factory=list)  # what the host blocked on
 
@@ -163,18 +167,25 @@ class HappensBefore:
         if key in self.freed:
             found.append(Race(self.freed[key], now))  # the memory may hold something else
         previous = self.last_write.get(key)
-        if previous is not None and not self.is_ordered_before(previous, participant):
-            found.append(Race(previous, now))
+        if previous is not None:
+            self._check(previous, now, found)
         if kind == "write":
             for reader in self.reads_since_write.get(key, []):
-                if not self.is_ordered_before(reader, participant):
-                    found.append(Race(reader, now))
+                self._check(reader, now, found)
             self.last_write[key] = now
             self.reads_since_write[key] = []
         else:
             self.reads_since_write.setdefault(key, []).append(now)
         self.races.extend(found)
         return found
+
+    def _check(self, earlier: Access, now: Access, found: list[Race]) -> None:
+        """Judge one conflicting pair: counted when the participants differ, a race when
+        ``earlier`` is not ordered before ``now``."""
+        if earlier.participant != now.participant:
+            self.checked.append(Race(earlier, now))
+        if not self.is_ordered_before(earlier, now.participant):
+            found.append(Race(earlier, now))
 
     def read(self, participant: str, key: BufferKey, operation: str) -> list[Race]:
         return self.access(participant, "read", key, operation)
@@ -195,11 +206,9 @@ class HappensBefore:
         previous = self.last_write.pop(key, None)
         if previous is not None:
             earlier.append(previous)
-        found = [
-            Race(a, now)
-            for a in earlier
-            if a.participant != owner and not self.is_ordered_before(a, HOST)
-        ]
+        watched = [a for a in earlier if a.participant != owner]
+        self.checked.extend(Race(a, now) for a in watched)
+        found = [Race(a, now) for a in watched if not self.is_ordered_before(a, HOST)]
         self.freed[key] = now
         self.races.extend(found)
         return found

@@ -584,18 +584,19 @@ def classify_race(race: Race) -> str:
 
 
 def _check_races(invariant_id: str, obs: Observation) -> int:
+    """Fail on a race this claim owns; else the witnesses: the cross-participant access
+    pairs of this claim whose order was checked since the previous observation."""
     mine = [race for race in obs.races if classify_race(race) == invariant_id]
     if mine:
         raise fail(invariant_id, obs, f"for buffer {mine[0].later.key[0]}"
                    f"[{mine[0].later.key[1]}]: {mine[0].describe()}")
-    return 0
+    return sum(classify_race(pair) == invariant_id for pair in obs.checked_pairs)
 
 
 def check_fm1(config: ModelConfig, obs: Observation) -> int:
     """FM1: every schedule-side or D-side read of new_seq_lens_buf[p] happens after the
     forward's latest publish of p (overlap_utils.py publish_ready)."""
-    _check_races("FM1", obs)
-    return len(obs.resolve.rows) if obs.resolve is not None else 0
+    return _check_races("FM1", obs)
 
 
 def check_fm2(config: ModelConfig, obs: Observation) -> int:
@@ -647,15 +648,13 @@ def check_fm5(config: ModelConfig, obs: Observation) -> int:
 def check_st1(config: ModelConfig, obs: Observation) -> int:
     """ST1: the forward reads schedule-produced tensors only after F.wait_stream(S)
     (scheduler.py run_batch)."""
-    _check_races("ST1", obs)
-    return 1 if obs.point is ObservationPoint.LAUNCH else 0  # every launch reads S data
+    return _check_races("ST1", obs)
 
 
 def check_st2(config: ModelConfig, obs: Observation) -> int:
     """ST2: schedule-side writes to req_to_token after launching B_i are ordered after
     F_i's reads (scheduler.py _apply_war_barrier, PR 26380 / 31687)."""
-    _check_races("ST2", obs)
-    return 1 if obs.point is ObservationPoint.PREPARE_FOR_DECODE else 0
+    return _check_races("ST2", obs)
 
 
 def check_st3(config: ModelConfig, obs: Observation) -> int:
@@ -676,8 +675,7 @@ def check_st3(config: ModelConfig, obs: Observation) -> int:
 def check_st4(config: ModelConfig, obs: Observation) -> int:
     """ST4: a schedule-produced tensor read by F_i stays referenced until F_i completed
     (scheduler.py batch_record_buf two-slot ring)."""
-    _check_races("ST4", obs)
-    return 1 if obs.point is ObservationPoint.RUN_BATCH else 0
+    return _check_races("ST4", obs)
 
 
 def check_st5(config: ModelConfig, obs: Observation) -> int:

@@ -17,7 +17,7 @@ maintained outside the scheduler logic, so a scheduler bug cannot corrupt it.
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from overlap_spec.spec.happens_before import Race
 from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
@@ -241,6 +241,10 @@ class Observation:
     result: ResultView | None = None
     host_syncs: tuple[str, ...] | None = None  # at ITERATION_END: syncs of this iteration
     launched_this_iteration: bool = False
+    # Cross-participant access pairs whose order was checked since the previous
+    # observation (races included): the stream claims' witnesses. Not written to traces:
+    # the trace checker recomputes them from the stream events.
+    checked_pairs: tuple[Race, ...] = field(default=(), metadata={"trace": False})
 
     def get_request(self, rid: RequestId) -> RequestView:
         for request in self.requests:

@@ -75,3 +75,19 @@ def test_free_before_the_reader_completed_is_a_race_and_owner_stream_reuse_is_no
     hb2.write(SCHEDULE, ("tensor", 1), "create")
     hb2.read(SCHEDULE, ("tensor", 1), "filter")
     assert hb2.free(("tensor", 1), "drop") == []
+
+
+def test_checked_pairs_count_cross_participant_conflicts_ordered_or_not() -> None:
+    """The stream claims' witnesses: each conflicting pair of two participants is counted
+    once it is judged; a pair on one stream (FIFO) or a lone access is not."""
+    hb = HappensBefore()
+    hb.write(SCHEDULE, ("req_to_token", 1), "alloc")
+    hb.write(SCHEDULE, ("req_to_token", 1), "alloc again")  # same stream: not counted
+    assert hb.checked == []
+    hb.wait_stream(FORWARD, SCHEDULE)
+    hb.read(FORWARD, ("req_to_token", 1), "forward")  # ordered: counted, no race
+    assert len(hb.checked) == 1 and hb.races == []
+    hb.write(SCHEDULE, ("req_to_token", 1), "next alloc")  # WAR with no fence: a race
+    assert len(hb.checked) == 2 and len(hb.races) == 1
+    hb.read(D2H, ("other", 0), "lone read")
+    assert len(hb.checked) == 2

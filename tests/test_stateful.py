@@ -7,7 +7,14 @@ import os
 import pytest
 
 from overlap_spec.harness.drive.stateful import check_cell, describe_failure, get_profile
-from overlap_spec.spec.config import MINIMAL, REALISTIC, ModelConfig, enumerate_cells
+from overlap_spec.spec.config import (
+    MINIMAL,
+    PRESETS,
+    REALISTIC,
+    ModelConfig,
+    enumerate_cells,
+    get_cell,
+)
 from overlap_spec.spec.invariants import INVARIANTS
 
 SEED = int(os.environ.get("OVERLAP_SPEC_SEED", "20261122"))
@@ -31,3 +38,28 @@ def test_reference_holds_every_invariant_at_realistic_sizes(cell: object) -> Non
     config = ModelConfig(cell, REALISTIC)  # type: ignore[arg-type]
     result = check_cell(config, get_profile(), SEED)
     assert result.ok, describe_failure(result)
+
+
+def test_a_run_that_records_no_forward_reads_leaves_st1_vacuous(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """ST1's witnesses are the (schedule write, forward read) pairs the happens-before
+    record judged; with the forward's reads not recorded there are none, and the report
+    says vacuous (a failure) instead of a pass."""
+    from overlap_spec.harness.report import get_verdicts, hypothesis_tier_report
+    from overlap_spec.harness.verdict import Verdict
+    from overlap_spec.spec.happens_before import FORWARD, HappensBefore
+
+    original = HappensBefore.read
+
+    def read(self: HappensBefore, participant: str, key: tuple[str, int],
+             operation: str) -> list[object]:
+        if participant == FORWARD:
+            return []
+        return original(self, participant, key, operation)  # type: ignore[return-value]
+
+    monkeypatch.setattr(HappensBefore, "read", read)
+    config = ModelConfig(get_cell("ov-p1-none"), PRESETS["minimal"])
+    result = check_cell(config, get_profile("ci"), 1)
+    assert result.ok and result.exercised["ST1"] == 0
+    assert get_verdicts([result])["ST1"][config.name] is Verdict.VACUOUS
+    assert hypothesis_tier_report([result]).verdict is Verdict.VACUOUS

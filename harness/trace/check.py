@@ -211,6 +211,8 @@ def check_trace(parsed: ParsedTrace, context: int = 8) -> TraceVerdict:
     access_event: dict[int, int] = {}  # id(Access) -> the stream event that made it
     pending: list[Race] = []
     races_at: dict[int, tuple[Race, ...]] = {}
+    checked_at: dict[int, tuple[Race, ...]] = {}  # the stream claims' witnesses
+    checked_seen = 0
     has_streams = any(e.event == "stream" for e in parsed.events)
     for event in parsed.events:
         if event.event == "stream":
@@ -224,12 +226,15 @@ def check_trace(parsed: ParsedTrace, context: int = 8) -> TraceVerdict:
         elif event.event in ("observe", "call"):
             races_at[event.id] = tuple(pending)
             pending = []
+            checked_at[event.id] = tuple(hb.checked[checked_seen:])
+            checked_seen = len(hb.checked)
     observe_ids = [e.id for e in parsed.events if e.event == "observe"]
     if pending and not observe_ids and not parsed.calls:
         # No observation to attach the races to (a gpu_impl trace): the first one decides.
         return _race_verdict(parsed, pending[0], race_event, access_event, context)
     tally = _CallTally()
-    call_verdict = _check_calls(parsed, races_at, race_event, access_event, context, tally)
+    call_verdict = _check_calls(parsed, races_at, checked_at, race_event, access_event,
+                                context, tally)
     if call_verdict is not None:
         return call_verdict
     notes = tally.describe()
@@ -260,7 +265,7 @@ def check_trace(parsed: ParsedTrace, context: int = 8) -> TraceVerdict:
     for count, event_id in enumerate(order, 1):
         obs = states[event_id]
         if has_streams and event_id in races_at:
-            obs = replace(obs, races=races_at[event_id])
+            obs = replace(obs, races=races_at[event_id], checked_pairs=checked_at[event_id])
         try:
             checker(obs)
         except InvariantViolation as violation:
@@ -299,6 +304,7 @@ class _CallTally:
 
 
 def _check_calls(parsed: ParsedTrace, races_at: dict[int, tuple[Race, ...]],
+                 checked_at: dict[int, tuple[Race, ...]],
                  race_event: dict[int, int], access_event: dict[int, int],
                  context: int, tally: _CallTally) -> TraceVerdict | None:
     """Check the shim's call events with the batch-only and race invariants of the cell,
@@ -312,7 +318,8 @@ def _check_calls(parsed: ParsedTrace, races_at: dict[int, tuple[Race, ...]],
     tally.checked_ids = tuple(inv.id for inv in with_state[len(batch_only):])
     by_id = {e.id: e for e in parsed.events}
     for count, (event_id, obs) in enumerate(sorted(parsed.calls.items()), 1):
-        obs = replace(obs, races=races_at.get(event_id, ()))
+        obs = replace(obs, races=races_at.get(event_id, ()),
+                      checked_pairs=checked_at.get(event_id, ()))
         failures: list[InvariantViolation] = []
         with_views = event_id in parsed.state_calls
         tally.calls += 1
@@ -364,7 +371,7 @@ def _latest_access(hb: HappensBefore, raw: dict[str, Any]) -> Access | None:
 
 
 def _strip_races(obs: Observation) -> Observation:
-    return replace(obs, races=())
+    return replace(obs, races=(), checked_pairs=())
 
 
 def _op_event(parsed: ParsedTrace, step: int) -> TraceEvent:

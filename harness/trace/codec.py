@@ -30,7 +30,10 @@ class CodecError(ValueError):
 def encode_value(value: Any) -> Any:
     """A JSON-ready form of a spec state value."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: encode_value(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        # A field marked ``metadata={"trace": False}`` is derived on reading (the checked
+        # pairs of the stream claims) and not written.
+        return {f.name: encode_value(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if f.metadata.get("trace", True)}
     if isinstance(value, enum.Enum):
         return value.value
     if isinstance(value, frozenset | set):
