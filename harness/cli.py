@@ -139,9 +139,12 @@ def cmd_replay(args: argparse.Namespace) -> int:
               f"{script.cell}@{script.preset} faults={list(script.faults)} seed={script.seed}")
         print(diff.describe())
         return 0 if diff.ok else 1
-    outcome = run_script(script)
+    outcome = run_script(script, catch_crash=True)
     print(f"replayed {len(script.ops)} ops in cell {script.cell}@{script.preset}"
           f" faults={list(script.faults)} seed={script.seed}")
+    if outcome.crash is not None:
+        print(f"op {outcome.failed_at}: the model crashed: {outcome.crash} (inconclusive)")
+        return 1
     if outcome.violation is None:
         print("no violation")
         return 0

@@ -92,6 +92,8 @@ def build_section(results: list[CellResult]) -> dict[str, Any]:
                 entry["requests"] = result.script.count_requests()
         if result.error is not None:
             entry["error"] = f"{type(result.error).__name__}: {result.error}"
+            if result.script_path is not None:
+                entry["replay"] = f"overlap-spec replay {result.script_path}"
         details[result.config.name] = entry
     return {
         "cells": [r.config.name for r in results],

@@ -194,3 +194,29 @@ def test_a_differential_that_compared_too_little_is_vacuous_not_a_pass() -> None
     assert report.verdict is Verdict.VACUOUS and report.verdict.fails_run
     cell = report.section["differential"]["cells"]["ov-p1-none@minimal"]
     assert cell["verdict"] == "vacuous" and cell["compared_ops"] == 3
+
+
+def test_a_crash_is_saved_and_replays_as_a_crash(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """A crash inside the model saves its script like a violation; replaying it reports the
+    crash (exit 1), never "no violation"."""
+    from overlap_spec.harness.drive.stateful import check_cell, describe_failure, get_profile
+    from overlap_spec.reference.scheduler import Scheduler
+    from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
+
+    original = Scheduler.admit
+
+    def admit(self: Scheduler, prompt_len: int, max_new_tokens: int, *args: object,
+              **kwargs: object) -> object:
+        if prompt_len == 5:
+            raise AssertionError("prompt of 5 refused")
+        return original(self, prompt_len, max_new_tokens, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Scheduler, "admit", admit)
+    config = ModelConfig(get_cell("ov-p1-none"), PRESETS["minimal"])
+    result = check_cell(config, get_profile("ci"), 3, save_dir=tmp_path)
+    assert result.error is not None and result.script_path is not None
+    assert "replay: overlap-spec replay" in describe_failure(result)
+    assert main(["replay", str(result.script_path)]) == 1
+    out = capsys.readouterr().out
+    assert "crashed: AssertionError: prompt of 5 refused" in out and "no violation" not in out

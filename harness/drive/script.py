@@ -232,10 +232,14 @@ class RunOutcome:
     violation: InvariantViolation | None
     failed_at: int | None
     checker: InvariantChecker
+    crash: str | None = None  # with catch_crash: the model raised this (inconclusive)
 
 
-def run_script(script: Script) -> RunOutcome:
-    """Replay ``script`` on its implementation, checking every invariant after every step."""
+def run_script(script: Script, catch_crash: bool = False) -> RunOutcome:
+    """Replay ``script`` on its implementation, checking every invariant after every step.
+
+    A crash of the model propagates, unless ``catch_crash``: then it is returned as
+    ``crash`` with the op it happened at (a replay reports it; it is never a pass)."""
     config = script.get_config()
     checker = InvariantChecker(config)
     model = get_factory(script.implementation)(config, frozenset(script.faults), checker)
@@ -246,4 +250,8 @@ def run_script(script: Script) -> RunOutcome:
             apply_op(model, op, admitted)
         except InvariantViolation as violation:
             return RunOutcome(violation, index, checker)
+        except Exception as error:
+            if not catch_crash:
+                raise
+            return RunOutcome(None, index, checker, f"{type(error).__name__}: {error}")
     return RunOutcome(None, None, checker)

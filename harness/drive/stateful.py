@@ -233,6 +233,13 @@ def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
                                                        get_trace_path(result.script_path))
     except Exception as error:  # a crash of the implementation is a failure, not a pass
         result.error = error
+        script = log.last_script
+        if script is not None:  # the crash, like a violation, is saved and replayable
+            script.seed = run_seed
+            result.script = script
+            name = "-".join([config.name.replace("@", "-"), *sorted(faults), "crash"])
+            directory = save_dir or get_failure_dir()
+            result.script_path = save_script(script, directory / f"{name}.json")
     result.seconds = time.perf_counter() - started
     result.exercised = log.exercised
     result.runs = log.runs
@@ -255,4 +262,9 @@ def describe_failure(result: CellResult) -> str:
                          f"(trace checker: {result.trace_verdict.status})")
     if result.error is not None:
         lines.append(f"implementation crashed: {type(result.error).__name__}: {result.error}")
+        if result.script is not None:
+            lines.append(f"crashing run: {len(result.script.ops)} ops, "
+                         f"{result.script.count_requests()} requests")
+        if result.script_path is not None:
+            lines.append(f"replay: overlap-spec replay {result.script_path}")
     return "\n".join(lines)
