@@ -53,7 +53,7 @@ def test_bug_is_killed_by_an_invariant_it_breaks(bug_id: str,
         assert set(cell.all_invariants) & set(bug.invariants), (
             f"{bug_id} in {cell.cell} tripped {cell.all_invariants}, expected one of "
             f"{bug.invariants}")
-        assert cell.steps is not None and cell.requests is not None and cell.replay
+        assert cell.ops is not None and cell.requests is not None and cell.replay
         path = Path(cell.replay.split()[-1])
         replayed = run_script(load_script(path))
         assert replayed.violation is not None and cell.invariant in replayed.violation.all_ids
@@ -64,7 +64,7 @@ def test_counterexamples_are_small(matrix: dict[str, MutantResult]) -> None:
     for result in matrix.values():
         rep = result.get_representative()
         assert rep is not None
-        small += (rep.requests or 0) <= 2 and (rep.steps or 0) <= 8
+        small += (rep.requests or 0) <= 2 and (rep.ops or 0) <= 8
     assert small >= 0.9 * len(matrix), f"only {small}/{len(matrix)} are <= 2 requests, 8 ops"
 
 
