@@ -165,3 +165,10 @@ def test_cells_the_adapter_cannot_drive_say_why() -> None:
                  "nov-p1-v2chain-cpu-honest"):
         reason = is_drivable(ModelConfig(get_cell(name), MINIMAL))
         assert reason and len(reason) > 20, name
+
+
+def test_the_upstream_environment_is_looked_for_at_the_repository_root() -> None:
+    """A wrong root silently skips the upstream tier ("no upstream environment")."""
+    from overlap_spec.harness.conformance.cli import REPO_ROOT
+
+    assert (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "upstream").is_dir()

@@ -38,7 +38,7 @@ from overlap_spec.harness.verdict import TierReport, Verdict
 from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells
 from overlap_spec.upstream.standins import STAND_INS
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
+REPO_ROOT = Path(__file__).resolve().parents[2]  # harness/conformance/cli.py
 CELL_TIMEOUT_S = 900
 
 
@@ -69,7 +69,7 @@ def _preflight(python: str, src: Path | None) -> dict[str, str]:
     """Import sglang in the upstream interpreter once: its version and source, or exit 2."""
     code = ("import json, sys\n"
             "from pathlib import Path\n"
-            "from upstream.bootstrap import UpstreamUnavailable, load_sglang\n"
+            "from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang\n"
             "src = Path(sys.argv[1]) if sys.argv[1] else None\n"
             "try:\n"
             "    s = load_sglang(src)\n"
