@@ -9,12 +9,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from overlap_spec.harness.cli import main
 
 from overlap_spec.gpu_impl.race import RaceDetector
 from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS
 from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
 from overlap_spec.gpu_impl.streams import Streams
+from overlap_spec.harness.cli import main
 from overlap_spec.harness.differential.compare import (
     check_cell_differential,
     compare_states,
