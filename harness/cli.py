@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from overlap_spec import __version__
 from overlap_spec.harness.check import cmd_check
 from overlap_spec.harness.conformance.cli import (
     add_upstream_arguments,
@@ -23,6 +24,7 @@ from overlap_spec.harness.differential.compare import (
 )
 from overlap_spec.harness.differential.tier import cmd_diff, parse_device
 from overlap_spec.harness.drive.cells import DEFAULT_SEED, select_configs_or_exit
+from overlap_spec.harness.drive.cells import UsageError as CommandUsageError
 from overlap_spec.harness.drive.script import ScriptError, load_script, run_script
 from overlap_spec.harness.drive.stateful import (
     PROFILES,
@@ -197,6 +199,8 @@ def cmd_invariants(args: argparse.Namespace) -> int:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="overlap-spec", description=DESCRIPTION,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--version", action="version",
+                        version=f"overlap-spec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     check = sub.add_parser("check", help="run every checker tier on every cell")
     check.add_argument("--profile", choices=sorted(PROFILES), default=None,
@@ -290,7 +294,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    code: int = args.func(args)
+    try:
+        code: int = args.func(args)
+    except CommandUsageError as error:  # bad input found after parsing: one line, exit 2
+        print(f"overlap-spec: {error}", file=sys.stderr)
+        return 2
     return code
 
 

@@ -135,11 +135,28 @@ def test_check_with_a_fault_fails_and_reports_fail(tmp_path: Path) -> None:
     assert "overlap-spec replay" in doc["details"]["ov-p1-none@minimal"]["replay"]
 
 
-def test_usage_errors_exit_two(capsys: pytest.CaptureFixture[str]) -> None:
+def test_usage_errors_exit_two(capsys: pytest.CaptureFixture[str],
+                               monkeypatch: pytest.MonkeyPatch) -> None:
     assert main(["check", "--faults", "B99"]) == 2
+    capsys.readouterr()
+    for command in (["check", "--cells", "nothing-matches"], ["diff", "--cells", "nope"],
+                    ["mutants", "--cells", "nope"], ["prove", "--cells", "nope"]):
+        assert main(command) == 2, command
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and "no cell matches" in err[0], (command, err)
+    monkeypatch.setenv("HYPOTHESIS_PROFILE", "bogus")
+    assert main(["check", "--cells", "ov-p1-none"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown profile 'bogus' (from HYPOTHESIS_PROFILE)" in err and "Traceback" not in err
+
+
+def test_version(capsys: pytest.CaptureFixture[str]) -> None:
+    import overlap_spec
+
     with pytest.raises(SystemExit) as info:
-        main(["check", "--cells", "nothing-matches"])
-    assert "no cell matches" in str(info.value)
+        main(["--version"])
+    assert info.value.code == 0
+    assert capsys.readouterr().out.strip() == f"overlap-spec {overlap_spec.__version__}"
 
 
 def test_help_documents_the_commands(capsys: pytest.CaptureFixture[str]) -> None:

@@ -33,6 +33,7 @@ from overlap_spec.harness.conformance.findings import (
     UPSTREAM_NOT_APPLICABLE,
 )
 from overlap_spec.harness.drive.cells import DEFAULT_SEED, NoCellMatches
+from overlap_spec.harness.drive.cells import UsageError as CommandUsageError
 from overlap_spec.harness.drive.cells import select_cells as select_cell_records
 from overlap_spec.harness.verdict import TierReport, Verdict
 from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells
@@ -42,8 +43,8 @@ REPO_ROOT = Path(__file__).resolve().parents[2]  # harness/conformance/cli.py
 CELL_TIMEOUT_S = 900
 
 
-class UsageError(Exception):
-    """Bad input: exit 2 with this one line."""
+class UsageError(CommandUsageError):
+    """Bad input to ``overlap-spec upstream``: exit 2 with this one line."""
 
 
 def get_upstream_python() -> str | None:

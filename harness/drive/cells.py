@@ -10,7 +10,11 @@ from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, enumerate_cells
 DEFAULT_SEED = 20261122
 
 
-class NoCellMatches(ValueError):
+class UsageError(ValueError):
+    """Bad input to a command: ``overlap-spec`` prints this one line and exits 2."""
+
+
+class NoCellMatches(UsageError):
     """A cell pattern list that names no cell: a usage error, never an empty run."""
 
 
@@ -34,8 +38,6 @@ def select_configs(patterns: str | None, preset: str) -> list[ModelConfig]:
 
 
 def select_configs_or_exit(patterns: str | None, preset: str) -> list[ModelConfig]:
-    """:func:`select_configs` for a command line: no match ends the run with the reason."""
-    try:
-        return select_configs(patterns, preset)
-    except NoCellMatches as error:
-        raise SystemExit(f"overlap-spec: {error}") from None
+    """:func:`select_configs` for a command line: no match is a :class:`UsageError`
+    (exit 2, one line, before anything runs)."""
+    return select_configs(patterns, preset)

@@ -28,6 +28,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from overlap_spec.harness.drive.cells import UsageError
 from overlap_spec.harness.drive.checker import InvariantChecker
 from overlap_spec.harness.drive.generate import get_strategies
 from overlap_spec.harness.drive.script import (
@@ -69,7 +70,9 @@ MAX_REQUESTS = 6
 def get_profile(name: str | None = None) -> Profile:
     chosen = name or os.environ.get("HYPOTHESIS_PROFILE", "ci")
     if chosen not in PROFILES:
-        raise ValueError(f"unknown profile {chosen!r}; choose one of {', '.join(PROFILES)}")
+        where = "" if name else " (from HYPOTHESIS_PROFILE)"
+        raise UsageError(f"unknown profile {chosen!r}{where}; choose one of "
+                         f"{', '.join(PROFILES)}")
     return PROFILES[chosen]
 
 
