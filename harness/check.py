@@ -25,7 +25,7 @@ from overlap_spec.harness.differential.tier import (
     render_differential,
     run_differential_tier,
 )
-from overlap_spec.harness.drive.cells import select_configs_or_exit
+from overlap_spec.harness.drive.cells import select_configs
 from overlap_spec.harness.drive.stateful import (
     CellResult,
     check_cell,
@@ -55,7 +55,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.jobs < 1:
         print("overlap-spec: --jobs must be >= 1", file=sys.stderr)
         return 2
-    configs = select_configs_or_exit(args.cells, args.preset)
+    configs = select_configs(args.cells, args.preset)
     out = Path(args.out) / "failures" if args.out else None
     started = time.perf_counter()
     results: list[CellResult] = []

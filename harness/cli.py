@@ -23,7 +23,7 @@ from overlap_spec.harness.differential.compare import (
     run_differential,
 )
 from overlap_spec.harness.differential.tier import cmd_diff, parse_device
-from overlap_spec.harness.drive.cells import DEFAULT_SEED, select_configs_or_exit
+from overlap_spec.harness.drive.cells import DEFAULT_SEED, select_configs
 from overlap_spec.harness.drive.cells import UsageError as CommandUsageError
 from overlap_spec.harness.drive.script import ScriptError, load_script, run_script
 from overlap_spec.harness.drive.stateful import (
@@ -99,7 +99,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
         return 2
     cells = None
     if args.cells:
-        cells = tuple(c.cell for c in select_configs_or_exit(args.cells, "minimal"))
+        cells = tuple(c.cell for c in select_configs(args.cells, "minimal"))
     started = time.perf_counter()
     checkers = tuple(c.strip() for c in args.checkers.split(",") if c.strip())
     if set(checkers) - set(CHECKERS):

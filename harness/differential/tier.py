@@ -21,7 +21,7 @@ from overlap_spec.harness.differential.compare import (
     get_default_device,
     get_differential_examples,
 )
-from overlap_spec.harness.drive.cells import select_configs_or_exit
+from overlap_spec.harness.drive.cells import select_configs
 from overlap_spec.harness.drive.script import save_script
 from overlap_spec.harness.drive.stateful import (
     Profile,
@@ -137,7 +137,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         print(f"overlap-spec: gpu_impl does not know faults {sorted(faults - GPU_SUPPORTED_FAULTS)}"
               f"; supported: {', '.join(sorted(GPU_SUPPORTED_FAULTS))}", file=sys.stderr)
         return 2
-    configs = select_configs_or_exit(args.cells, args.preset)
+    configs = select_configs(args.cells, args.preset)
     started = time.perf_counter()
     results = run_differential_tier(configs, profile, args.seed, device, args.quiet,
                                     Path(args.out) if args.out else None, faults)

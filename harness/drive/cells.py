@@ -31,13 +31,8 @@ def select_cells(patterns: str | None) -> list[Cell]:
 
 
 def select_configs(patterns: str | None, preset: str) -> list[ModelConfig]:
-    """The selected cells under one preset, or under every preset for ``"all"``."""
+    """The selected cells under one preset, or under every preset for ``"all"``; no match
+    is a :class:`NoCellMatches` (a usage error: exit 2, one line, before anything runs)."""
     presets = list(PRESETS.values()) if preset == "all" else [PRESETS[preset]]
     cells = select_cells(patterns)
     return [ModelConfig(cell, p) for p in presets for cell in cells]
-
-
-def select_configs_or_exit(patterns: str | None, preset: str) -> list[ModelConfig]:
-    """:func:`select_configs` for a command line: no match is a :class:`UsageError`
-    (exit 2, one line, before anything runs)."""
-    return select_configs(patterns, preset)

@@ -41,7 +41,7 @@ from overlap_spec.harness.mutants.select import (
 from overlap_spec.harness.mutants.z3 import run_z3_mutant_column
 from overlap_spec.harness.trace.check import record_script_trace
 from overlap_spec.harness.trace.format import get_trace_path
-from overlap_spec.harness.verdict import TierReport, Verdict
+from overlap_spec.harness.verdict import TierReport, Verdict, as_verdict, combine
 from overlap_spec.spec.bugs import BUGS, Bug
 from overlap_spec.spec.config import PRESETS, Cell, ModelConfig
 
@@ -287,7 +287,7 @@ def print_mutant_progress(bug: Bug, kill: CellKill) -> None:
 
 def mutants_tier_report(results: list[MutantResult]) -> TierReport:
     """PASS when every mutant is killed (or n/a) in every checker that claims it."""
-    ok = all(m.verdict in (KILLED, NOT_APPLICABLE) for m in results)
+    ok = not combine([as_verdict(m.verdict) for m in results]).fails_run
     killed = sum(m.verdict == KILLED for m in results)
     unrun = sum(m.verdict == NOT_APPLICABLE for m in results)
     summary = (f"{killed}/{len(results) - unrun} mutants killed"
