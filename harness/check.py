@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,6 +29,7 @@ from overlap_spec.harness.differential.tier import (
 from overlap_spec.harness.drive.cells import select_configs
 from overlap_spec.harness.drive.stateful import (
     CellResult,
+    Profile,
     check_cell,
     get_profile,
 )
@@ -38,10 +40,12 @@ from overlap_spec.harness.mutants.matrix import (
     run_mutants,
 )
 from overlap_spec.harness.mutants.select import CHECKERS
+from overlap_spec.harness.pool import run_tasks
 from overlap_spec.harness.prove.tier import proofs_tier_report, run_proofs_for_check
 from overlap_spec.harness.report import hypothesis_tier_report, render_table, write_json
 from overlap_spec.harness.verdict import CheckReport, TierReport, Verdict
 from overlap_spec.reference.scheduler import SUPPORTED_FAULTS
+from overlap_spec.spec.config import ModelConfig
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -58,16 +62,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     configs = select_configs(args.cells, args.preset)
     out = Path(args.out) / "failures" if args.out else None
     started = time.perf_counter()
-    results: list[CellResult] = []
-    for k, config in enumerate(configs, 1):
-        if not args.quiet:
-            print(f"[{k:2d}/{len(configs)}] hypothesis {profile.name:<8} {config.name} ...",
-                  end="", file=sys.stderr, flush=True)
-        result = check_cell(config, profile, args.seed, faults, save_dir=out)
-        results.append(result)
-        if not args.quiet:
-            status = "ok" if result.ok else "FAIL " + ",".join(result.failed_ids or ("crash",))
-            print(f" {status} ({result.seconds:.2f}s)", file=sys.stderr, flush=True)
+    tasks = [CellTask(config, profile, args.seed, faults, out) for config in configs]
+    progress = None if args.quiet else _Progress(len(tasks), "hypothesis", profile.name)
+    results = run_tasks(run_cell_task, tasks, args.jobs,
+                        None if progress is None else progress.cell_done)
     print(render_table(results))
     report = CheckReport(args.seed, profile.name)
     report.add(hypothesis_tier_report(results))
@@ -77,7 +75,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         print("\ndifferential tier (gpu_impl vs reference, CPU race detector):")
         diff_results = run_differential_tier(configs, profile, args.seed, torch.device("cpu"),
-                                             args.quiet, out)
+                                             args.quiet, out, jobs=args.jobs)
         print(render_differential(diff_results))
         report.add(differential_tier_report(diff_results))
     if args.no_proofs or faults:
@@ -127,7 +125,7 @@ def cmd_check(args: argparse.Namespace) -> int:
         mutant_results = run_mutants(profile, args.seed, cells=subset, preset=preset,
                                      save_dir=mutant_dir,
                                      progress=None if args.quiet else print_mutant_progress,
-                                     checkers=checkers)
+                                     checkers=checkers, jobs=args.jobs)
         print(render_mutants(mutant_results))
         report.add(mutants_tier_report(mutant_results))
     report.elapsed_s = time.perf_counter() - started
@@ -135,6 +133,35 @@ def cmd_check(args: argparse.Namespace) -> int:
     if args.json:
         write_json(report.to_json(), Path(args.json))
     return 0 if report.ok else 1
+
+
+@dataclass(frozen=True)
+class CellTask:
+    """One cell of the Hypothesis tier, as sent to a worker process."""
+
+    config: ModelConfig
+    profile: Profile
+    seed: int
+    faults: frozenset[str]
+    save_dir: Path | None
+
+
+def run_cell_task(task: CellTask) -> CellResult:
+    return check_cell(task.config, task.profile, task.seed, task.faults, save_dir=task.save_dir)
+
+
+class _Progress:
+    """One stderr line per finished cell: ``[k/N] hypothesis ci  CELL ok (4.51s)``."""
+
+    def __init__(self, total: int, tier: str, profile: str) -> None:
+        self.total, self.tier, self.profile, self.done = total, tier, profile, 0
+
+    def cell_done(self, task: CellTask, result: CellResult) -> None:
+        self.done += 1
+        status = "ok" if result.ok else "FAIL " + ",".join(result.failed_ids or ("crash",))
+        print(f"[{self.done:2d}/{self.total}] {self.tier} {self.profile:<8} "
+              f"{task.config.name:<40} {status} ({result.seconds:.2f}s)",
+              file=sys.stderr, flush=True)
 
 
 def _why_skipped(by_option: bool, option: str) -> str:

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Final
+from typing import Any, Final
 
 from overlap_spec.spec.config import Cell, ModelConfig
 from overlap_spec.spec.happens_before import FORWARD, SCHEDULE, Race
@@ -43,6 +43,10 @@ class InvariantViolation(AssertionError):
         self.invariant_id = invariant_id
         self.message = message
         self.all_ids = all_ids or (invariant_id,)
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its fields, so a violation crosses a process boundary intact.
+        return (type(self), (self.invariant_id, self.message, self.all_ids), self.__dict__)
 
 
 def fail(invariant_id: str, obs: Observation, message: str) -> InvariantViolation:

@@ -4,12 +4,20 @@ when the accesses are ordered by an event, a wait_stream or a host synchronize."
 from __future__ import annotations
 
 import gc
+import random
+from typing import Any
 
 import pytest
 import torch
+import torch.cuda._sanitizer as csan
 
+from overlap_spec.gpu_impl import race
 from overlap_spec.gpu_impl.race import TESTED_TORCH, RaceDetector, RaceError, check_sanitizer_api
 from overlap_spec.gpu_impl.streams import Streams
+from overlap_spec.harness.differential.compare import run_differential
+from overlap_spec.harness.drive.generate import generate_random_ops
+from overlap_spec.harness.drive.script import Script
+from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
 from overlap_spec.spec.happens_before import COPY, D2H, FORWARD, SCHEDULE
 
 
@@ -127,3 +135,70 @@ def test_a_result_read_before_copy_done_is_st5(monkeypatch: pytest.MonkeyPatch) 
     outcome = run_differential(Script("ov-p1-none", "minimal", ops), device=torch.device("cpu"))
     assert outcome.races, outcome.describe()
     assert outcome.races[0].get_invariant() == "ST5", outcome.races[0].describe()
+
+
+class _SanitizerRules(csan.ArgumentHandler):
+    """torch's own argument parser, taught to accept CPU tensors: the rules the
+    detector's cached parser must reproduce."""
+
+    def _handle_argument(self, value: Any, is_write: bool, metadata_only: bool,
+                         name: str | None = None, is_output: bool = False) -> None:
+        if isinstance(value, torch.Tensor):
+            data_ptr = value.data_ptr() or id(value)
+            if is_write:
+                self.dataptrs_written.add(data_ptr)
+            elif not metadata_only:
+                self.dataptrs_read.add(data_ptr)
+            self.tensor_aliases.setdefault(data_ptr, [])
+            if name is not None:
+                self.tensor_aliases[data_ptr].append(name)
+            if is_output:
+                self.outputs.add(data_ptr)
+
+
+def test_cached_argument_parser_agrees_with_the_sanitizers_on_a_differential_run(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every operator call of a spec-v2 differential run parses to the same reads,
+    writes, outputs and names under the detector's cached parser as under torch's."""
+    calls: list[Any] = []
+    mismatches: list[str] = []
+    real_get_operator = race._get_operator
+    real_inputs = race._CpuArgumentHandler.parse_operator_inputs
+    real_outputs = race._CpuArgumentHandler.parse_operator_outputs
+
+    def get_operator(func: Any) -> Any:
+        calls.append(func)
+        return real_get_operator(func)
+
+    def compare(ours: Any, theirs: Any, what: str) -> None:
+        got = (ours.dataptrs_read, ours.dataptrs_written, ours.outputs, ours.tensor_aliases)
+        want = (theirs.dataptrs_read, theirs.dataptrs_written, theirs.outputs,
+                theirs.tensor_aliases)
+        if got != want:
+            mismatches.append(f"{what} of {calls[-1]}: {got} != {want}")
+
+    def parse_inputs(self: Any, operator: Any, args: Any, kwargs: Any) -> None:
+        real_inputs(self, operator, args, kwargs)
+        theirs = _SanitizerRules()
+        theirs.parse_inputs(calls[-1]._schema, args, kwargs, is_factory=operator.is_factory)
+        compare(self, theirs, "inputs")
+
+    def parse_outputs(self: Any, operator: Any, outputs: Any) -> None:
+        before = _SanitizerRules()
+        before.dataptrs_read, before.dataptrs_written = set(self.dataptrs_read), set(
+            self.dataptrs_written)
+        before.outputs, before.tensor_aliases = set(self.outputs), {
+            k: list(v) for k, v in self.tensor_aliases.items()}
+        real_outputs(self, operator, outputs)
+        before.parse_outputs(calls[-1]._schema, outputs, is_factory=operator.is_factory)
+        compare(self, before, "outputs")
+
+    monkeypatch.setattr(race, "_get_operator", get_operator)
+    monkeypatch.setattr(race._CpuArgumentHandler, "parse_operator_inputs", parse_inputs)
+    monkeypatch.setattr(race._CpuArgumentHandler, "parse_operator_outputs", parse_outputs)
+    for cell in ("ov-p1-v2chain-cpu-honest", "ov-p4-none"):
+        config = ModelConfig(get_cell(cell), PRESETS["minimal"])
+        script = Script(cell, "minimal", generate_random_ops(config, random.Random(7), 60))
+        run_differential(script, device=torch.device("cpu"))
+    assert len(calls) > 1000, "the run dispatched too few operators to compare"
+    assert not mismatches, mismatches[:3]

@@ -78,6 +78,10 @@ class DifferentialFailure(AssertionError):
         self.script = script
         self.script_path: Path | None = None
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Rebuilt from its fields, so a finding crosses a process boundary intact.
+        return (type(self), (self.outcome, self.script), self.__dict__)
+
 
 GPU_MUTANT_EXAMPLES = {"ci": 200, "dev": 600, "thorough": 2000}
 DIFFERENTIAL_EXAMPLES = {"ci": 25, "dev": 200, "thorough": 1000}

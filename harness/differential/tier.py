@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from overlap_spec.harness.drive.stateful import (
     get_failure_dir,
     get_profile,
 )
+from overlap_spec.harness.pool import run_tasks
 from overlap_spec.harness.verdict import TierReport, Verdict, combine
 from overlap_spec.spec.config import ModelConfig
 
@@ -41,29 +43,49 @@ def parse_device(name: str | None) -> torch.device:
     return device
 
 
+@dataclass(frozen=True)
+class DifferentialTask:
+    """One cell of the differential tier, as sent to a worker process."""
+
+    config: ModelConfig
+    profile: Profile
+    seed: int
+    device: str
+    faults: frozenset[str]
+    out: Path | None
+
+
+def run_differential_task(task: DifferentialTask) -> DifferentialResult:
+    result = check_cell_differential(task.config, task.profile, task.seed, task.faults,
+                                     max_examples=get_differential_examples(task.profile),
+                                     device=torch.device(task.device))
+    if result.failure is not None:
+        directory = task.out or get_failure_dir()
+        name = "-".join([task.config.name.replace("@", "-"), *sorted(task.faults), "gpu_impl"])
+        result.failure.script_path = save_script(result.failure.script,
+                                                 directory / f"{name}.json")
+    return result
+
+
 def run_differential_tier(configs: list[ModelConfig], profile: Profile, seed: int,
                           device: torch.device, quiet: bool, out: Path | None,
-                          faults: frozenset[str] = frozenset()) -> list[DifferentialResult]:
-    """gpu_impl against the reference in each cell, races watched (CPU) - the diff tier."""
-    results = []
-    for k, config in enumerate(configs, 1):
-        if not quiet:
-            print(f"[{k:2d}/{len(configs)}] differential {device.type:<4} {config.name} ...",
-                  end="", file=sys.stderr, flush=True)
-        result = check_cell_differential(config, profile, seed, faults,
-                                         max_examples=get_differential_examples(profile),
-                                         device=device)
-        if result.failure is not None:
-            directory = out or get_failure_dir()
-            name = "-".join([config.name.replace("@", "-"), *sorted(faults), "gpu_impl"])
-            path = save_script(result.failure.script, directory / f"{name}.json")
-            result.failure.script_path = path
-        results.append(result)
+                          faults: frozenset[str] = frozenset(),
+                          jobs: int = 1) -> list[DifferentialResult]:
+    """gpu_impl against the reference in each cell, races watched (CPU) - the diff tier.
+    On CUDA the cells share one device, so they run in this process whatever ``jobs``."""
+    tasks = [DifferentialTask(c, profile, seed, str(device), faults, out) for c in configs]
+    finished = 0
+
+    def report(task: DifferentialTask, result: DifferentialResult) -> None:
+        nonlocal finished
+        finished += 1
         if not quiet:
             status = "ok" if result.ok else "FAIL"
-            print(f" {status} ({result.examples} runs, {result.seconds:.2f}s)",
-                  file=sys.stderr, flush=True)
-    return results
+            print(f"[{finished:2d}/{len(tasks)}] differential {device.type:<4} "
+                  f"{task.config.name:<40} {status} ({result.examples} runs, "
+                  f"{result.seconds:.2f}s)", file=sys.stderr, flush=True)
+
+    return run_tasks(run_differential_task, tasks, jobs if device.type == "cpu" else 1, report)
 
 
 def describe_race_check(device: torch.device, cuda_sanitizer: bool = False) -> str:

@@ -39,6 +39,7 @@ from overlap_spec.harness.mutants.select import (
     get_representative_cells,
 )
 from overlap_spec.harness.mutants.z3 import run_z3_mutant_column
+from overlap_spec.harness.pool import run_tasks
 from overlap_spec.harness.trace.check import record_script_trace
 from overlap_spec.harness.trace.format import get_trace_path
 from overlap_spec.harness.verdict import TierReport, Verdict, as_verdict, combine
@@ -188,16 +189,45 @@ def run_z3_for_bug(bug: Bug, save_dir: Path) -> MutantResult:
     return result
 
 
+@dataclass(frozen=True)
+class MutantTask:
+    """One (bug, checker, cell) of the matrix, as sent to a worker process; the z3
+    checker's task has no cell (its BMC picks one)."""
+
+    bug_id: str
+    checker: str
+    config: ModelConfig | None
+    profile: Profile
+    seed: int
+    save_dir: Path
+
+
+def run_mutant_task(task: MutantTask) -> MutantResult | CellKill:
+    bug = next(b for b in BUGS if b.id == task.bug_id)
+    if task.checker == "z3":
+        return run_z3_for_bug(bug, task.save_dir)
+    assert task.config is not None
+    run_in_cell = run_gpu_mutant_in_cell if task.checker == "gpu_impl" else run_mutant_in_cell
+    return run_in_cell(bug, task.config, task.profile, task.seed, task.save_dir)
+
+
+# Worst first, so that no long task starts last on a worker (measured in bench/results:
+# a gpu_impl cell takes 1-20 s, a hypothesis cell about 1 s, a z3 bug 0.5-3 s).
+_CHECKER_COST = {"gpu_impl": 0, "z3": 1, "hypothesis": 2}
+
+
 def run_mutants(profile: Profile, seed: int, bug_ids: set[str] | None = None,
                 cells: tuple[Cell, ...] | None = None, preset: str = "minimal",
                 save_dir: Path | None = None, progress: Any = None,
                 all_cells: bool = False,
                 checkers: tuple[str, ...] = ("hypothesis",),
-                max_cells: int | None = None) -> list[MutantResult]:
+                max_cells: int | None = None, jobs: int = 1) -> list[MutantResult]:
     """The kill matrix. Default: the representative cells of each bug (among ``cells``
-    when given); ``all_cells``: every applicable cell (among ``cells``)."""
+    when given); ``all_cells``: every applicable cell (among ``cells``). Each (bug,
+    checker, cell) is one task, run on ``jobs`` worker processes."""
     directory = save_dir or get_failure_dir().parent / "mutants"
     results: list[MutantResult] = []
+    tasks: list[tuple[MutantResult, MutantTask]] = []
     for bug in BUGS:
         if bug_ids is not None and bug.id not in bug_ids:
             continue
@@ -207,21 +237,34 @@ def run_mutants(profile: Profile, seed: int, bug_ids: set[str] | None = None,
             targets = get_representative_cells(bug, cells)
         targets = targets[:max_cells] if max_cells is not None else targets
         for checker in checkers:
-            if checker == "z3":
-                results.append(run_z3_for_bug(bug, directory))
-                continue
-            run_in_cell = run_gpu_mutant_in_cell if checker == "gpu_impl" else run_mutant_in_cell
             result = MutantResult(bug, checker)
-            for cell in targets:
-                kill = run_in_cell(bug, ModelConfig(cell, PRESETS[preset]), profile, seed,
-                                   directory)
-                if kill.verdict == NOT_APPLICABLE and kill.detail == NO_GPU_PATH:
-                    result.not_applicable = kill.detail
-                    break
-                result.cells.append(kill)
-                if progress is not None:
-                    progress(bug, kill)
             results.append(result)
+            if checker == "z3":
+                tasks.append((result, MutantTask(bug.id, checker, None, profile, seed,
+                                                 directory)))
+            elif checker == "gpu_impl" and bug.id not in GPU_SUPPORTED_FAULTS:
+                result.not_applicable = NO_GPU_PATH
+            else:
+                tasks.extend((result, MutantTask(bug.id, checker,
+                                                 ModelConfig(cell, PRESETS[preset]), profile,
+                                                 seed, directory)) for cell in targets)
+    order = sorted(range(len(tasks)), key=lambda i: (_CHECKER_COST[tasks[i][1].checker], i))
+    owner = {id(tasks[i][1]): tasks[i][0] for i in order}
+
+    def report(task: MutantTask, outcome: MutantResult | CellKill) -> None:
+        if progress is None:
+            return
+        for kill in (outcome.cells if isinstance(outcome, MutantResult) else [outcome]):
+            progress(owner[id(task)].bug, kill)
+
+    outcomes = run_tasks(run_mutant_task, [tasks[i][1] for i in order], jobs, report)
+    by_index = dict(zip(order, outcomes, strict=True))
+    for index, (result, _) in enumerate(tasks):
+        outcome = by_index[index]
+        if isinstance(outcome, MutantResult):  # the z3 column: one result per bug
+            result.cells, result.not_applicable = outcome.cells, outcome.not_applicable
+        else:
+            result.cells.append(outcome)
     return results
 
 

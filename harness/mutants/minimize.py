@@ -45,8 +45,14 @@ def _simpler_ops(op: Op) -> list[Op]:
 
 def minimize_script(script: Script, invariant_id: str, budget: int = 400,
                     still_fails: Callable[[Script], bool] | None = None) -> Script:
-    """Greedy delta debugging: drop operations, then simplify the rest; same invariant
-    (or whatever ``still_fails`` demands, for checkers other than the invariants)."""
+    """Delta debugging: drop runs of operations (halves first, then smaller runs down to
+    single operations), then simplify the rest; same invariant (or whatever
+    ``still_fails`` demands, for checkers other than the invariants).
+
+    Dropping large runs first matters for the cost, not the result: each trial replays
+    the whole script, and a trial that drops half of a 30-op script makes every later
+    trial half as long (profiled: a gpu_impl kill took 187 one-op trials, 55 s).
+    """
     if still_fails is None:
         def still_fails(trial: Script) -> bool:
             return _still_fails(trial, invariant_id)
@@ -55,15 +61,23 @@ def minimize_script(script: Script, invariant_id: str, budget: int = 400,
     changed = True
     while changed and runs < budget:
         changed = False
-        for index in range(len(best.ops) - 1, -1, -1):
-            if index >= len(best.ops):
-                continue
-            trial = replace(best, ops=best.ops[:index] + best.ops[index + 1:])
-            runs += 1
-            if still_fails(trial):
-                best, changed = trial, True
+        size = max(1, len(best.ops) // 2)
+        while runs < budget:
+            # From the end: late operations are the likeliest to be irrelevant.
+            start = len(best.ops) - size
+            while start >= 0 and runs < budget:
+                trial = replace(best, ops=best.ops[:start] + best.ops[start + size:])
+                runs += 1
+                if trial.ops and still_fails(trial):
+                    best, changed = trial, True
+                start = min(start, len(best.ops) - size) - size
+            if size == 1:
+                break
+            size = max(1, size // 2)
         for index, op in enumerate(list(best.ops)):
             for simpler in _simpler_ops(op):
+                if runs >= budget:
+                    break
                 trial = replace(best, ops=best.ops[:index] + [simpler] + best.ops[index + 1:])
                 runs += 1
                 if still_fails(trial):

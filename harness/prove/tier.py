@@ -9,14 +9,13 @@ matrix rather than shown as proved.
 from __future__ import annotations
 
 import fnmatch
-import multiprocessing
-import os
 import time
 from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from overlap_spec.harness.pool import get_default_jobs as get_default_jobs  # the CLI default
+from overlap_spec.harness.pool import run_tasks
 from overlap_spec.harness.verdict import TierReport, Verdict
 from overlap_spec.proofs import bmc
 from overlap_spec.proofs import solver as zs
@@ -131,11 +130,6 @@ def run_job(job: ProveJob) -> list[Obligation]:
     return rows
 
 
-def get_default_jobs() -> int:
-    """The CPUs this process may run on (the default of ``--jobs``)."""
-    return max(len(os.sched_getaffinity(0)), 1) if hasattr(os, "sched_getaffinity") else 1
-
-
 def _expected_cost(cell: Cell) -> tuple[bool, bool, bool]:
     """Slowest cells first (overlap, page 4, spec: measured in docs/proofs.md), so the
     last cell a worker takes is a short one."""
@@ -148,20 +142,9 @@ def run_jobs(cells: list[Cell], job: ProveJob, jobs: int,
     """``job`` (its cell field replaced) for every cell, on ``jobs`` worker processes
     (1: in this process). Results come back in ``cells`` order whatever the finish order."""
     todo = [replace(job, cell=c.name) for c in sorted(cells, key=_expected_cost, reverse=True)]
-    done: dict[str, list[Obligation]] = {}
-    if jobs <= 1 or len(todo) <= 1:
-        for item in todo:
-            done[item.cell] = run_job(item)
-            if progress:
-                progress(item.cell, done[item.cell])
-    else:
-        spawn = multiprocessing.get_context("spawn")  # no state shared with this process
-        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=spawn) as pool:
-            futures = {pool.submit(run_job, item): item.cell for item in todo}
-            for future in as_completed(futures):
-                done[futures[future]] = future.result()
-                if progress:
-                    progress(futures[future], done[futures[future]])
+    report = None if progress is None else (lambda item, rows: progress(item.cell, rows))
+    done = dict(zip((item.cell for item in todo), run_tasks(run_job, todo, jobs, report),
+                    strict=True))
     return {c.name: done[c.name] for c in cells}
 
 

@@ -1,0 +1,77 @@
+"""Worker processes for the tiers of ``overlap-spec check``: one task per cell (or per
+mutant and cell), run on ``--jobs`` processes, results back in task order.
+
+Spawned, not forked: a worker shares no state with the parent (torch's thread pools, the
+Hypothesis database, open files), so a task runs exactly as it would alone, and its
+seed replays it in a single process. A result that cannot be pickled back (a crash
+whose exception type does not pickle) returns with its error replaced by a
+``WorkerError`` that keeps the type name and message: a crash stays a crash.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import pickle
+from collections.abc import Callable, Iterable
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from typing import Any, TypeVar
+
+Task = TypeVar("Task")
+Result = TypeVar("Result")
+
+
+class WorkerError(Exception):
+    """A crash from a worker process whose own exception could not be sent back."""
+
+
+def get_default_jobs() -> int:
+    """The CPUs this process may run on (the default of ``--jobs``)."""
+    return max(len(os.sched_getaffinity(0)), 1) if hasattr(os, "sched_getaffinity") else 1
+
+
+def _picklable(result: Any) -> Any:
+    """``result``, with any attribute that will not pickle turned into a ``WorkerError``."""
+    try:
+        pickle.dumps(result)
+        return result
+    except Exception:  # noqa: BLE001 - whatever pickle raises, we repair below
+        pass
+    for name, value in list(getattr(result, "__dict__", {}).items()):
+        try:
+            pickle.dumps(value)
+        except Exception:  # noqa: BLE001
+            text = f"{type(value).__name__}: {value}"
+            setattr(result, name, WorkerError(text) if isinstance(value, BaseException)
+                    else text)
+    return result
+
+
+def _call(function: Callable[[Any], Any], task: Any) -> Any:
+    return _picklable(function(task))
+
+
+def run_tasks(function: Callable[[Task], Result], tasks: Iterable[Task], jobs: int,
+              on_done: Callable[[Task, Result], None] | None = None) -> list[Result]:
+    """``function(task)`` for every task, on ``jobs`` spawned processes (1: in this
+    process, in order). ``on_done`` sees each result as it arrives (progress lines); the
+    list comes back in task order whatever the finish order. ``function`` must be a
+    module-level function (it is pickled by name)."""
+    todo = list(tasks)
+    results: dict[int, Result] = {}
+    if jobs <= 1 or len(todo) <= 1:
+        for index, task in enumerate(todo):
+            results[index] = function(task)
+            if on_done is not None:
+                on_done(task, results[index])
+    else:
+        spawn = multiprocessing.get_context("spawn")
+        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=spawn) as pool:
+            futures = {pool.submit(_call, function, task): index
+                       for index, task in enumerate(todo)}
+            for future in as_completed(futures):
+                index = futures[future]
+                results[index] = future.result()
+                if on_done is not None:
+                    on_done(todo[index], results[index])
+    return [results[index] for index in range(len(todo))]
