@@ -60,79 +60,129 @@ def cmd_check(args: argparse.Namespace) -> int:
         print("overlap-spec: --jobs must be >= 1", file=sys.stderr)
         return 2
     configs = select_configs(args.cells, args.preset)
-    out = Path(args.out) / "failures" if args.out else None
+    run = _Run(args, profile, faults, configs, CheckReport(args.seed, profile.name))
     started = time.perf_counter()
-    tasks = [CellTask(config, profile, args.seed, faults, out) for config in configs]
-    progress = None if args.quiet else _Progress(len(tasks), "hypothesis", profile.name)
+    tiers = (("hypothesis", _hypothesis_tier), ("differential", _differential_tier),
+             ("proofs", _proofs_tier), ("upstream", _upstream_tier), ("mutants", _mutant_tier))
+    for name, tier in tiers:
+        try:
+            tier(run)
+        except KeyboardInterrupt:
+            # Ctrl-C: what ran is reported, the tier it stopped is inconclusive, and the
+            # run is marked incomplete (exit 130, the shell's code for SIGINT).
+            run.report.interrupt(name)
+            break
+    run.report.elapsed_s = time.perf_counter() - started
+    print(f"\n{run.report.closing_line()}")
+    if args.json:
+        write_json(run.report.to_json(), Path(args.json))
+    if run.report.interrupted:
+        return 130
+    return 0 if run.report.ok else 1
+
+
+@dataclass
+class _Run:
+    """What the tiers of one ``check`` share."""
+
+    args: argparse.Namespace
+    profile: Profile
+    faults: frozenset[str]
+    configs: list[ModelConfig]
+    report: CheckReport
+
+    @property
+    def out(self) -> Path | None:
+        return Path(self.args.out) / "failures" if self.args.out else None
+
+    def skips(self, tier: str, option: str, by_option: bool) -> bool:
+        """Record ``tier`` as skipped (by its option, or because --faults runs the
+        Hypothesis tier only) and say so."""
+        if not (by_option or self.faults):
+            return False
+        reason = option if by_option else "--faults (a faulted run checks the Hypothesis tier only)"
+        self.report.add(TierReport.skipped(tier, reason))
+        return True
+
+
+def _hypothesis_tier(run: _Run) -> None:
+    args = run.args
+    tasks = [CellTask(config, run.profile, args.seed, run.faults, run.out)
+             for config in run.configs]
+    progress = None if args.quiet else CellProgress(len(tasks), "hypothesis", run.profile.name)
     results = run_tasks(run_cell_task, tasks, args.jobs,
                         None if progress is None else progress.cell_done)
     print(render_table(results))
-    report = CheckReport(args.seed, profile.name)
-    report.add(hypothesis_tier_report(results))
-    if args.no_differential or faults:
-        report.add(TierReport.skipped("differential", _why_skipped(args.no_differential,
-                                                                   "--no-differential")))
-    else:
-        print("\ndifferential tier (gpu_impl vs reference, CPU race detector):")
-        diff_results = run_differential_tier(configs, profile, args.seed, torch.device("cpu"),
-                                             args.quiet, out, jobs=args.jobs)
-        print(render_differential(diff_results))
-        report.add(differential_tier_report(diff_results))
-    if args.no_proofs or faults:
-        report.add(TierReport.skipped("proofs", _why_skipped(args.no_proofs, "--no-proofs")))
-    else:
-        print("\nproofs (Z3: induction, happens-before, bounded model checking):")
-        proofs = run_proofs_for_check([c.cell.name for c in configs] if args.cells else None,
-                                      args.jobs)
-        counts = proofs.get("counts", {})
-        print("  " + ", ".join(f"{k} {v}" for k, v in counts.items())
-              + f" ({proofs.get('elapsed_s', 0):.1f}s)")
-        report.add(proofs_tier_report(proofs))
-    if args.no_upstream or faults:
-        upstream = report.add(TierReport.skipped("upstream", _why_skipped(args.no_upstream,
-                                                                          "--no-upstream")))
+    run.report.add(hypothesis_tier_report(results))
+
+
+def _differential_tier(run: _Run) -> None:
+    if run.skips("differential", "--no-differential", run.args.no_differential):
+        return
+    print("\ndifferential tier (gpu_impl vs reference, CPU race detector):")
+    results = run_differential_tier(run.configs, run.profile, run.args.seed,
+                                    torch.device("cpu"), run.args.quiet, run.out,
+                                    jobs=run.args.jobs)
+    print(render_differential(results))
+    run.report.add(differential_tier_report(results))
+
+
+def _proofs_tier(run: _Run) -> None:
+    if run.skips("proofs", "--no-proofs", run.args.no_proofs):
+        return
+    print("\nproofs (Z3: induction, happens-before, bounded model checking):")
+    names = [c.cell.name for c in run.configs] if run.args.cells else None
+    proofs = run_proofs_for_check(names, run.args.jobs, progress=not run.args.quiet)
+    counts = proofs.get("counts", {})
+    print("  " + ", ".join(f"{k} {v}" for k, v in counts.items())
+          + f" ({proofs.get('elapsed_s', 0):.1f}s)")
+    run.report.add(proofs_tier_report(proofs))
+
+
+def _upstream_tier(run: _Run) -> None:
+    args = run.args
+    if run.skips("upstream", "--no-upstream", args.no_upstream):
+        upstream = run.report.tiers[-1]
     elif get_upstream_python() is None:
-        upstream = report.add(TierReport.skipped(
+        upstream = run.report.add(TierReport.skipped(
             "upstream", "no upstream environment (build it with './dev upstream')"))
     else:
         print("\nupstream tier (sglang's own scheduler against the spec):")
         up_args = argparse.Namespace(
-            cells=",".join(c.cell.name for c in configs) if args.cells else None,
-            sglang_src=None, out=args.out, seed=args.seed, profile=profile.name,
+            cells=",".join(c.cell.name for c in run.configs) if args.cells else None,
+            sglang_src=None, out=args.out, seed=args.seed, profile=run.profile.name,
             preset="minimal" if args.preset == "all" else args.preset,
             jobs=args.jobs, quiet=args.quiet)
         try:
             document = run_upstream_check(up_args, progress=not args.quiet)
             print(render_report(document))
-            upstream = report.add(upstream_tier_report(document))
+            upstream = run.report.add(upstream_tier_report(document))
         except UsageError as error:
-            upstream = report.add(upstream_tier_error(str(error)))
+            upstream = run.report.add(upstream_tier_error(str(error)))
             print(f"  upstream tier could not run: {error}")
     if upstream.verdict is Verdict.SKIPPED:
         print(f"\nupstream tier skipped: {upstream.reason}")
-    if args.no_mutants or faults:
-        report.add(TierReport.skipped("mutants", _why_skipped(args.no_mutants, "--no-mutants")))
-    else:
-        where = "the selected cells" if args.cells else "representative cells"
-        print(f"\nmutant matrix (each bug alone, {where}):")
-        subset = tuple(c.cell for c in configs) if args.cells else None
-        # The matrix runs at minimal sizes when several presets were asked for.
-        preset = "minimal" if args.preset == "all" else args.preset
-        mutant_dir = Path(args.out) / "mutants" if args.out else None
-        checkers = tuple(c for c in CHECKERS
-                         if not (c == "gpu_impl" and args.no_differential)
-                         and not (c == "z3" and args.no_proofs))
-        mutant_results = run_mutants(profile, args.seed, cells=subset, preset=preset,
-                                     save_dir=mutant_dir,
-                                     progress=None if args.quiet else print_mutant_progress,
-                                     checkers=checkers, jobs=args.jobs)
-        print(render_mutants(mutant_results))
-        report.add(mutants_tier_report(mutant_results))
-    report.elapsed_s = time.perf_counter() - started
-    print(f"\n{report.closing_line()}")
-    if args.json:
-        write_json(report.to_json(), Path(args.json))
-    return 0 if report.ok else 1
+
+
+def _mutant_tier(run: _Run) -> None:
+    args = run.args
+    if run.skips("mutants", "--no-mutants", args.no_mutants):
+        return
+    where = "the selected cells" if args.cells else "representative cells"
+    print(f"\nmutant matrix (each bug alone, {where}):")
+    subset = tuple(c.cell for c in run.configs) if args.cells else None
+    # The matrix runs at minimal sizes when several presets were asked for.
+    preset = "minimal" if args.preset == "all" else args.preset
+    mutant_dir = Path(args.out) / "mutants" if args.out else None
+    checkers = tuple(c for c in CHECKERS
+                     if not (c == "gpu_impl" and args.no_differential)
+                     and not (c == "z3" and args.no_proofs))
+    results = run_mutants(run.profile, args.seed, cells=subset, preset=preset,
+                          save_dir=mutant_dir,
+                          progress=None if args.quiet else print_mutant_progress,
+                          checkers=checkers, jobs=args.jobs)
+    print(render_mutants(results))
+    run.report.add(mutants_tier_report(results))
 
 
 @dataclass(frozen=True)
@@ -144,13 +194,16 @@ class CellTask:
     seed: int
     faults: frozenset[str]
     save_dir: Path | None
+    # False: no Hypothesis shrinking; the failing script is minimised instead (review).
+    shrink: bool = True
 
 
 def run_cell_task(task: CellTask) -> CellResult:
-    return check_cell(task.config, task.profile, task.seed, task.faults, save_dir=task.save_dir)
+    return check_cell(task.config, task.profile, task.seed, task.faults, save_dir=task.save_dir,
+                      shrink=task.shrink, minimize=not task.shrink)
 
 
-class _Progress:
+class CellProgress:
     """One stderr line per finished cell: ``[k/N] hypothesis ci  CELL ok (4.51s)``."""
 
     def __init__(self, total: int, tier: str, profile: str) -> None:
@@ -162,8 +215,3 @@ class _Progress:
         print(f"[{self.done:2d}/{self.total}] {self.tier} {self.profile:<8} "
               f"{task.config.name:<40} {status} ({result.seconds:.2f}s)",
               file=sys.stderr, flush=True)
-
-
-def _why_skipped(by_option: bool, option: str) -> str:
-    """A tier is skipped by its option, or because --faults runs the Hypothesis tier only."""
-    return option if by_option else "--faults (a faulted run checks the Hypothesis tier only)"

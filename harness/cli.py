@@ -50,6 +50,7 @@ from overlap_spec.harness.mutants.select import CHECKERS, KILLED, NOT_APPLICABLE
 from overlap_spec.harness.prove.cli import add_prove_arguments, cmd_prove
 from overlap_spec.harness.prove.tier import get_default_jobs
 from overlap_spec.harness.report import write_json
+from overlap_spec.harness.review import add_review_arguments, cmd_review
 from overlap_spec.harness.trace.cli import add_trace_arguments, cmd_trace
 from overlap_spec.harness.vectors import add_vectors_arguments, cmd_vectors
 from overlap_spec.spec.bugs import BUG_IDS
@@ -62,6 +63,8 @@ Executable model and checkers for the seq_lens / KV-accounting state of SGLang's
 overlap scheduler with speculative decoding v2.
 
 commands:
+  review       a reviewer's minute: the reference (or --sglang-src DIR, an SGLang
+               tree) against every invariant in every cell, failures grouped
   check        the main job, on every configuration cell: the Hypothesis state
                machine (reference + every invariant), the differential tier
                (gpu_impl vs reference, CPU race detector), the Z3 proofs, then the
@@ -230,6 +233,10 @@ def build_parser() -> argparse.ArgumentParser:
                             "(default: the CPUs available, here %(default)s)")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     check.set_defaults(func=cmd_check)
+    review = sub.add_parser("review", help="a reviewer's minute: does my change to the "
+                            "reference (or an SGLang tree) break an invariant?")
+    add_review_arguments(review)
+    review.set_defaults(func=cmd_review)
     mutants = sub.add_parser("mutants", help="the B1-B16 kill matrix")
     mutants.add_argument("--bugs", help="comma-separated bug IDs (default: all)")
     mutants.add_argument("--all-cells", action="store_true",

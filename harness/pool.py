@@ -66,7 +66,8 @@ def run_tasks(function: Callable[[Task], Result], tasks: Iterable[Task], jobs: i
                 on_done(task, results[index])
     else:
         spawn = multiprocessing.get_context("spawn")
-        with ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=spawn) as pool:
+        pool = ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=spawn)
+        try:
             futures = {pool.submit(_call, function, task): index
                        for index, task in enumerate(todo)}
             for future in as_completed(futures):
@@ -74,4 +75,12 @@ def run_tasks(function: Callable[[Task], Result], tasks: Iterable[Task], jobs: i
                 results[index] = future.result()
                 if on_done is not None:
                     on_done(todo[index], results[index])
+        except BaseException:
+            # Ctrl-C (or a failed task): stop the workers now rather than wait for their
+            # running tasks; the executor offers no public way to do that.
+            for process in list((pool._processes or {}).values()):
+                process.terminate()
+            pool.shutdown(wait=False, cancel_futures=True)
+            raise
+        pool.shutdown()
     return [results[index] for index in range(len(todo))]

@@ -4,6 +4,8 @@ section, and its :class:`~overlap_spec.harness.verdict.TierReport`."""
 from __future__ import annotations
 
 import json
+import re
+import textwrap
 from pathlib import Path
 from typing import Any
 
@@ -51,11 +53,41 @@ def render_table(results: list[CellResult]) -> str:
     for inv in INVARIANTS:
         row = "".join(f"{SYMBOLS[verdicts[inv.id][r.config.name]]:>3}" for r in results)
         lines.append(f"{inv.id:<6}{row}   {inv.claim}")
-    failures = [r for r in results if not r.ok]
-    if failures:
-        lines += ["", "failures:"]
-        for result in failures:
-            lines += ["  " + line for line in describe_failure(result).splitlines()]
+    failures = render_failures(results)
+    return "\n".join(lines + ([""] + failures.splitlines() if failures else []))
+
+
+def get_failure_signature(result: CellResult) -> str:
+    """What makes two cells' failures the same failure: the first invariant's message
+    (or the crash's type and message) with its numbers blanked and the position (op,
+    cell) left out; the other invariants the same state broke do not count."""
+    if result.violation is not None:
+        text = f"{result.violation.invariant_id} {result.violation.message.splitlines()[0]}"
+    else:
+        text = f"crash {type(result.error).__name__}: {str(result.error).splitlines()[0]}"
+    text = re.sub(r"\s*\((op|step) \d+, cell [^)]*\)", "", text)
+    return re.sub(r"\d+", "N", text)
+
+
+def render_failures(results: list[CellResult]) -> str:
+    """One block per distinct failure, listing the cells it occurred in; the block shows
+    the smallest counterexample among them (fewest requests, then ops)."""
+    groups: dict[str, list[CellResult]] = {}
+    for result in results:
+        if not result.ok:
+            groups.setdefault(get_failure_signature(result), []).append(result)
+    if not groups:
+        return ""
+    count = sum(len(g) for g in groups.values())
+    lines = [f"failures: {len(groups)} distinct, in {count} cell{'s' * (count != 1)}"]
+    for number, members in enumerate(groups.values(), 1):
+        shown = min(members, key=lambda r: (r.script.count_requests(), len(r.script.ops))
+                    if r.script is not None else (1 << 30, 1 << 30))
+        names = [r.config.name for r in members]
+        lines += textwrap.wrap(f"[{number}] in {len(names)} cell{'s' * (len(names) != 1)}: "
+                               + ", ".join(names), width=100, subsequent_indent="    ",
+                               break_on_hyphens=False)
+        lines += ["    " + line for line in describe_failure(shown).splitlines()]
     return "\n".join(lines)
 
 
@@ -114,8 +146,10 @@ def hypothesis_tier_report(results: list[CellResult]) -> TierReport:
         verdict = Verdict.INCONCLUSIVE
     else:
         verdict = Verdict.VACUOUS
+    vacuous = sum(v is VACUOUS for per_cell in get_verdicts(results).values()
+                  for v in per_cell.values())
     summary = (f"{sum(r.ok for r in results)}/{len(results)} cells clean"
-               + ("" if clean else " (or an invariant was vacuous)"))
+               + (f" ({vacuous} invariant x cell vacuous: no witness)" if vacuous else ""))
     return TierReport("hypothesis", verdict, summary, build_section(results))
 
 

@@ -89,18 +89,27 @@ class CheckReport:
     profile: str
     tiers: list[TierReport] = field(default_factory=list)
     elapsed_s: float = 0.0
+    interrupted: str | None = None  # the tier a Ctrl-C stopped; the report is incomplete
 
     def add(self, tier: TierReport) -> TierReport:
         self.tiers.append(tier)
         return tier
 
+    def interrupt(self, tier: str) -> None:
+        """Ctrl-C inside ``tier``: it is inconclusive, the tiers after it never ran."""
+        self.interrupted = tier
+        self.add(TierReport(tier, Verdict.INCONCLUSIVE, f"{tier} interrupted",
+                            {tier: {"status": "interrupted"}}, "interrupted (Ctrl-C)"))
+
     @property
     def ok(self) -> bool:
-        return not any(t.verdict.fails_run for t in self.tiers)
+        return self.interrupted is None and not any(t.verdict.fails_run for t in self.tiers)
 
     def closing_line(self) -> str:
         parts = ", ".join(t.summary for t in self.tiers)
-        return (f"{'OK' if self.ok else 'FAILED'}: {parts}, seed {self.seed}, "
+        word = ("INTERRUPTED (report incomplete)" if self.interrupted
+                else "OK" if self.ok else "FAILED")
+        return (f"{word}: {parts}, seed {self.seed}, "
                 f"profile {self.profile}, {self.elapsed_s:.1f}s")
 
     def to_json(self) -> dict[str, Any]:
@@ -110,6 +119,8 @@ class CheckReport:
             "elapsed_s": round(self.elapsed_s, 3),
             "seed": self.seed,
             "profile": self.profile,
+            **({"incomplete": True, "interrupted": self.interrupted}
+               if self.interrupted else {}),
             "tiers": {t.name: {"verdict": t.verdict.value, "summary": t.summary,
                                **({"reason": t.reason} if t.reason else {})}
                       for t in self.tiers},

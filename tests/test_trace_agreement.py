@@ -57,7 +57,7 @@ def test_checkers_agree_on_every_mutant_counterexample(script_path: Path,
 def test_fresh_mutant_matrix_kills_are_saved_as_rejected_traces(tmp_path: Path) -> None:
     """The whole ci matrix, regenerated: each kill's script, saved as a trace, is rejected
     by trace check with an ID of the bug's catalogue entry (the lead's wiring does this in
-    harness/mutants/minimize.py; here it is done after the fact)."""
+    harness/drive/minimize.py; here it is done after the fact)."""
     from overlap_spec.harness.mutants.matrix import run_mutants
 
     results = run_mutants(get_profile("ci"), 20261122, save_dir=tmp_path)

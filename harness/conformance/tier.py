@@ -160,7 +160,7 @@ def replay_on_upstream(script: Script) -> UpstreamChecker | InvariantViolation:
 
 def minimize_finding(script: Script, finding_id: str, budget: int = 200) -> Script:
     """The smallest script (greedy) that still shows the finding on upstream."""
-    from overlap_spec.harness.mutants.minimize import minimize_script
+    from overlap_spec.harness.drive.minimize import minimize_script
 
     def still_fails(trial: Script) -> bool:
         outcome = replay_on_upstream(trial)

@@ -83,8 +83,8 @@ class DifferentialFailure(AssertionError):
         return (type(self), (self.outcome, self.script), self.__dict__)
 
 
-GPU_MUTANT_EXAMPLES = {"ci": 200, "dev": 600, "thorough": 2000}
-DIFFERENTIAL_EXAMPLES = {"ci": 25, "dev": 200, "thorough": 1000}
+GPU_MUTANT_EXAMPLES = {"quick": 100, "ci": 200, "dev": 600, "thorough": 2000}
+DIFFERENTIAL_EXAMPLES = {"quick": 25, "ci": 25, "dev": 200, "thorough": 1000}
 
 
 def get_differential_examples(profile: Profile) -> int:

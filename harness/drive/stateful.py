@@ -5,8 +5,8 @@ observer checks every applicable invariant at every observation point inside
 each operation. A failure is shrunk by Hypothesis, saved as a replayable
 script (:mod:`overlap_spec.harness.drive.script`) and reported with the seed.
 
-Profiles (``HYPOTHESIS_PROFILE`` or ``--profile``): ``ci`` (default, fast),
-``dev``, ``thorough``.
+Profiles (``HYPOTHESIS_PROFILE`` or ``--profile``): ``quick`` (``overlap-spec review``),
+``ci`` (default), ``dev``, ``thorough``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from hypothesis.stateful import (
 from overlap_spec.harness.drive.cells import UsageError
 from overlap_spec.harness.drive.checker import InvariantChecker
 from overlap_spec.harness.drive.generate import get_strategies
+from overlap_spec.harness.drive.minimize import minimize_script
 from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
@@ -40,6 +41,7 @@ from overlap_spec.harness.drive.script import (
     Script,
     apply_op,
     get_factory,
+    run_script,
     save_script,
 )
 from overlap_spec.harness.trace.check import TraceVerdict, record_script_trace
@@ -59,6 +61,9 @@ class Profile:
 
 
 PROFILES = {
+    # quick: `overlap-spec review`, a reviewer's minute; still a witness for every
+    # applicable invariant in every cell at the default seed (tests/test_review.py).
+    "quick": Profile("quick", max_examples=50, step_count=30, mutant_examples=300),
     "ci": Profile("ci", max_examples=150, step_count=40, mutant_examples=1000),
     "dev": Profile("dev", max_examples=1000, step_count=60, mutant_examples=2000),
     "thorough": Profile("thorough", max_examples=5000, step_count=100, mutant_examples=10000),
@@ -208,15 +213,19 @@ def get_machine_test(machine: type[RuleBasedStateMachine], max_examples: int, st
 
 def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
                faults: frozenset[str] = frozenset(), implementation: str = "reference",
-               save_dir: Path | None = None, shrink: bool = True) -> CellResult:
+               save_dir: Path | None = None, shrink: bool = True,
+               max_examples: int | None = None, minimize: bool = False) -> CellResult:
     """Run the stateful check in one cell; never raises for a violation, returns it.
 
-    ``shrink=False`` skips Hypothesis's shrinker (the mutant runner minimises the
-    script itself, which is much cheaper for these short operation scripts).
+    ``shrink=False`` skips Hypothesis's shrinker; ``minimize`` then shrinks the failing
+    script with :func:`~overlap_spec.harness.drive.minimize.minimize_script` (same first
+    invariant), which is much cheaper for these short operation scripts (the mutant
+    runner minimises for the catalogue's invariant itself). ``max_examples`` overrides
+    the profile's (the mutant runner's budget).
     """
     log = RunLog()
     machine = make_machine(config, faults, implementation, log)
-    examples = profile.max_examples if shrink else profile.mutant_examples
+    examples = max_examples or profile.max_examples
     test = get_machine_test(machine, examples, profile.step_count, run_seed, shrink)
     started = time.perf_counter()
     result = CellResult(config, faults, run_seed, profile.name, 0.0)
@@ -225,6 +234,10 @@ def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
     except InvariantViolation as violation:
         result.violation = violation
         script = log.last_script
+        if script is not None and minimize and not shrink:
+            script = minimize_script(script, violation.invariant_id)
+            # The report describes the script that is saved.
+            result.violation = run_script(script).violation or violation
         if script is not None:
             script.seed = run_seed
             result.script = script

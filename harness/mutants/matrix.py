@@ -21,13 +21,13 @@ from overlap_spec.harness.differential.compare import (
     get_gpu_mutant_examples,
     run_differential,
 )
+from overlap_spec.harness.drive.minimize import minimize_script
 from overlap_spec.harness.drive.script import (
     Script,
     run_script,
     save_script,
 )
 from overlap_spec.harness.drive.stateful import Profile, check_cell, get_failure_dir
-from overlap_spec.harness.mutants.minimize import minimize_script
 from overlap_spec.harness.mutants.select import (
     KILLED,
     NO_GPU_PATH,
@@ -98,7 +98,7 @@ def run_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed: in
                        save_dir: Path) -> CellKill:
     started = time.perf_counter()
     result = check_cell(config, profile, seed, frozenset({bug.id}), save_dir=save_dir,
-                        shrink=False)
+                        shrink=False, max_examples=profile.mutant_examples)
     kill = CellKill(config.name, SURVIVED)
     if result.error is not None:
         kill.detail = f"crash: {type(result.error).__name__}: {result.error}"

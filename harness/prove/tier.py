@@ -9,7 +9,9 @@ matrix rather than shown as proved.
 from __future__ import annotations
 
 import fnmatch
+import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Final
@@ -148,14 +150,26 @@ def run_jobs(cells: list[Cell], job: ProveJob, jobs: int,
     return {c.name: done[c.name] for c in cells}
 
 
-def run_proofs_for_check(cell_names: list[str] | None, jobs: int = 1) -> dict[str, Any]:
-    """The "proofs" section of ``overlap-spec check``'s JSON."""
+def run_proofs_for_check(cell_names: list[str] | None, jobs: int = 1,
+                         progress: bool = False) -> dict[str, Any]:
+    """The "proofs" section of ``overlap-spec check``'s JSON; ``progress``: a stderr line
+    per finished cell."""
     started = time.perf_counter()
     cells = [c for c in enumerate_cells() if cell_names is None or c.name in cell_names
              or any(fnmatch.fnmatch(c.name, n) for n in cell_names)]
     job = ProveJob("", "minimal", DEFAULT_BATCH_BOUND, DEFAULT_TIMEOUT_MS, CHECK_BMC_BOUND,
                    DEFAULT_BMC_TIMEOUT_MS)
-    results = run_jobs(cells, job, jobs)
+    finished = 0
+
+    def report(cell: str, rows: list[Obligation]) -> None:
+        nonlocal finished
+        finished += 1
+        counts = Counter(row.verdict for row in rows)
+        print(f"[{finished:2d}/{len(cells)}] proofs {cell:<40} "
+              + ", ".join(f"{verdict} {n}" for verdict, n in sorted(counts.items()))
+              + f" ({sum(row.seconds for row in rows):.1f}s)", file=sys.stderr, flush=True)
+
+    results = run_jobs(cells, job, jobs, report if progress else None)
     document = build_proofs_json(results, time.perf_counter() - started, DEFAULT_BATCH_BOUND)
     bmc_rows = [r for rows in results.values() for r in rows if r.transition == "bmc"]
     document["bmc"] = {"depth": CHECK_BMC_BOUND[0], "requests": CHECK_BMC_BOUND[1],

@@ -1,0 +1,128 @@
+"""``overlap-spec review``: a reviewer's minute. Does my change break an invariant?
+
+A change to ``reference/`` (a design stated in the model before it is code): the
+Hypothesis state machine on every cell with the ``quick`` budget, every applicable
+invariant at every observation point, cells spread over ``--jobs`` processes. A change
+to an SGLang tree (``--sglang-src DIR``): the upstream tier on that tree instead, with
+the same budget. Failures print once per distinct failure with the cells it occurred
+in; nothing else is run (``overlap-spec check`` is the whole job).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from overlap_spec.harness.check import CellProgress, CellTask, run_cell_task
+from overlap_spec.harness.conformance.cli import (
+    UsageError,
+    render_report,
+    run_upstream_check,
+    upstream_tier_report,
+)
+from overlap_spec.harness.drive.cells import DEFAULT_SEED, select_configs
+from overlap_spec.harness.drive.stateful import PROFILES, get_profile
+from overlap_spec.harness.pool import get_default_jobs, run_tasks
+from overlap_spec.harness.report import (
+    get_verdicts,
+    hypothesis_tier_report,
+    render_failures,
+    write_json,
+)
+from overlap_spec.harness.verdict import CheckReport, Verdict
+from overlap_spec.reference.scheduler import SUPPORTED_FAULTS
+from overlap_spec.spec.config import ModelConfig
+
+REVIEW_PROFILE = "quick"
+
+
+def add_review_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--sglang-src", metavar="DIR", default=None,
+                        help="review an SGLang checkout (its python/sglang) with the upstream "
+                             "tier instead of the reference (needs ./dev upstream)")
+    parser.add_argument("--cells", default=None,
+                        help="comma-separated cell names or globs (default: every cell)")
+    parser.add_argument("--profile", choices=sorted(PROFILES), default=REVIEW_PROFILE,
+                        help=f"hypothesis budget (default: {REVIEW_PROFILE})")
+    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                        help=f"hypothesis seed (default {DEFAULT_SEED})")
+    parser.add_argument("--faults", default=None,
+                        help="switch historical bugs on in the reference, e.g. B3: what a "
+                             "broken change looks like")
+    parser.add_argument("-j", "--jobs", type=int, default=get_default_jobs(),
+                        help="worker processes, one cell each (default: the CPUs available, "
+                             "here %(default)s)")
+    parser.add_argument("--json", metavar="PATH", help="write the JSON report here")
+    parser.add_argument("--out", metavar="DIR",
+                        help="where failing scripts are saved (default: .overlap-spec)")
+    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+
+
+def cmd_review(args: argparse.Namespace) -> int:
+    profile = get_profile(args.profile)
+    faults = frozenset(f.strip() for f in (args.faults or "").split(",") if f.strip())
+    if faults - SUPPORTED_FAULTS:
+        raise UsageError(f"unknown fault IDs {sorted(faults - SUPPORTED_FAULTS)}; supported: "
+                         f"{', '.join(sorted(SUPPORTED_FAULTS))}")
+    if args.jobs < 1:
+        raise UsageError("--jobs must be >= 1")
+    if args.sglang_src is not None and faults:
+        raise UsageError("--faults switches bugs on in the reference; it does not apply to "
+                         "--sglang-src")
+    configs = select_configs(args.cells, "minimal")
+    report = CheckReport(args.seed, profile.name)
+    started = time.perf_counter()
+    try:
+        if args.sglang_src is None:
+            _review_reference(args, profile.name, faults, configs, report)
+        else:
+            _review_sglang(args, profile.name, configs, report)
+    except KeyboardInterrupt:
+        report.interrupt("upstream" if args.sglang_src else "hypothesis")
+    report.elapsed_s = time.perf_counter() - started
+    print(report.closing_line())
+    if args.json:
+        write_json(report.to_json(), Path(args.json))
+    if report.interrupted:
+        return 130
+    return 0 if report.ok else 1
+
+
+def _review_reference(args: argparse.Namespace, profile_name: str, faults: frozenset[str],
+                      configs: list[ModelConfig], report: CheckReport) -> None:
+    profile = get_profile(profile_name)
+    print(f"review: the reference against the spec in {len(configs)} cells, profile "
+          f"{profile.name} ({profile.max_examples} sequences of up to {profile.step_count} "
+          f"ops per cell), seed {args.seed}"
+          + (f", faults {','.join(sorted(faults))}" if faults else ""))
+    out = Path(args.out) / "failures" if args.out else None
+    # Our minimiser instead of Hypothesis's shrinker: a failing cell costs seconds, not
+    # tens of seconds, and the counterexample is as small (tests/test_review.py).
+    tasks = [CellTask(config, profile, args.seed, faults, out, shrink=False)
+             for config in configs]
+    progress = None if args.quiet else CellProgress(len(tasks), "hypothesis", profile.name)
+    results = run_tasks(run_cell_task, tasks, args.jobs,
+                        None if progress is None else progress.cell_done)
+    failures = render_failures(results)
+    if failures:
+        print(failures)
+    vacuous = sorted({f"{inv} in {cell}" for inv, per_cell in get_verdicts(results).items()
+                      for cell, verdict in per_cell.items() if verdict is Verdict.VACUOUS})
+    if vacuous:
+        print(f"no witness (vacuous, a failure): {', '.join(vacuous)}")
+    report.add(hypothesis_tier_report(results))
+
+
+def _review_sglang(args: argparse.Namespace, profile_name: str, configs: list[ModelConfig],
+                   report: CheckReport) -> None:
+    print(f"review: the SGLang tree {args.sglang_src} against the spec (upstream tier), "
+          f"profile {profile_name}, seed {args.seed}")
+    up_args = argparse.Namespace(
+        cells=",".join(c.cell.name for c in configs) if args.cells else None,
+        sglang_src=args.sglang_src, out=args.out, seed=args.seed, profile=profile_name,
+        preset="minimal", jobs=args.jobs, quiet=args.quiet)
+    # No upstream environment, or not a checkout: a usage error (exit 2), not a verdict.
+    document = run_upstream_check(up_args, progress=not args.quiet)
+    print(render_report(document))
+    report.add(upstream_tier_report(document))
