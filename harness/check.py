@@ -40,7 +40,7 @@ from overlap_spec.harness.mutants.matrix import (
     run_mutants,
 )
 from overlap_spec.harness.mutants.select import CHECKERS
-from overlap_spec.harness.pool import run_tasks
+from overlap_spec.harness.pool import catching_interrupts, raise_if_interrupted, run_tasks
 from overlap_spec.harness.prove.tier import proofs_tier_report, run_proofs_for_check
 from overlap_spec.harness.report import hypothesis_tier_report, render_table, write_json
 from overlap_spec.harness.verdict import CheckReport, TierReport, Verdict
@@ -64,14 +64,16 @@ def cmd_check(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     tiers = (("hypothesis", _hypothesis_tier), ("differential", _differential_tier),
              ("proofs", _proofs_tier), ("upstream", _upstream_tier), ("mutants", _mutant_tier))
-    for name, tier in tiers:
-        try:
-            tier(run)
-        except KeyboardInterrupt:
-            # Ctrl-C: what ran is reported, the tier it stopped is inconclusive, and the
-            # run is marked incomplete (exit 130, the shell's code for SIGINT).
-            run.report.interrupt(name)
-            break
+    with catching_interrupts():
+        for name, tier in tiers:
+            try:
+                tier(run)
+                raise_if_interrupted()
+            except KeyboardInterrupt:
+                # Ctrl-C: what ran is reported, the tier it stopped is inconclusive, and
+                # the run is marked incomplete (exit 130, the shell's code for SIGINT).
+                run.report.interrupt(name)
+                break
     run.report.elapsed_s = time.perf_counter() - started
     print(f"\n{run.report.closing_line()}")
     if args.json:

@@ -13,12 +13,54 @@ from __future__ import annotations
 import multiprocessing
 import os
 import pickle
-from collections.abc import Callable, Iterable
+import signal
+import sys
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import ProcessPoolExecutor, as_completed
+from contextlib import contextmanager
+from types import FrameType
 from typing import Any, TypeVar
 
 Task = TypeVar("Task")
 Result = TypeVar("Result")
+
+
+_interrupt_requested = False
+
+
+def _on_interrupt(signum: int, frame: FrameType | None) -> None:
+    global _interrupt_requested
+    _interrupt_requested = True
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def catching_interrupts() -> Iterator[None]:
+    """Ctrl-C inside: a ``KeyboardInterrupt`` as usual, and remembered, because Python
+    drops one that lands inside a garbage-collector callback (Hypothesis installs one)
+    with "Exception ignored"; :func:`raise_if_interrupted` raises it again at the next
+    task boundary, so an interrupt is never lost."""
+    global _interrupt_requested
+    _interrupt_requested = False
+    previous = signal.signal(signal.SIGINT, _on_interrupt)
+    previous_hook = sys.unraisablehook
+
+    def unraisable(info: Any) -> None:
+        if not isinstance(info.exc_value, KeyboardInterrupt):  # that one is re-raised
+            previous_hook(info)
+
+    sys.unraisablehook = unraisable
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+        sys.unraisablehook = previous_hook
+        _interrupt_requested = False
+
+
+def raise_if_interrupted() -> None:
+    if _interrupt_requested:
+        raise KeyboardInterrupt
 
 
 class WorkerError(Exception):
@@ -47,6 +89,11 @@ def _picklable(result: Any) -> Any:
     return result
 
 
+def _ignore_interrupts() -> None:
+    """Ctrl-C is the parent's to handle: it reports what finished and stops the workers."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+
+
 def _call(function: Callable[[Any], Any], task: Any) -> Any:
     return _picklable(function(task))
 
@@ -62,17 +109,20 @@ def run_tasks(function: Callable[[Task], Result], tasks: Iterable[Task], jobs: i
     if jobs <= 1 or len(todo) <= 1:
         for index, task in enumerate(todo):
             results[index] = function(task)
+            raise_if_interrupted()
             if on_done is not None:
                 on_done(task, results[index])
     else:
         spawn = multiprocessing.get_context("spawn")
-        pool = ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=spawn)
+        pool = ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=spawn,
+                                   initializer=_ignore_interrupts)
         try:
             futures = {pool.submit(_call, function, task): index
                        for index, task in enumerate(todo)}
             for future in as_completed(futures):
                 index = futures[future]
                 results[index] = future.result()
+                raise_if_interrupted()
                 if on_done is not None:
                     on_done(todo[index], results[index])
         except BaseException:

@@ -62,11 +62,11 @@ def get_failure_signature(result: CellResult) -> str:
     (or the crash's type and message) with its numbers blanked and the position (op,
     cell) left out; the other invariants the same state broke do not count."""
     if result.violation is not None:
-        text = f"{result.violation.invariant_id} {result.violation.message.splitlines()[0]}"
+        head, text = result.violation.invariant_id, result.violation.message
     else:
-        text = f"crash {type(result.error).__name__}: {str(result.error).splitlines()[0]}"
-    text = re.sub(r"\s*\((op|step) \d+, cell [^)]*\)", "", text)
-    return re.sub(r"\d+", "N", text)
+        head, text = f"crash {type(result.error).__name__}", str(result.error)
+    text = re.sub(r"\s*\((op|step) \d+, cell [^)]*\)", "", (text.splitlines() or [""])[0])
+    return f"{head}: {re.sub(r'[0-9]+', 'N', text)}"
 
 
 def render_failures(results: list[CellResult]) -> str:

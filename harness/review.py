@@ -23,7 +23,12 @@ from overlap_spec.harness.conformance.cli import (
 )
 from overlap_spec.harness.drive.cells import DEFAULT_SEED, select_configs
 from overlap_spec.harness.drive.stateful import PROFILES, get_profile
-from overlap_spec.harness.pool import get_default_jobs, run_tasks
+from overlap_spec.harness.pool import (
+    catching_interrupts,
+    get_default_jobs,
+    raise_if_interrupted,
+    run_tasks,
+)
 from overlap_spec.harness.report import (
     get_verdicts,
     hypothesis_tier_report,
@@ -74,10 +79,12 @@ def cmd_review(args: argparse.Namespace) -> int:
     report = CheckReport(args.seed, profile.name)
     started = time.perf_counter()
     try:
-        if args.sglang_src is None:
-            _review_reference(args, profile.name, faults, configs, report)
-        else:
-            _review_sglang(args, profile.name, configs, report)
+        with catching_interrupts():
+            if args.sglang_src is None:
+                _review_reference(args, profile.name, faults, configs, report)
+            else:
+                _review_sglang(args, profile.name, configs, report)
+            raise_if_interrupted()
     except KeyboardInterrupt:
         report.interrupt("upstream" if args.sglang_src else "hypothesis")
     report.elapsed_s = time.perf_counter() - started

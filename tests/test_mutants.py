@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 
 from overlap_spec.harness.cli import main
+from overlap_spec.harness.drive.minimize import minimize_script
 from overlap_spec.harness.drive.script import Admit, Iterate, Script, load_script, run_script
 from overlap_spec.harness.drive.stateful import get_profile
 from overlap_spec.harness.mutants.matrix import MutantResult, run_mutants
-from overlap_spec.harness.drive.minimize import minimize_script
 from overlap_spec.harness.mutants.select import KILLED, get_representative_cells
 from overlap_spec.spec.bugs import BUG_IDS, BUGS, get_bug
 from overlap_spec.spec.config import enumerate_cells

@@ -83,7 +83,7 @@ class DifferentialFailure(AssertionError):
         return (type(self), (self.outcome, self.script), self.__dict__)
 
 
-GPU_MUTANT_EXAMPLES = {"quick": 100, "ci": 200, "dev": 600, "thorough": 2000}
+GPU_MUTANT_EXAMPLES = {"quick": 200, "ci": 200, "dev": 600, "thorough": 2000}
 DIFFERENTIAL_EXAMPLES = {"quick": 25, "ci": 25, "dev": 200, "thorough": 1000}
 
 

@@ -1,0 +1,104 @@
+"""``overlap-spec review``: the reviewer's path. It answers, it groups a failure that shows
+in many cells into one block, and it is interrupted cleanly; ``check`` too."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from overlap_spec.harness.cli import main
+from overlap_spec.harness.drive.stateful import CellResult
+from overlap_spec.harness.report import get_failure_signature, render_failures
+from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
+from overlap_spec.spec.invariants import InvariantViolation
+
+CELLS = "ov-p1-none,ov-p1-v2chain-cpu-honest,ov-p1-v2tree-cpu-honest"  # B3 lives in each
+
+
+def test_review_of_the_reference_passes(tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["review", "--cells", CELLS, "-j", "1", "-q", "--json",
+                 str(tmp_path / "r.json")])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert out.splitlines()[-1].startswith("OK: 3/3 cells clean")
+    report = json.loads((tmp_path / "r.json").read_text())
+    assert report["ok"] and report["profile"] == "quick"
+    assert set(report["tiers"]) == {"hypothesis"}
+
+
+def test_review_groups_one_bug_seen_in_several_cells_into_one_block(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["review", "--cells", CELLS, "--faults", "B3", "-j", "1", "-q",
+                 "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 1
+    assert "failures: 1 distinct, in 3 cells" in out, out
+    assert out.count("replay: overlap-spec replay") == 1, out
+    block = out[out.index("[1] in 3 cells"):]
+    assert "RP1 violated" in block and "counterexample:" in block
+    for cell in CELLS.split(","):
+        assert cell in block
+
+
+def _result(cell: str, invariant: str, message: str) -> CellResult:
+    config = ModelConfig(get_cell(cell), PRESETS["minimal"])
+    result = CellResult(config, frozenset(), 1, "quick", 0.0)
+    result.violation = InvariantViolation(invariant, message)
+    return result
+
+
+def test_failures_are_grouped_by_invariant_and_message_shape_not_by_numbers() -> None:
+    same_a = _result("ov-p1-none", "KV1", "for request r3: kv_committed_len=9 > "
+                     "kv_allocated_len=8 at process_result (op 4, cell ov-p1-none@minimal)")
+    same_b = _result("ov-p4-none", "KV1", "for request r1: kv_committed_len=12 > "
+                     "kv_allocated_len=4 at process_result (op 7, cell ov-p4-none@minimal)")
+    other_place = _result("nov-p1-none", "KV1", "for request r1: kv_committed_len=12 > "
+                          "kv_allocated_len=4 at filter_batch (op 7, cell nov-p1-none@minimal)")
+    other_id = _result("nov-p4-none", "KV2", "for request r1: kv_committed_len=12 > "
+                       "kv_allocated_len=4 at process_result")
+    assert get_failure_signature(same_a) == get_failure_signature(same_b)
+    assert get_failure_signature(same_a) != get_failure_signature(other_place)
+    assert get_failure_signature(same_a) != get_failure_signature(other_id)
+    text = render_failures([same_a, same_b, other_place, other_id])
+    assert text.splitlines()[0] == "failures: 3 distinct, in 4 cells"
+    assert "[1] in 2 cells: ov-p1-none@minimal, ov-p4-none@minimal" in text
+
+
+def test_review_of_an_sglang_tree_that_is_not_one_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["review", "--sglang-src", str(tmp_path / "missing")])
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "overlap-spec:" in err[0]
+
+
+def test_ctrl_c_writes_the_report_so_far_marked_incomplete(tmp_path: Path) -> None:
+    report = tmp_path / "report.json"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    process = subprocess.Popen(
+        [sys.executable, "-m", "overlap_spec", "check", "--cells", "ov-p1-none,ov-p4-none",
+         "--profile", "quick", "--no-upstream", "--no-proofs", "-j", "1", "--json", str(report),
+         "--out", str(tmp_path / "out")],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
+    assert process.stdout is not None
+    for line in process.stdout:  # interrupt inside the differential tier
+        if "differential" in line and line.startswith("["):
+            process.send_signal(signal.SIGINT)
+            break
+    rest = process.stdout.read()
+    assert process.wait(timeout=120) == 130, rest
+    assert "Traceback" not in rest, rest
+    assert "INTERRUPTED (report incomplete)" in rest
+    document = json.loads(report.read_text())
+    assert document["ok"] is False and document["incomplete"] is True
+    assert document["interrupted"] == "differential"
+    assert document["tiers"]["hypothesis"]["verdict"] == "pass"
+    assert document["tiers"]["differential"]["verdict"] == "inconclusive"
+    assert "mutants" not in document["tiers"]
