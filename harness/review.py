@@ -99,8 +99,9 @@ def cmd_review(args: argparse.Namespace) -> int:
 def _review_reference(args: argparse.Namespace, profile_name: str, faults: frozenset[str],
                       configs: list[ModelConfig], report: CheckReport) -> None:
     profile = get_profile(profile_name)
-    print(f"review: the reference against the spec in {len(configs)} cells, profile "
-          f"{profile.name} ({profile.max_examples} sequences of up to {profile.step_count} "
+    cells = f"{len(configs)} cell{'s' * (len(configs) != 1)}"
+    print(f"review: the reference against the spec in {cells}, profile {profile.name} "
+          f"({profile.max_examples} sequences of up to {profile.step_count} "
           f"ops per cell), seed {args.seed}"
           + (f", faults {','.join(sorted(faults))}" if faults else ""))
     out = Path(args.out) / "failures" if args.out else None
