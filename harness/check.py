@@ -8,7 +8,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -66,9 +66,14 @@ def cmd_check(args: argparse.Namespace) -> int:
              ("proofs", _proofs_tier), ("upstream", _upstream_tier), ("mutants", _mutant_tier))
     with catching_interrupts():
         for name, tier in tiers:
+            tier_started = time.perf_counter()
             try:
                 tier(run)
                 raise_if_interrupted()
+                last = run.report.tiers[-1]
+                if last.name == name and last.verdict is not Verdict.SKIPPED:
+                    run.report.tiers[-1] = replace(
+                        last, seconds=time.perf_counter() - tier_started)
             except KeyboardInterrupt:
                 # Ctrl-C: what ran is reported, the tier it stopped is inconclusive, and
                 # the run is marked incomplete (exit 130, the shell's code for SIGINT).

@@ -74,6 +74,7 @@ class TierReport:
     summary: str
     section: dict[str, Any] = field(default_factory=dict)
     reason: str | None = None
+    seconds: float | None = None  # wall time of the tier, when it ran
 
     @classmethod
     def skipped(cls, name: str, reason: str) -> TierReport:
@@ -122,7 +123,9 @@ class CheckReport:
             **({"incomplete": True, "interrupted": self.interrupted}
                if self.interrupted else {}),
             "tiers": {t.name: {"verdict": t.verdict.value, "summary": t.summary,
-                               **({"reason": t.reason} if t.reason else {})}
+                               **({"reason": t.reason} if t.reason else {}),
+                               **({"seconds": round(t.seconds, 3)}
+                                  if t.seconds is not None else {})}
                       for t in self.tiers},
         }
         for tier in self.tiers:

@@ -293,7 +293,9 @@ def build_mutants_json(results: list[MutantResult]) -> dict[str, Any]:
 
 
 def render_mutants(results: list[MutantResult]) -> str:
-    lines = [f"{'bug':<5} {'checker':<11} {'verdict':<9} {'invariant':<9} {'ops':>5} "
+    # The invariant column is as wide as its widest entry ("diff:running.seq_lens_sum").
+    width = max([9, *(len(r.invariant or "-") for r in results)])
+    lines = [f"{'bug':<5} {'checker':<11} {'verdict':<9} {'invariant':<{width}} {'ops':>5} "
              f"{'reqs':>4} {'cells':>6} {'seconds':>8}  title"]
     for result in results:
         rep = result.get_representative()
@@ -301,8 +303,8 @@ def render_mutants(results: list[MutantResult]) -> str:
         ran = sum(c.verdict != NOT_APPLICABLE for c in result.cells)
         lines.append(
             f"{result.bug.id:<5} {result.checker:<11} {result.verdict:<9} "
-            f"{result.invariant or '-':<9} {rep.ops if rep else '-':>5} "
-            f"{rep.requests if rep else '-':>4} {killed:>3}/{ran:<2} "
+            f"{result.invariant or '-':<{width}} {rep.ops if rep else '-':>5} "
+            f"{rep.requests if rep else '-':>4} {f'{killed}/{ran}':>6} "
             f"{result.seconds:8.2f}  {result.bug.title}")
         if result.not_applicable:
             lines.append(f"      n/a: {result.not_applicable}")
@@ -324,8 +326,8 @@ def render_mutants(results: list[MutantResult]) -> str:
 
 def print_mutant_progress(bug: Bug, kill: CellKill) -> None:
     """One progress line per (bug, checker, cell) on stderr."""
-    print(f"  mutant {bug.id:<4} {kill.checker:<10} {kill.cell:<32} {kill.verdict} "
-          f"{kill.invariant or ''} ({kill.seconds:.2f}s)", file=sys.stderr, flush=True)
+    print(f"  mutant {bug.id:<4} {kill.checker:<10} {kill.cell:<40} {kill.verdict:<9} "
+          f"{kill.invariant or '-':<26} ({kill.seconds:.2f}s)", file=sys.stderr, flush=True)
 
 
 def mutants_tier_report(results: list[MutantResult]) -> TierReport:
