@@ -263,14 +263,18 @@ def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
     return result
 
 
+def _count(number: int, noun: str) -> str:
+    return f"{number} {noun}{'s' * (number != 1)}"
+
+
 def describe_failure(result: CellResult) -> str:
     """The lines a user needs: which ID, where, the seed and the replay command."""
     lines = [f"cell {result.config.name}, seed {result.seed}, profile {result.profile}"]
     if result.violation is not None:
         lines.append(str(result.violation))
         if result.script is not None:
-            lines.append(f"counterexample: {len(result.script.ops)} ops, "
-                         f"{result.script.count_requests()} requests")
+            lines.append(f"counterexample: {_count(len(result.script.ops), 'op')}, "
+                         f"{_count(result.script.count_requests(), 'request')}")
         if result.script_path is not None:
             lines.append(f"replay: overlap-spec replay {result.script_path}")
         if result.trace_verdict is not None:
@@ -279,8 +283,8 @@ def describe_failure(result: CellResult) -> str:
     if result.error is not None:
         lines.append(f"implementation crashed: {type(result.error).__name__}: {result.error}")
         if result.script is not None:
-            lines.append(f"crashing run: {len(result.script.ops)} ops, "
-                         f"{result.script.count_requests()} requests")
+            lines.append(f"crashing run: {_count(len(result.script.ops), 'op')}, "
+                         f"{_count(result.script.count_requests(), 'request')}")
         if result.script_path is not None:
             lines.append(f"replay: overlap-spec replay {result.script_path}")
     return "\n".join(lines)
