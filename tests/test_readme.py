@@ -1,0 +1,60 @@
+"""The README's examples are true: every ``console`` block's command is run and the lines
+it shows must appear, in order and together, in what the command prints (timings and the
+failure folder normalised)."""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from overlap_spec.harness.cli import main
+
+README = Path(__file__).resolve().parents[1] / "README.md"
+
+
+def get_console_examples(text: str) -> list[tuple[str, list[str]]]:
+    """(command, the lines shown after it) for each ``$ overlap-spec ...`` in a console
+    block."""
+    examples: list[tuple[str, list[str]]] = []
+    for block in re.findall(r"```console\n(.*?)```", text, flags=re.S):
+        for line in block.splitlines():
+            if line.startswith("$ "):
+                examples.append((line[2:], []))
+            elif examples:
+                examples[-1][1].append(line)
+    return examples
+
+
+def _normalise(line: str, out_dir: str) -> str:
+    line = line.replace(out_dir, ".overlap-spec")
+    return re.sub(r"\d+\.\d+s\b", "<seconds>", line).rstrip()
+
+
+EXAMPLES = get_console_examples(README.read_text())
+
+
+def test_the_readme_has_console_examples_and_the_first_is_the_reviewers() -> None:
+    assert len(EXAMPLES) >= 2
+    assert EXAMPLES[0][0].startswith("overlap-spec review")
+    first_block = README.read_text().index("```")
+    assert README.read_text()[first_block:].startswith("```console\n$ overlap-spec review")
+
+
+@pytest.mark.parametrize("command,shown", EXAMPLES, ids=[c for c, _ in EXAMPLES])
+def test_readme_example_prints_what_the_readme_shows(
+        command: str, shown: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    argv = shlex.split(command)
+    assert argv[0] == "overlap-spec", command
+    main(argv[1:])
+    out_dir = os.environ["OVERLAP_SPEC_OUT"]  # tests/conftest.py: a temporary folder
+    printed = [_normalise(line, out_dir) for line in capsys.readouterr().out.splitlines()]
+    expected = [_normalise(line, out_dir) for line in shown if line.strip()]
+    assert expected, f"the README shows nothing after `{command}`"
+    starts = [i for i, line in enumerate(printed) if line == expected[0]]
+    assert any(printed[i:i + len(expected)] == expected for i in starts), (
+        "the README shows:\n" + "\n".join(expected) + "\n\nthe command printed:\n"
+        + "\n".join(printed))
