@@ -151,7 +151,7 @@ def run_gpu_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed
             outcome = run_differential(trial, device=torch.device("cpu"))
             return not outcome.ok and get_finding_kind(outcome) == kind
 
-        small = minimize_script(result.failure.script, kind, budget=150, still_fails=still_fails)
+        small = minimize_script(result.failure.script, kind, budget=100, still_fails=still_fails)
         outcome = run_differential(small, device=torch.device("cpu"))
         name = "-".join([config.name.replace("@", "-"), bug.id, "gpu_impl"])
         path = save_script(small, save_dir / f"{name}.json")
