@@ -1,5 +1,6 @@
 """``overlap-spec trace``: record a script's trace (reference or gpu_impl), check a trace
-file, render one as Mermaid or SVG.
+file, draw one: its timeline as Mermaid and SVG (``render``), the lengths behind an
+arithmetic violation (``plot``).
 """
 
 from __future__ import annotations
@@ -19,22 +20,43 @@ from overlap_spec.harness.trace.format import (
     parse_trace,
     strip_snapshots,
 )
+from overlap_spec.harness.trace.plot import PlotError, plot_trace_file
+from overlap_spec.harness.trace.render import DEFAULT_WINDOW, render_trace_file
 
 
 # ----------------------------------------------------------------------------- CLI
 def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
-    """The ``trace`` subcommand group: check, render, record, strip."""
+    """The ``trace`` subcommand group: check, render, plot, record, strip."""
     sub = parser.add_subparsers(dest="trace_command", required=True)
     check = sub.add_parser("check", help="replay a trace through the spec; first violation")
     check.add_argument("file")
     check.add_argument("--json", metavar="PATH", help="write the verdict as JSON")
     check.add_argument("--context", type=int, default=8, help="preceding events to show")
-    render = sub.add_parser("render", help="draw the timeline as Mermaid and SVG")
+    render = sub.add_parser(
+        "render", help="draw the timeline as Mermaid and SVG (and the length plot of an "
+        "arithmetic violation)",
+        description="Write STEM.mmd (a Mermaid sequence diagram) and STEM.svg (a timeline, "
+        "one lane per stream) of a trace; the racing pair is red and linked, named by its "
+        "ID and buffer. For an arithmetic (KV, SL, RP) violation also STEM.lengths.svg, "
+        "as 'trace plot' draws it.")
     render.add_argument("file")
     render.add_argument("--out", metavar="DIR", default=None,
-                        help="where to write FILE.mmd and FILE.svg (default: beside FILE)")
-    render.add_argument("--window", type=int, default=80,
-                        help="events drawn before the violation (0: all)")
+                        help="where to write the pictures (default: beside FILE)")
+    render.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+                        help="events drawn, centred on the racing access or the violation; "
+                        "the race partner and the violation are always drawn, and each run "
+                        f"of events left out is one row saying so (0: all; default "
+                        f"{DEFAULT_WINDOW})")
+    plot = sub.add_parser(
+        "plot", help="plot the lengths behind an arithmetic violation (KV, SL, RP) as SVG",
+        description="For a KV, SL or RP violation: each request it involves, its seq_lens, "
+        "kv_committed_len, kv_allocated_len and ghost kv_len_true (RP: output_len and the "
+        "ghost output_len_true) at every observation point as step lines, the violating "
+        "point marked with the invariant ID and values. A trace without such a violation "
+        "(passing, inconclusive, a race) exits 2.")
+    plot.add_argument("file")
+    plot.add_argument("-o", "--output", default=None,
+                      help="the SVG to write (default: FILE's stem + .lengths.svg beside it)")
     record = sub.add_parser("record", help="run an operation script and write its trace")
     record.add_argument("script")
     record.add_argument("-o", "--output", required=True)
@@ -55,12 +77,19 @@ def cmd_trace(args: argparse.Namespace) -> int:
                 Path(args.json).write_text(json.dumps(verdict.to_json(), indent=1) + "\n")
             return 0 if verdict.ok else 1
         if args.trace_command == "render":
-            from overlap_spec.harness.trace.render import render_trace_file
-
             written = render_trace_file(Path(args.file),
                                         Path(args.out) if args.out else None, args.window)
             for path in written:
                 print(f"wrote {path}")
+            return 0
+        if args.trace_command == "plot":
+            try:
+                target = plot_trace_file(Path(args.file),
+                                         Path(args.output) if args.output else None)
+            except PlotError as error:
+                print(f"overlap-spec: {args.file}: cannot plot: {error}", file=sys.stderr)
+                return 2
+            print(f"wrote {target}")
             return 0
         if args.trace_command == "record":
             script = load_script(Path(args.script))
