@@ -3,25 +3,35 @@
 from __future__ import annotations
 
 import json
+import random
+import re
 from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from overlap_spec.harness.cli import main
+from overlap_spec.harness.drive.generate import generate_random_ops, get_strategies
 from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
+    AdmitPrebuilt,
     Iterate,
+    Op,
     Script,
     ScriptError,
+    check_op_ranges,
     load_script,
     run_script,
     save_script,
     script_from_json,
     script_to_json,
 )
+from overlap_spec.harness.drive.stateful import MAX_REQUESTS
 from overlap_spec.spec.bugs import BUG_IDS
+from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells
 from overlap_spec.spec.invariants import INVARIANT_IDS
 from overlap_spec.spec.state import IterationChoices
 
@@ -62,7 +72,7 @@ def test_a_clean_script_runs_clean() -> None:
     (lambda d: d.update(preset="huge"), "unknown preset"),
     (lambda d: d.update(faults=["B99"]), "unknown fault IDs"),
     (lambda d: d["ops"].append({"op": "teleport"}), "unknown op 'teleport'"),
-    (lambda d: d["ops"][0].pop("prompt_len"), "ops[0]: missing field 'prompt_len'"),
+    (lambda d: d["ops"][0].pop("prompt_len"), "op 0: missing field 'prompt_len'"),
     (lambda d: d["ops"][1].update(accept_lens=["x"]), "must be a list of integers"),
     (lambda d: d["ops"][0].update(prompt_len=True), "must be an integer"),
 ])
@@ -71,6 +81,77 @@ def test_malformed_scripts_are_rejected_with_the_field(mutate: object, message: 
     mutate(raw)  # type: ignore[operator]
     with pytest.raises(ScriptError, match=message.replace("(", r"\(").replace("[", r"\[")):
         script_from_json(raw)
+
+
+def _set(index: int, **fields: object) -> object:
+    return lambda d: d["ops"][index].update(fields)
+
+
+# _script() is in ov-p1-v2chain-cpu-honest@minimal: 3 request rows, prompts up to 5 tokens,
+# 8 new tokens, chain rungs 0..3, accept lengths 1..4.
+@pytest.mark.parametrize(("mutate", "message"), [
+    (_set(0, prompt_len=0), "op 0 (admit): field 'prompt_len' is 0; allowed 1..5"),
+    (_set(0, prompt_len=6), "op 0 (admit): field 'prompt_len' is 6; allowed 1..5"),
+    (_set(0, max_new_tokens=-1), "field 'max_new_tokens' is -1; allowed 1..8"),
+    (_set(0, max_new_tokens=10**9), "field 'max_new_tokens' is 1000000000; allowed 1..8"),
+    (_set(0, op="admit_prebuilt", prompt_len=-3),
+     "op 0 (admit_prebuilt): field 'prompt_len' is -3"),
+    (_set(1, retract=-1), "op 1 (iterate): field 'retract' is -1; allowed 0..3"),
+    (_set(1, retract=4), "field 'retract' is 4; allowed 0..3"),
+    (_set(1, accept_lens=[0]), "field 'accept_lens' is 0; allowed 1..4"),
+    (_set(1, accept_lens=[1, 5]), "field 'accept_lens' is 5; allowed 1..4"),
+    (_set(1, accept_lens=[1, 1, 1, 1]), "field 'accept_lens' has 4 entries; allowed at most 3"),
+    (_set(2, eos_positions=[3]), "op 2 (iterate): field 'eos_positions' is 3; allowed 0..2"),
+    (_set(2, eos_positions=[-1]), "field 'eos_positions' is -1; allowed 0..2"),
+    (_set(1, spec_steps=4), "field 'spec_steps' is 4; allowed 0..3"),
+    (_set(1, spec_steps=-1), "field 'spec_steps' is -1; allowed 0..3"),
+    (_set(1, eos_offset=4), "field 'eos_offset' is 4; allowed 0..3"),
+    (_set(4, request=-1), "op 4 (abort): field 'request' is -1; allowed 0..5"),
+    (_set(4, request=10**9), "op 4 (abort): field 'request' is 1000000000; allowed 0..5"),
+])
+def test_out_of_range_ops_are_rejected_with_op_field_and_range(mutate: object,
+                                                               message: str) -> None:
+    raw = script_to_json(_script())
+    mutate(raw)  # type: ignore[operator]
+    with pytest.raises(ScriptError, match=re.escape(message)):
+        script_from_json(raw)
+
+
+def test_the_limits_follow_the_cell_and_the_preset() -> None:
+    raw = script_to_json(_script())
+    raw["cell"] = "ov-p1-none"  # no speculation: one token per step
+    with pytest.raises(ScriptError, match=re.escape("field 'accept_lens' is 2; allowed 1..1")):
+        script_from_json(raw)
+    raw = script_to_json(_script())
+    raw["preset"] = "realistic"
+    raw["ops"][0]["prompt_len"] = 64
+    assert script_from_json(raw).ops[0] == Admit(64, 4)
+
+
+@pytest.mark.parametrize("config", [ModelConfig(cell, preset) for cell in enumerate_cells()
+                                    for preset in PRESETS.values()], ids=str)
+def test_the_random_generator_stays_within_the_limits(config: ModelConfig) -> None:
+    """What the checkers draw is what a script may hold (harness.drive.generate)."""
+    for seed in range(5):
+        check_op_ranges(config, generate_random_ops(config, random.Random(seed), 40))
+
+
+@settings(max_examples=300, deadline=None)
+@given(data=st.data(), config=st.sampled_from(
+    [ModelConfig(cell, preset) for cell in enumerate_cells() for preset in PRESETS.values()]))
+def test_the_state_machines_draws_stay_within_the_limits(data: st.DataObject,
+                                                         config: ModelConfig) -> None:
+    draw = get_strategies(config)
+    ops: list[Op] = [
+        Admit(data.draw(draw.prompt_len), data.draw(draw.max_new_tokens)),
+        AdmitPrebuilt(data.draw(draw.prompt_len), data.draw(draw.prebuilt_max_new_tokens)),
+        Iterate(IterationChoices(True, data.draw(st.integers(0, 1)),
+                                 tuple(data.draw(draw.accept_lens)),
+                                 data.draw(draw.eos_positions), False,
+                                 data.draw(draw.spec_steps), data.draw(draw.eos_offset))),
+        Abort(data.draw(st.integers(0, MAX_REQUESTS - 1))),
+    ]
+    check_op_ranges(config, ops)
 
 
 def test_replay_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

@@ -9,7 +9,10 @@ A script is JSON::
               "accept_lens": [2, 1, 1], "eos_positions": [0]},
              {"op": "abort", "request": 0}]}
 
-``overlap-spec replay FILE`` runs it and reports the first violation.
+``overlap-spec replay FILE`` runs it and reports the first violation. Loading checks every
+field's type and every number against the cell's and preset's limits (the ranges the
+checkers draw from, :func:`get_op_limits`): a negative or huge length would otherwise run
+and report nothing, or the wrong thing.
 """
 
 from __future__ import annotations
@@ -103,7 +106,7 @@ def _field(raw: dict[str, Any], name: str, kind: type, where: str) -> Any:
 
 
 def op_from_json(raw: Any, index: int) -> Op:
-    where = f"ops[{index}]"
+    where = f"op {index}"
     if not isinstance(raw, dict):
         raise ScriptError(f"{where}: expected an object")
     kind = raw.get("op")
@@ -156,6 +159,7 @@ def script_from_json(raw: Any) -> Script:
     if preset not in PRESETS:
         raise ScriptError(f"script: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
     ops = [op_from_json(op, i) for i, op in enumerate(_field(raw, "ops", list, "script"))]
+    check_op_ranges(ModelConfig(get_cell(cell), PRESETS[preset]), ops)
     faults = raw.get("faults", [])
     if not isinstance(faults, list) or not all(isinstance(f, str) for f in faults):
         raise ScriptError("script: field 'faults' must be a list of bug IDs such as \"B3\"")
@@ -173,6 +177,91 @@ def script_from_json(raw: Any) -> Script:
     return Script(cell, preset, ops, tuple(faults), seed, implementation)
 
 
+@dataclass(frozen=True)
+class OpLimits:
+    """The allowed range of every numeric op field in one configuration: the ranges the
+    checkers draw from (``harness.drive.generate``; the BMC's domains in ``proofs.bmc``)."""
+
+    prompt_len: tuple[int, int]
+    max_new_tokens: tuple[int, int]
+    retract: tuple[int, int]
+    accept_len: tuple[int, int]
+    batch_positions: int  # accept_lens entries and eos_positions index the batch's rows
+    spec_steps: tuple[int, int]
+    eos_offset: tuple[int, int]
+
+
+# Abort indices are taken modulo the requests admitted so far; the state machine draws
+# them below its MAX_REQUESTS (harness.drive.stateful; a test checks the two agree), so a
+# saved counterexample may name one past the count.
+ABORT_INDEX_LIMIT = 6
+
+
+def get_op_limits(config: ModelConfig) -> OpLimits:
+    preset = config.preset
+    top = config.max_accept_len
+    return OpLimits(
+        prompt_len=(1, preset.max_prompt_len),
+        max_new_tokens=(1, preset.max_new_tokens),
+        retract=(0, preset.max_running_requests),
+        accept_len=(1, top),
+        batch_positions=preset.max_running_requests,
+        # The adaptive rung: 0 is the configured maximum; only v2chain cells adapt, the
+        # others ignore it (and the state machine may still draw 1 there).
+        spec_steps=(0, preset.chain_steps),
+        eos_offset=(0, top - 1),
+    )
+
+
+def _check_range(where: str, name: str, value: int, allowed: tuple[int, int],
+                 meaning: str) -> None:
+    low, high = allowed
+    if not low <= value <= high:
+        raise ScriptError(f"{where}: field {name!r} is {value}; allowed {low}..{high} "
+                          f"({meaning})")
+
+
+def check_op_ranges(config: ModelConfig, ops: list[Op]) -> None:
+    """Every numeric field of every op within ``config``'s limits, else a
+    :class:`ScriptError` naming the op, the field, the value and the allowed range."""
+    limits = get_op_limits(config)
+    rows = limits.batch_positions
+    name = config.name
+    admitted = 0
+    for index, op in enumerate(ops):
+        if isinstance(op, Admit | AdmitPrebuilt):
+            where = f"op {index} ({'admit' if isinstance(op, Admit) else 'admit_prebuilt'})"
+            _check_range(where, "prompt_len", op.prompt_len, limits.prompt_len,
+                         f"max_prompt_len of {name}")
+            _check_range(where, "max_new_tokens", op.max_new_tokens, limits.max_new_tokens,
+                         f"max_new_tokens of {name}")
+            admitted += 1
+        elif isinstance(op, Abort):
+            _check_range(f"op {index} (abort)", "request", op.request,
+                         (0, max(admitted, ABORT_INDEX_LIMIT) - 1),
+                         f"an index into the {admitted} request(s) admitted before it, "
+                         "taken modulo their count")
+        else:
+            where = f"op {index} (iterate)"
+            choices = op.choices
+            _check_range(where, "retract", choices.retract, limits.retract,
+                         f"the request rows of {name}")
+            if len(choices.accept_lens) > rows:
+                raise ScriptError(f"{where}: field 'accept_lens' has {len(choices.accept_lens)}"
+                                  f" entries; allowed at most {rows} (one per request row of "
+                                  f"{name})")
+            for value in choices.accept_lens:
+                _check_range(where, "accept_lens", value, limits.accept_len,
+                             f"an accept length, bonus token included, in {name}")
+            for value in sorted(choices.eos_positions):
+                _check_range(where, "eos_positions", value, (0, rows - 1),
+                             f"a position in the batch of {name}")
+            _check_range(where, "spec_steps", choices.spec_steps, limits.spec_steps,
+                         f"the adaptive rung, 0 for the configured maximum, in {name}")
+            _check_range(where, "eos_offset", choices.eos_offset, limits.eos_offset,
+                         f"tokens before the end of the accepted run in {name}")
+
+
 def save_script(script: Script, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(script_to_json(script), indent=1) + "\n")
@@ -180,11 +269,23 @@ def save_script(script: Script, path: Path) -> Path:
 
 
 def load_script(path: Path) -> Script:
+    """The script in ``path``; any unreadable, malformed or out-of-range input is a
+    :class:`ScriptError` that names the file."""
     try:
         raw = json.loads(path.read_text())
     except json.JSONDecodeError as error:
         raise ScriptError(f"{path}: not JSON (line {error.lineno}: {error.msg})") from None
-    return script_from_json(raw)
+    except UnicodeDecodeError:
+        raise ScriptError(f"{path}: not JSON (not UTF-8 text)") from None
+    except OSError as error:
+        raise ScriptError(f"{path}: cannot read: {error.strerror or error}") from None
+    except (ValueError, RecursionError) as error:
+        # JSON the parser refuses: numbers too long, nesting too deep.
+        raise ScriptError(f"{path}: not JSON ({error})") from None
+    try:
+        return script_from_json(raw)
+    except ScriptError as error:
+        raise ScriptError(f"{path}: {error}") from None
 
 
 Factory = Callable[[ModelConfig, frozenset[str], Observer | None], SchedulerModel]
