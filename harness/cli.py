@@ -10,53 +10,46 @@ import argparse
 import sys
 import time
 from pathlib import Path
-
-import torch
+from typing import TYPE_CHECKING
 
 from overlap_spec import __version__
-from overlap_spec.harness.check import cmd_check
-from overlap_spec.harness.conformance.cli import (
-    add_upstream_arguments,
-    cmd_upstream,
+from overlap_spec.harness.conformance.cli import add_upstream_arguments, cmd_upstream
+from overlap_spec.harness.drive.cells import (
+    DEFAULT_SEED,
+    PROFILE_NAMES,
+    ArgumentParser,
+    UsageError,
+    cell_patterns,
+    device_name,
+    input_dir,
+    input_file,
+    int_in,
+    int_list_in,
+    name_list,
+    output_dir,
+    output_file,
+    positive_int,
+    report_usage_error,
+    select_configs,
 )
-from overlap_spec.harness.differential.compare import (
-    run_differential,
-)
-from overlap_spec.harness.differential.tier import cmd_diff, parse_device
-from overlap_spec.harness.drive.cells import DEFAULT_SEED, select_configs
-from overlap_spec.harness.drive.cells import UsageError as CommandUsageError
-from overlap_spec.harness.drive.script import ScriptError, load_script, run_script
-from overlap_spec.harness.drive.stateful import (
-    PROFILES,
-    get_profile,
-)
-from overlap_spec.harness.measure.bench_gpu import (
+from overlap_spec.harness.measure import (
     BENCH_BATCH_SIZES,
-    render_bench,
-    run_bench_gpu,
-    write_bench,
+    MAX_BATCH_SIZE,
+    MAX_ITERATIONS,
+    MAX_THREADS,
 )
-from overlap_spec.harness.measure.sync_contract import (
-    get_sync_table,
-    render_sync_table,
-)
-from overlap_spec.harness.mutants.matrix import (
-    build_mutants_json,
-    print_mutant_progress,
-    render_mutants,
-    run_mutants,
-)
-from overlap_spec.harness.mutants.select import CHECKERS, KILLED, NOT_APPLICABLE
+from overlap_spec.harness.mutants.select import CHECKERS
+from overlap_spec.harness.pool import get_default_jobs
 from overlap_spec.harness.prove.cli import add_prove_arguments, cmd_prove
-from overlap_spec.harness.prove.tier import get_default_jobs
-from overlap_spec.harness.report import write_json
-from overlap_spec.harness.review import add_review_arguments, cmd_review
 from overlap_spec.harness.trace.cli import add_trace_arguments, cmd_trace
-from overlap_spec.harness.vectors import add_vectors_arguments, cmd_vectors
 from overlap_spec.spec.bugs import BUG_IDS
-from overlap_spec.spec.config import PRESETS, enumerate_cells
-from overlap_spec.spec.invariants import INVARIANTS
-from overlap_spec.spec.transitions import compute_host_sync_budget
+from overlap_spec.spec.config import PRESETS
+
+if TYPE_CHECKING:
+    import torch
+
+# review's budget: a reviewer's minute (harness.drive.stateful.PROFILES["quick"]).
+REVIEW_PROFILE = "quick"
 
 DESCRIPTION = """\
 Executable model and checkers for the seq_lens / KV-accounting state of SGLang's
@@ -93,22 +86,49 @@ Exit codes: 0 all checks passed, 1 a check failed or was inconclusive, 2 usage e
 """
 
 
+def cmd_check(args: argparse.Namespace) -> int:
+    from overlap_spec.harness.check import cmd_check as run_check
+
+    return run_check(args)
+
+
+def cmd_review(args: argparse.Namespace) -> int:
+    from overlap_spec.harness.review import cmd_review as run_review
+
+    return run_review(args)
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    from overlap_spec.harness.differential.tier import cmd_diff as run_diff
+
+    return run_diff(args)
+
+
+def cmd_vectors(args: argparse.Namespace) -> int:
+    from overlap_spec.harness.vectors import cmd_vectors as run_vectors
+
+    return run_vectors(args)
+
+
 def cmd_mutants(args: argparse.Namespace) -> int:
+    from overlap_spec.harness.drive.stateful import get_profile
+    from overlap_spec.harness.mutants.matrix import (
+        build_mutants_json,
+        print_mutant_progress,
+        render_mutants,
+        run_mutants,
+    )
+    from overlap_spec.harness.mutants.select import KILLED, NOT_APPLICABLE
+    from overlap_spec.harness.report import write_json
+
     profile = get_profile(args.profile)
-    bug_ids = {b.strip() for b in args.bugs.split(",")} if args.bugs else None
-    if bug_ids is not None and bug_ids - set(BUG_IDS):
-        print(f"overlap-spec: unknown bug IDs {sorted(bug_ids - set(BUG_IDS))}; known: "
-              f"{', '.join(BUG_IDS)}", file=sys.stderr)
-        return 2
+    # --bugs and --checkers name only known IDs and checkers (checked by the parser).
+    bug_ids = {b.strip() for b in args.bugs.split(",") if b.strip()} if args.bugs else None
+    checkers = tuple(c.strip() for c in args.checkers.split(",") if c.strip())
     cells = None
     if args.cells:
         cells = tuple(c.cell for c in select_configs(args.cells, "minimal"))
     started = time.perf_counter()
-    checkers = tuple(c.strip() for c in args.checkers.split(",") if c.strip())
-    if set(checkers) - set(CHECKERS):
-        print(f"overlap-spec: unknown checkers {sorted(set(checkers) - set(CHECKERS))}; "
-              f"known: {', '.join(CHECKERS)}", file=sys.stderr)
-        return 2
     results = run_mutants(profile, args.seed, bug_ids, cells, preset=args.preset,
                           progress=None if args.quiet else print_mutant_progress,
                           all_cells=args.all_cells, checkers=checkers)
@@ -125,19 +145,19 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from overlap_spec.harness.drive.script import ScriptError, load_script, run_script
+
     try:
         script = load_script(Path(args.file))
-    except FileNotFoundError:
-        print(f"overlap-spec: no such file {args.file}", file=sys.stderr)
-        return 2
     except ScriptError as error:
-        print(f"overlap-spec: {error}", file=sys.stderr)
-        return 2
+        raise UsageError(str(error)) from None
     if script.implementation.startswith("upstream"):
         # sglang's own scheduler: its own environment (re-executed there when needed).
         return cmd_upstream(argparse.Namespace(action="replay", file=args.file,
                                                sglang_src=None))
     if script.implementation == "gpu_impl":
+        from overlap_spec.harness.differential.compare import run_differential
+
         # A gpu_impl counterexample: the differential run against the clean reference.
         diff = run_differential(script)
         print(f"replayed {diff.ops} ops of gpu_impl against the reference in cell "
@@ -157,9 +177,18 @@ def cmd_replay(args: argparse.Namespace) -> int:
     return 1
 
 
+def _resolve_device(name: str) -> torch.device:
+    from overlap_spec.harness.differential.tier import parse_device
+
+    return parse_device(name)
+
+
 def cmd_syncs(args: argparse.Namespace) -> int:
-    device = parse_device(args.device)
-    rows = get_sync_table(device, args.batch_size)
+    from overlap_spec.harness.measure.sync_contract import get_sync_table, render_sync_table
+    from overlap_spec.spec.config import enumerate_cells
+    from overlap_spec.spec.transitions import compute_host_sync_budget
+
+    rows = get_sync_table(_resolve_device(args.device), args.batch_size)
     print(render_sync_table(rows))
     cells = {c.name: c for c in enumerate_cells()}
     bad = [r for r in rows if len(r.host_syncs) != compute_host_sync_budget(cells[r.cell])
@@ -170,16 +199,20 @@ def cmd_syncs(args: argparse.Namespace) -> int:
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    device = parse_device(args.device)
-    sizes = tuple(int(x) for x in args.batch_sizes.split(","))
+    import torch
+
+    from overlap_spec.harness.measure.bench_gpu import render_bench, run_bench_gpu, write_bench
+
+    device = _resolve_device(args.device)
     # Intra-op threads fight over 2 cores for tensors this small (profiled: 1024 requests,
     # 76 ms per iteration with 2 threads under load, 8.8 ms with 1).
     torch.set_num_threads(args.threads)
-    rows = run_bench_gpu(device, sizes, args.iterations)
+    rows = run_bench_gpu(device, args.batch_sizes, args.iterations)
     print(render_bench(rows))
     if args.out:
+        sizes = ",".join(map(str, args.batch_sizes))
         command = (f"overlap-spec bench gpu --device {args.device} --batch-sizes "
-                   f"{args.batch_sizes} --iterations {args.iterations} --threads "
+                   f"{sizes} --iterations {args.iterations} --threads "
                    f"{args.threads} --out {args.out}")
         path = write_bench(rows, Path(args.out), command)
         print(f"written: {path}")
@@ -187,12 +220,16 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_cells(args: argparse.Namespace) -> int:
+    from overlap_spec.spec.config import enumerate_cells
+
     for cell in enumerate_cells():
         print(cell.name)
     return 0
 
 
 def cmd_invariants(args: argparse.Namespace) -> int:
+    from overlap_spec.spec.invariants import INVARIANTS
+
     for inv in INVARIANTS:
         doc = " ".join((inv.check.__doc__ or "").split())
         print(f"{inv.id:<5} {doc}")
@@ -200,24 +237,32 @@ def cmd_invariants(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="overlap-spec", description=DESCRIPTION,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    """The whole command line. Building it imports no torch, Z3 or Hypothesis (each command
+    imports what it runs), so ``--help`` is quick; every argument type checks its range or
+    path here, before a run starts."""
+    parser = ArgumentParser(prog="overlap-spec", description=DESCRIPTION,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--version", action="version",
                         version=f"overlap-spec {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
+    jobs = get_default_jobs()
+    bug_ids = name_list(BUG_IDS, "bug IDs")
+    profiles = ", ".join(PROFILE_NAMES)
     check = sub.add_parser("check", help="run every checker tier on every cell")
-    check.add_argument("--profile", choices=sorted(PROFILES), default=None,
-                       help="hypothesis budget (default: $HYPOTHESIS_PROFILE or ci)")
+    check.add_argument("--profile", choices=PROFILE_NAMES, default=None,
+                       help=f"hypothesis budget: {profiles} (default: $HYPOTHESIS_PROFILE "
+                            "or ci)")
     check.add_argument("--seed", type=int, default=DEFAULT_SEED,
                        help=f"hypothesis seed, printed with every failure (default {DEFAULT_SEED})")
-    check.add_argument("--cells", default=None,
+    check.add_argument("--cells", type=cell_patterns, default=None,
                        help="comma-separated cell names or globs (default: every cell)")
     check.add_argument("--preset", choices=[*sorted(PRESETS), "all"], default="minimal",
                        help="sizes to run with (default: minimal)")
-    check.add_argument("--faults", default=None,
+    check.add_argument("--faults", type=bug_ids, default=None,
                        help="switch on historical bugs by ID, e.g. B3 (the check should fail)")
-    check.add_argument("--json", metavar="PATH", help="write the JSON report here")
-    check.add_argument("--out", metavar="DIR",
+    check.add_argument("--json", type=output_file, metavar="PATH",
+                       help="write the JSON report here")
+    check.add_argument("--out", type=output_dir, metavar="DIR",
                        help="where failing scripts are saved (default: .overlap-spec)")
     check.add_argument("--no-differential", action="store_true",
                        help="skip the gpu_impl tier (differential run and mutant column)")
@@ -228,55 +273,90 @@ def build_parser() -> argparse.ArgumentParser:
                             "its environment)")
     check.add_argument("--no-mutants", action="store_true",
                        help="skip the mutant matrix (it is skipped anyway with --faults)")
-    check.add_argument("-j", "--jobs", type=int, default=get_default_jobs(),
+    check.add_argument("-j", "--jobs", type=positive_int, default=jobs,
                        help="worker processes for the proofs tier, one cell each "
                             "(default: the CPUs available, here %(default)s)")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     check.set_defaults(func=cmd_check)
     review = sub.add_parser("review", help="a reviewer's minute: does my change to the "
                             "reference (or an SGLang tree) break an invariant?")
-    add_review_arguments(review)
+    review.add_argument("--sglang-src", type=input_dir, metavar="DIR", default=None,
+                        help="review an SGLang checkout (its python/sglang) with the upstream "
+                             "tier instead of the reference (needs ./dev upstream)")
+    review.add_argument("--cells", type=cell_patterns, default=None,
+                        help="comma-separated cell names or globs (default: every cell)")
+    review.add_argument("--profile", choices=PROFILE_NAMES, default=REVIEW_PROFILE,
+                        help=f"hypothesis budget (default: {REVIEW_PROFILE})")
+    review.add_argument("--seed", type=int, default=DEFAULT_SEED,
+                        help=f"hypothesis seed (default {DEFAULT_SEED})")
+    review.add_argument("--faults", type=bug_ids, default=None,
+                        help="switch historical bugs on in the reference, e.g. B3: what a "
+                             "broken change looks like")
+    review.add_argument("-j", "--jobs", type=positive_int, default=jobs,
+                        help="worker processes, one cell each (default: the CPUs available, "
+                             "here %(default)s)")
+    review.add_argument("--json", type=output_file, metavar="PATH",
+                        help="write the JSON report here")
+    review.add_argument("--out", type=output_dir, metavar="DIR",
+                        help="where failing scripts are saved (default: .overlap-spec)")
+    review.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     review.set_defaults(func=cmd_review)
     mutants = sub.add_parser("mutants", help="the B1-B16 kill matrix")
-    mutants.add_argument("--bugs", help="comma-separated bug IDs (default: all)")
+    mutants.add_argument("--bugs", type=bug_ids, help="comma-separated bug IDs (default: all)")
     mutants.add_argument("--all-cells", action="store_true",
                          help="every applicable cell instead of the representative ones")
-    mutants.add_argument("--cells", default=None, help="restrict to these cells (names or globs)")
-    mutants.add_argument("--profile", choices=sorted(PROFILES), default=None)
+    mutants.add_argument("--cells", type=cell_patterns, default=None,
+                         help="restrict to these cells (names or globs)")
+    mutants.add_argument("--profile", choices=PROFILE_NAMES, default=None)
     mutants.add_argument("--seed", type=int, default=DEFAULT_SEED)
     mutants.add_argument("--preset", choices=sorted(PRESETS), default="minimal")
-    mutants.add_argument("--checkers", default=",".join(CHECKERS),
+    mutants.add_argument("--checkers", type=name_list(CHECKERS, "checkers"),
+                         default=",".join(CHECKERS),
                          help=f"comma-separated checkers (default: {','.join(CHECKERS)})")
-    mutants.add_argument("--json", metavar="PATH", help="write the kill matrix as JSON")
+    mutants.add_argument("--json", type=output_file, metavar="PATH",
+                         help="write the kill matrix as JSON")
     mutants.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     mutants.set_defaults(func=cmd_mutants)
     diff = sub.add_parser("diff", help="gpu_impl against the reference, races watched")
-    diff.add_argument("--cells", default=None, help="cell names or globs (default: every cell)")
+    diff.add_argument("--cells", type=cell_patterns, default=None,
+                      help="cell names or globs (default: every cell)")
     diff.add_argument("--preset", choices=[*sorted(PRESETS), "all"], default="minimal")
-    diff.add_argument("--profile", choices=sorted(PROFILES), default=None)
+    diff.add_argument("--profile", choices=PROFILE_NAMES, default=None)
     diff.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    diff.add_argument("--device", default="auto",
+    diff.add_argument("--device", type=device_name, default="auto",
                       help="cpu, cuda or auto (default: cuda when available)")
-    diff.add_argument("--out", metavar="DIR", help="where failing scripts are saved")
-    diff.add_argument("--faults", default=None,
+    diff.add_argument("--out", type=output_dir, metavar="DIR",
+                      help="where failing scripts are saved")
+    diff.add_argument("--faults", type=bug_ids, default=None,
                       help="switch bugs on in gpu_impl (the clean reference is the oracle)")
     diff.add_argument("--cuda-sanitizer", action="store_true",
                       help="on CUDA, run under torch's CUDA sanitizer (CSAN)")
     diff.add_argument("-q", "--quiet", action="store_true")
     diff.set_defaults(func=cmd_diff)
+    batch_size = int_in(1, MAX_BATCH_SIZE)
     syncs = sub.add_parser("syncs", help="host syncs, D2H copies, launches per iteration")
-    syncs.add_argument("--device", default="auto")
-    syncs.add_argument("--batch-size", type=int, default=4)
+    syncs.add_argument("--device", type=device_name, default="auto",
+                       help="cpu, cuda or auto (default: cuda when available)")
+    syncs.add_argument("--batch-size", type=batch_size, default=4,
+                       help=f"requests in the steady-state batch (default 4, at most "
+                            f"{MAX_BATCH_SIZE})")
     syncs.set_defaults(func=cmd_syncs)
     bench = sub.add_parser("bench", help="benchmarks: 'bench gpu'")
     bench.add_argument("target", choices=["gpu"])
-    bench.add_argument("--device", default="auto")
-    bench.add_argument("--batch-sizes", default=",".join(map(str, BENCH_BATCH_SIZES)))
-    bench.add_argument("--iterations", type=int, default=20)
-    bench.add_argument("--threads", type=int, default=1,
-                       help="torch intra-op threads on the host (default 1)")
-    bench.add_argument("--out", metavar="DIR", help="write .json and .md results here "
-                       "(e.g. bench/results)")
+    bench.add_argument("--device", type=device_name, default="auto",
+                       help="cpu, cuda or auto (default: cuda when available)")
+    bench.add_argument("--batch-sizes", type=int_list_in(1, MAX_BATCH_SIZE),
+                       default=BENCH_BATCH_SIZES, metavar="N,N,...",
+                       help=f"comma-separated batch sizes, each 1..{MAX_BATCH_SIZE} (default "
+                            f"{','.join(map(str, BENCH_BATCH_SIZES))})")
+    bench.add_argument("--iterations", type=int_in(1, MAX_ITERATIONS), default=20,
+                       help=f"timed iterations per batch size (default 20, at most "
+                            f"{MAX_ITERATIONS})")
+    bench.add_argument("--threads", type=int_in(1, MAX_THREADS), default=1,
+                       help=f"torch intra-op threads on the host (default 1, at most "
+                            f"{MAX_THREADS})")
+    bench.add_argument("--out", type=output_dir, metavar="DIR",
+                       help="write .json and .md results here (e.g. bench/results)")
     bench.set_defaults(func=cmd_bench)
     prove = sub.add_parser("prove", help="Z3: induction, happens-before, bounded model checking")
     add_prove_arguments(prove)
@@ -285,14 +365,23 @@ def build_parser() -> argparse.ArgumentParser:
     add_trace_arguments(trace)
     trace.set_defaults(func=cmd_trace)
     vectors = sub.add_parser("vectors", help="generate and check conformance vectors")
-    add_vectors_arguments(vectors)
+    vectors_sub = vectors.add_subparsers(dest="vectors_command", required=True)
+    generate = vectors_sub.add_parser("generate", help="write conformance vectors for every cell")
+    generate.add_argument("dir", type=output_dir)
+    generate.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    generate.add_argument("--scripts-per-cell", type=int_in(1, 1000), default=4,
+                          help="clean random scripts per cell (default 4, at most 1000)")
+    generate.add_argument("--ops-per-script", type=int_in(1, 1000), default=6,
+                          help="operations per script (default 6, at most 1000)")
+    vectors_sub.add_parser("check", help="replay every vector under DIR").add_argument(
+        "dir", type=input_dir)
     vectors.set_defaults(func=cmd_vectors)
     upstream = sub.add_parser(
         "upstream", help="sglang's own scheduler (release or --sglang-src tree) against the spec")
     add_upstream_arguments(upstream)
     upstream.set_defaults(func=cmd_upstream)
     replay = sub.add_parser("replay", help="re-run a saved counterexample script")
-    replay.add_argument("file")
+    replay.add_argument("file", type=input_file)
     replay.set_defaults(func=cmd_replay)
     sub.add_parser("cells", help="list the configuration cells").set_defaults(func=cmd_cells)
     sub.add_parser("invariants", help="list invariant IDs").set_defaults(func=cmd_invariants)
@@ -300,15 +389,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    """Every usage error, whether the parser or a command finds it, is one line on stderr
+    (``overlap-spec: error: ...``) and exit 2, never a traceback; so is a file the run
+    could not read or write after all."""
     try:
+        args = build_parser().parse_args(argv)
         code: int = args.func(args)
-    except CommandUsageError as error:  # bad input found after parsing: one line, exit 2
-        print(f"overlap-spec: {error}", file=sys.stderr)
+    except UsageError as error:
+        return report_usage_error(error)
+    except OSError as error:
+        if error.filename is None:  # not a file the user named: a crash, with its traceback
+            raise
+        print(f"overlap-spec: error: {error.filename}: {error.strerror or error}",
+              file=sys.stderr)
         return 2
     return code
 
 
 if __name__ == "__main__":
     sys.exit(main())
-

@@ -21,14 +21,9 @@ from overlap_spec.harness.conformance.cli import (
     run_upstream_check,
     upstream_tier_report,
 )
-from overlap_spec.harness.drive.cells import DEFAULT_SEED, select_configs
-from overlap_spec.harness.drive.stateful import PROFILES, get_profile
-from overlap_spec.harness.pool import (
-    catching_interrupts,
-    get_default_jobs,
-    raise_if_interrupted,
-    run_tasks,
-)
+from overlap_spec.harness.drive.cells import select_configs
+from overlap_spec.harness.drive.stateful import get_profile
+from overlap_spec.harness.pool import catching_interrupts, raise_if_interrupted, run_tasks
 from overlap_spec.harness.report import (
     get_verdicts,
     hypothesis_tier_report,
@@ -39,32 +34,9 @@ from overlap_spec.harness.verdict import CheckReport, Verdict
 from overlap_spec.reference.scheduler import SUPPORTED_FAULTS
 from overlap_spec.spec.config import ModelConfig
 
-REVIEW_PROFILE = "quick"
-
-
-def add_review_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--sglang-src", metavar="DIR", default=None,
-                        help="review an SGLang checkout (its python/sglang) with the upstream "
-                             "tier instead of the reference (needs ./dev upstream)")
-    parser.add_argument("--cells", default=None,
-                        help="comma-separated cell names or globs (default: every cell)")
-    parser.add_argument("--profile", choices=sorted(PROFILES), default=REVIEW_PROFILE,
-                        help=f"hypothesis budget (default: {REVIEW_PROFILE})")
-    parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
-                        help=f"hypothesis seed (default {DEFAULT_SEED})")
-    parser.add_argument("--faults", default=None,
-                        help="switch historical bugs on in the reference, e.g. B3: what a "
-                             "broken change looks like")
-    parser.add_argument("-j", "--jobs", type=int, default=get_default_jobs(),
-                        help="worker processes, one cell each (default: the CPUs available, "
-                             "here %(default)s)")
-    parser.add_argument("--json", metavar="PATH", help="write the JSON report here")
-    parser.add_argument("--out", metavar="DIR",
-                        help="where failing scripts are saved (default: .overlap-spec)")
-    parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
-
 
 def cmd_review(args: argparse.Namespace) -> int:
+    """``overlap-spec review`` (its arguments: ``harness.cli``)."""
     profile = get_profile(args.profile)
     faults = frozenset(f.strip() for f in (args.faults or "").split(",") if f.strip())
     if faults - SUPPORTED_FAULTS:

@@ -19,17 +19,17 @@ import argparse
 import dataclasses
 import json
 import random
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from overlap_spec.harness.drive.cells import DEFAULT_SEED
+from overlap_spec.harness.drive.cells import DEFAULT_SEED, UsageError
 from overlap_spec.harness.drive.checker import InvariantChecker
 from overlap_spec.harness.drive.generate import generate_random_ops
 from overlap_spec.harness.drive.script import (
     Script,
+    check_op_ranges,
     op_from_json,
     op_to_json,
 )
@@ -194,6 +194,7 @@ def check_vector(vector: dict[str, Any], file: str) -> VectorFailure | None:
     step = len(ops) - 1
     script = Script(vector["cell"]["name"], vector["preset"]["name"], ops,
                     tuple(vector["faults"]))
+    check_op_ranges(script.get_config(), ops)
     run = record_script(script, snapshots=False)
     again = build_vector(script, step, run, vector["name"])
     for part in ("pre", "events", "post"):
@@ -233,7 +234,8 @@ def check_vectors(directory: Path) -> tuple[int, list[VectorFailure]]:
         try:
             vector = json.loads(path.read_text())
             failure = check_vector(vector, name)
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError, StopIteration) as error:
+        except (KeyError, TypeError, ValueError, StopIteration, OSError,
+                RecursionError) as error:
             failure = VectorFailure(name, f"malformed vector: {type(error).__name__}: {error}")
         if failure is not None:
             failures.append(failure)
@@ -241,26 +243,12 @@ def check_vectors(directory: Path) -> tuple[int, list[VectorFailure]]:
 
 
 # ----------------------------------------------------------------------------- CLI
-def add_vectors_arguments(parser: argparse.ArgumentParser) -> None:
-    sub = parser.add_subparsers(dest="vectors_command", required=True)
-    generate = sub.add_parser("generate", help="write conformance vectors for every cell")
-    generate.add_argument("dir")
-    generate.add_argument("--seed", type=int, default=DEFAULT_SEED)
-    generate.add_argument("--scripts-per-cell", type=int, default=4)
-    generate.add_argument("--ops-per-script", type=int, default=6)
-    check = sub.add_parser("check", help="replay every vector under DIR")
-    check.add_argument("dir")
-    parser.set_defaults(func=cmd_vectors)
-
-
 def cmd_vectors(args: argparse.Namespace) -> int:
-    """Exit codes: 0 all vectors written / replayed green, 1 a vector failed, 2 usage."""
+    """``overlap-spec vectors generate DIR / check DIR`` (arguments: ``harness.cli``).
+    Exit codes: 0 all vectors written / replayed green, 1 a vector failed; a usage error
+    raises (exit 2)."""
     directory = Path(args.dir)
     if args.vectors_command == "generate":
-        if args.scripts_per_cell < 1 or args.ops_per_script < 1:
-            print("overlap-spec: --scripts-per-cell and --ops-per-script must be >= 1",
-                  file=sys.stderr)
-            return 2
         report = generate_vectors(directory, args.seed, args.scripts_per_cell,
                                   args.ops_per_script)
         print(f"wrote {report.written} vectors ({report.valid} valid, {report.invalid} "
@@ -269,27 +257,15 @@ def cmd_vectors(args: argparse.Namespace) -> int:
             print(f"no invalid vector found for {len(report.missing)} bug/cell pairs: "
                   f"{', '.join(report.missing)}")
         return 0
-    if not directory.is_dir():
-        print(f"overlap-spec: no such directory {directory}", file=sys.stderr)
-        return 2
     started = time.perf_counter()
     count, failures = check_vectors(directory)
     for failure in failures:
         print(f"FAIL {failure.file}: {failure.reason}")
     if count == 0:
-        print(f"overlap-spec: no vectors under {directory}", file=sys.stderr)
-        return 2
+        raise UsageError(f"no vectors under {directory}")
     print(f"{'OK' if not failures else 'FAILED'}: {count - len(failures)}/{count} vectors "
           f"replayed green in {time.perf_counter() - started:.1f}s")
     return 0 if not failures else 1
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="overlap-spec vectors")
-    add_vectors_arguments(parser)
-    args = parser.parse_args(argv)
-    code: int = args.func(args)
-    return code
 
 
 VECTORS_README = """\
@@ -353,6 +329,3 @@ Regenerate with `overlap-spec vectors generate DIR`; replay with
 `overlap-spec vectors check DIR`.
 """
 
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from overlap_spec.harness.vectors import check_vectors, generate_vectors, main
+from overlap_spec.harness.cli import main
+from overlap_spec.harness.vectors import check_vectors, generate_vectors
 from overlap_spec.spec.config import enumerate_cells
 from overlap_spec.spec.invariants import INVARIANT_IDS
 
@@ -61,7 +62,8 @@ def test_a_changed_vector_fails(vectors: Path, tmp_path: Path) -> None:
 
 def test_vectors_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "v"
-    assert main(["generate", str(out), "--scripts-per-cell", "1", "--ops-per-script", "2"]) == 0
-    assert main(["check", str(out)]) == 0
+    assert main(["vectors", "generate", str(out), "--scripts-per-cell", "1",
+                 "--ops-per-script", "2"]) == 0
+    assert main(["vectors", "check", str(out)]) == 0
     assert "replayed green" in capsys.readouterr().out
-    assert main(["check", str(tmp_path / "missing")]) == 2
+    assert main(["vectors", "check", str(tmp_path / "missing")]) == 2

@@ -27,12 +27,17 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from overlap_spec.harness.conformance.findings import (
-    ALLOWED_DIVERGENCES,
-    KNOWN_FINDINGS,
-    UPSTREAM_NOT_APPLICABLE,
+from overlap_spec.harness.drive.cells import (
+    DEFAULT_SEED,
+    PROFILE_NAMES,
+    ArgumentParser,
+    NoCellMatches,
+    cell_patterns,
+    output_dir,
+    output_file,
+    positive_int,
+    report_usage_error,
 )
-from overlap_spec.harness.drive.cells import DEFAULT_SEED, NoCellMatches
 from overlap_spec.harness.drive.cells import UsageError as CommandUsageError
 from overlap_spec.harness.drive.cells import select_cells as select_cell_records
 from overlap_spec.harness.verdict import TierReport, Verdict
@@ -109,17 +114,6 @@ def select_cells(patterns: str | None) -> list[str]:
         raise UsageError(str(error)) from None
 
 
-def _validate_output(path: str | None) -> Path | None:
-    if path is None:
-        return None
-    out = Path(path)
-    if out.is_dir():
-        raise UsageError(f"--json {path}: is a directory; give a file path")
-    if not out.parent.exists():
-        raise UsageError(f"--json {path}: directory {out.parent} does not exist")
-    return out
-
-
 def run_cell_process(python: str, cell: str, args: argparse.Namespace, out: Path
                      ) -> dict[str, Any]:
     """One cell in its own process; a crash or a timeout is a failing cell, never a pass."""
@@ -151,6 +145,11 @@ def run_cell_process(python: str, cell: str, args: argparse.Namespace, out: Path
 
 def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, str],
                  args: argparse.Namespace, elapsed: float) -> dict[str, Any]:
+    from overlap_spec.harness.conformance.findings import (
+        ALLOWED_DIVERGENCES,
+        UPSTREAM_NOT_APPLICABLE,
+    )
+
     findings = [f for r in results.values() for f in r.get("findings", [])]
     driven = [c for c, r in results.items() if r["verdict"] != "n/a"]
     ok = bool(driven) and all(results[c]["verdict"] == "pass" for c in driven)
@@ -252,10 +251,9 @@ def run_upstream_check(args: argparse.Namespace, progress: bool = True) -> dict[
         args.sglang_src = src.resolve()
     if args.preset not in PRESETS:
         raise UsageError(f"unknown preset {args.preset!r}; choose {', '.join(PRESETS)}")
-    from overlap_spec.harness.drive.stateful import PROFILES
-
-    if args.profile not in PROFILES:
-        raise UsageError(f"unknown profile {args.profile!r}; choose {', '.join(PROFILES)}")
+    if args.profile not in PROFILE_NAMES:
+        raise UsageError(f"unknown profile {args.profile!r}; choose "
+                         f"{', '.join(PROFILE_NAMES)}")
     if args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
     cells = select_cells(args.cells)
@@ -295,30 +293,32 @@ def run_upstream_check(args: argparse.Namespace, progress: bool = True) -> dict[
 
 
 def cmd_upstream(args: argparse.Namespace) -> int:
-    try:
-        if args.action == "stand-ins":
-            from overlap_spec.upstream.standins import describe_stand_ins
+    """Exit codes: 0 every drivable cell passed, 1 otherwise; bad input raises a
+    :class:`UsageError` (exit 2, one line) before any cell runs."""
+    if args.action == "stand-ins":
+        from overlap_spec.upstream.standins import describe_stand_ins
 
-            print(describe_stand_ins())
-            return 0
-        if args.action == "findings":
-            for known in KNOWN_FINDINGS:
-                print(f"{known.id} {known.invariant}: {known.summary}\n   upstream: "
-                      f"{known.upstream}\n   see: {known.reference}")
-            for entry in ALLOWED_DIVERGENCES:
-                print(f"{entry.id} (allowed divergence, {entry.field}): {entry.reason}\n"
-                      f"   upstream: {entry.upstream}")
-            return 0
-        if args.action == "replay":
-            return cmd_upstream_replay(args)
-        json_path = _validate_output(args.json)
-        report = run_upstream_check(args, progress=not args.quiet)
-    except UsageError as error:
-        print(f"overlap-spec upstream: {error}", file=sys.stderr)
-        return 2
+        print(describe_stand_ins())
+        return 0
+    if args.action == "findings":
+        from overlap_spec.harness.conformance.findings import (
+            ALLOWED_DIVERGENCES,
+            KNOWN_FINDINGS,
+        )
+
+        for known in KNOWN_FINDINGS:
+            print(f"{known.id} {known.invariant}: {known.summary}\n   upstream: "
+                  f"{known.upstream}\n   see: {known.reference}")
+        for entry in ALLOWED_DIVERGENCES:
+            print(f"{entry.id} (allowed divergence, {entry.field}): {entry.reason}\n"
+                  f"   upstream: {entry.upstream}")
+        return 0
+    if args.action == "replay":
+        return cmd_upstream_replay(args)
+    report = run_upstream_check(args, progress=not args.quiet)
     print(render_report(report))
-    if json_path is not None:
-        json_path.write_text(json.dumps(report, indent=1) + "\n")
+    if args.json is not None:
+        Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
     return 0 if report["ok"] else 1
 
 
@@ -327,6 +327,8 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
     if not args.file:
         raise UsageError("upstream replay needs a script file")
     path = Path(args.file)
+    if path.is_dir():
+        raise UsageError(f"{path} is a directory, not a script file")
     if not path.is_file():
         raise UsageError(f"no such file {path}")
     if importlib.util.find_spec("sglang") is None:
@@ -383,29 +385,35 @@ def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
                              "script; stand-ins: what the tier replaces in sglang; "
                              "findings: the listed findings and allowed divergences")
     parser.add_argument("file", nargs="?", help="the script, for 'replay'")
-    parser.add_argument("--cells", default=None,
+    parser.add_argument("--cells", type=cell_patterns, default=None,
                         help="comma-separated cell names or globs (default: every cell; "
                              "cells the adapter cannot drive report n/a)")
     parser.add_argument("--sglang-src", default=None, metavar="DIR",
                         help="drive this SGLang source tree (a PR branch checkout) instead of "
                              "the installed release")
-    parser.add_argument("--json", metavar="PATH", help="write the JSON report here")
-    parser.add_argument("--out", metavar="DIR",
+    parser.add_argument("--json", type=output_file, metavar="PATH",
+                        help="write the JSON report here")
+    parser.add_argument("--out", type=output_dir, metavar="DIR",
                         help="scripts are saved under DIR/upstream (default: .overlap-spec)")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
                         help=f"hypothesis seed (default {DEFAULT_SEED})")
-    parser.add_argument("--profile", default="ci", help="hypothesis budget (default ci)")
-    parser.add_argument("--preset", default="minimal", help="sizes (default minimal)")
-    parser.add_argument("-j", "--jobs", type=int, default=max(1, min(2, os.cpu_count() or 1)),
+    parser.add_argument("--profile", choices=PROFILE_NAMES, default="ci",
+                        help="hypothesis budget (default ci)")
+    parser.add_argument("--preset", choices=sorted(PRESETS), default="minimal",
+                        help="sizes (default minimal)")
+    parser.add_argument("-j", "--jobs", type=positive_int,
+                        default=max(1, min(2, os.cpu_count() or 1)),
                         help="cells run at once, one process each (default %(default)s)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="overlap-spec upstream")
+    parser = ArgumentParser(prog="overlap-spec upstream")
     add_upstream_arguments(parser)
-    args = parser.parse_args(argv)
-    return cmd_upstream(args)
+    try:
+        return cmd_upstream(parser.parse_args(argv))
+    except CommandUsageError as error:
+        return report_usage_error(error)
 
 
 if __name__ == "__main__":

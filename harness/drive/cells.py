@@ -1,13 +1,30 @@
-"""The one cell selector and the one default seed every command shares."""
+"""What every command shares: the one cell selector, the one default seed, the usage error
+and the parser's argument types.
+
+The argument types check ranges and paths while the command line is parsed, so a bad
+number or an output path that cannot be written is a one-line error (exit 2) before a
+run starts, never a traceback at its end. This module stays light (no torch, Z3 or
+Hypothesis): ``overlap-spec --help`` imports it.
+"""
 
 from __future__ import annotations
 
+import argparse
 import fnmatch
+import os
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Final, NoReturn
 
 from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, enumerate_cells
 
 # The seed every tier runs under unless told otherwise; printed with every failure.
 DEFAULT_SEED = 20261122
+
+# The Hypothesis budgets' names (harness.drive.stateful.PROFILES holds the budgets and
+# imports Hypothesis, which the parser must not; a test checks that the two agree).
+PROFILE_NAMES: Final = ("quick", "ci", "dev", "thorough")
 
 
 class UsageError(ValueError):
@@ -16,6 +33,21 @@ class UsageError(ValueError):
 
 class NoCellMatches(UsageError):
     """A cell pattern list that names no cell: a usage error, never an empty run."""
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse whose errors raise :class:`UsageError` (one line, exit 2, printed by the
+    command's ``main``) instead of printing the usage block and exiting."""
+
+    def error(self, message: str) -> NoReturn:
+        hint = "" if "(see '" in message else f" (see '{self.prog} --help')"
+        raise UsageError(message + hint)
+
+
+def report_usage_error(error: UsageError) -> int:
+    """Print ``error`` as the one line ``overlap-spec: error: MESSAGE``; returns 2."""
+    print(f"overlap-spec: error: {error}", file=sys.stderr)
+    return 2
 
 
 def select_cells(patterns: str | None) -> list[Cell]:
@@ -36,3 +68,137 @@ def select_configs(patterns: str | None, preset: str) -> list[ModelConfig]:
     presets = list(PRESETS.values()) if preset == "all" else [PRESETS[preset]]
     cells = select_cells(patterns)
     return [ModelConfig(cell, p) for p in presets for cell in cells]
+
+
+# --- argument types: argparse calls them on the text; an ArgumentTypeError is the message
+def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
+    """An argparse ``type``: an integer in ``low..high`` (no upper end when ``high`` is None)."""
+    allowed = f">= {low}" if high is None else f"{low}..{high}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+        if value < low or (high is not None and value > high):
+            raise argparse.ArgumentTypeError(f"{value} is out of range (allowed: {allowed})")
+        return value
+
+    return parse
+
+
+positive_int: Final = int_in(1)
+nonnegative_int: Final = int_in(0)
+
+
+def int_list_in(low: int, high: int) -> Callable[[str], tuple[int, ...]]:
+    """An argparse ``type``: comma-separated integers, each in ``low..high``, at least one."""
+    one = int_in(low, high)
+
+    def parse(text: str) -> tuple[int, ...]:
+        parts = [p.strip() for p in text.split(",") if p.strip()]
+        if not parts:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}")
+        return tuple(one(p) for p in parts)
+
+    return parse
+
+
+def name_list(known: Sequence[str], what: str) -> Callable[[str], str]:
+    """An argparse ``type``: comma-separated names, each one of ``known``, at least one (the
+    text comes back unchanged: the commands split it)."""
+
+    def parse(text: str) -> str:
+        names = [p.strip() for p in text.split(",") if p.strip()]
+        unknown = [n for n in names if n not in known]
+        if unknown or not names:
+            found = f"unknown {what} {', '.join(unknown)}" if unknown else f"no {what} given"
+            raise argparse.ArgumentTypeError(f"{found}; known: {', '.join(known)}")
+        return text
+
+    return parse
+
+
+def cell_patterns(text: str) -> str:
+    """An argparse ``type``: comma-separated cell names or globs that match some cell."""
+    try:
+        select_cells(text)
+    except NoCellMatches as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def input_file(text: str) -> str:
+    """An argparse ``type``: a readable file (not a directory)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory, not a file")
+    if not path.exists():
+        raise argparse.ArgumentTypeError(f"no such file {text}")
+    if not os.access(path, os.R_OK):
+        raise argparse.ArgumentTypeError(f"cannot read {text} (permission denied)")
+    return text
+
+
+def input_dir(text: str) -> str:
+    """An argparse ``type``: an existing directory."""
+    path = Path(text)
+    if not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a directory" if path.exists()
+                                         else f"no such directory {text}")
+    return text
+
+
+def output_file(text: str) -> str:
+    """An argparse ``type``: a file path the run will be able to write (checked now, so a
+    long run does not end in a traceback)."""
+    path = Path(text)
+    if path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; give a file path")
+    parent = path.parent
+    if not parent.exists():
+        raise argparse.ArgumentTypeError(f"directory {parent} does not exist")
+    if not parent.is_dir():
+        raise argparse.ArgumentTypeError(f"{parent} is not a directory")
+    writable = os.access(path, os.W_OK) if path.exists() else os.access(parent,
+                                                                         os.W_OK | os.X_OK)
+    if not writable:
+        raise argparse.ArgumentTypeError(f"cannot write {text} (permission denied)")
+    return text
+
+
+def output_dir(text: str) -> str:
+    """An argparse ``type``: a directory the run can write into, or create with its parents
+    (checked now; it is created when the run writes)."""
+    path = Path(text)
+    if path.exists() and not path.is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a file, not a directory")
+    existing = path.absolute()
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise argparse.ArgumentTypeError(f"cannot create {text}: {existing} is a file")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise argparse.ArgumentTypeError(f"cannot write in {existing} (permission denied)")
+    return text
+
+
+DEVICE_KINDS: Final = ("auto", "cpu", "cuda")
+
+
+def device_name(text: str) -> str:
+    """An argparse ``type``: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``, a CUDA device only
+    when torch sees it (torch is imported only when CUDA is asked for)."""
+    kind, colon, index = text.partition(":")
+    if kind not in DEVICE_KINDS or (colon and (kind != "cuda" or not index.isdigit())):
+        raise argparse.ArgumentTypeError(f"unknown device {text!r} (expected auto, cpu, cuda "
+                                         "or cuda:N)")
+    if kind == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise argparse.ArgumentTypeError(f"{text} asked for, but torch sees no CUDA device")
+        if colon and int(index) >= torch.cuda.device_count():
+            raise argparse.ArgumentTypeError(f"{text}: torch sees "
+                                             f"{torch.cuda.device_count()} CUDA device(s)")
+    return text

@@ -26,10 +26,10 @@ from typing import Any
 
 import torch
 
+from overlap_spec.harness.measure import BENCH_BATCH_SIZES
 from overlap_spec.harness.measure.sync_contract import measure_steady_state
 from overlap_spec.spec.config import get_cell
 
-BENCH_BATCH_SIZES = (1, 16, 64, 256, 1024)
 BENCH_CELL = "ov-p1-v2chain-cpu-honest"  # v2 chain, overlap, the CPU mirror: where eras differ
 
 

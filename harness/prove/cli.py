@@ -1,4 +1,8 @@
 """``overlap-spec prove``: its arguments and its command.
+
+The parser needs no Z3: the defaults it shows are restated here (the proofs tier and
+``proofs/`` own them; ``tests/test_cli_errors.py`` checks that the two agree), and the
+tier is imported when the command runs.
 """
 
 from __future__ import annotations
@@ -8,57 +12,76 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Final
 
-from overlap_spec.harness.drive.cells import NoCellMatches, select_cells
-from overlap_spec.harness.prove.tier import (
-    DEFAULT_BMC_TIMEOUT_MS,
-    DEFAULT_DEPTH,
-    DEFAULT_REQUESTS,
-    DEFAULT_TIMEOUT_MS,
-    ProveJob,
-    build_proofs_json,
-    get_default_jobs,
-    render_matrix,
-    run_jobs,
+from overlap_spec.harness.drive.cells import (
+    cell_patterns,
+    int_in,
+    output_file,
+    positive_int,
+    select_cells,
 )
-from overlap_spec.proofs import solver as zs
-from overlap_spec.proofs.induction import DEFAULT_BATCH_BOUND, Obligation
+from overlap_spec.harness.pool import get_default_jobs
 from overlap_spec.spec.config import PRESETS
+
+DEFAULT_BATCH_BOUND: Final = 16  # proofs.induction.DEFAULT_BATCH_BOUND
+DEFAULT_TIMEOUT_MS: Final = 20_000  # proofs.solver.DEFAULT_TIMEOUT_MS
+DEFAULT_DEPTH: Final = 6  # proofs.bmc.DEFAULT_DEPTH
+DEFAULT_REQUESTS: Final = 3  # proofs.bmc.DEFAULT_REQUESTS
+DEFAULT_BMC_TIMEOUT_MS: Final = 60_000  # proofs.bmc.DEFAULT_TIMEOUT_MS
+# Upper ends that only keep a typo from building a formula for days; Z3 takes its
+# timeout as an unsigned 32-bit count of milliseconds.
+MAX_BATCH_BOUND: Final = 1024
+MAX_DEPTH: Final = 100
+MAX_REQUESTS: Final = 32
+MAX_TIMEOUT_MS: Final = 2**32 - 1
 
 
 def add_prove_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--cells", help="comma-separated cell names or globs (default: all)")
-    parser.add_argument("-N", "--batch-bound", type=int, default=DEFAULT_BATCH_BOUND,
-                        help="largest batch size for the sum claims (default 16)")
-    parser.add_argument("-K", "--depth", type=int, default=DEFAULT_DEPTH,
-                        help=f"BMC depth in event-loop iterations (default {DEFAULT_DEPTH})")
-    parser.add_argument("-B", "--requests", type=int, default=DEFAULT_REQUESTS,
-                        help=f"BMC symbolic requests (default {DEFAULT_REQUESTS})")
-    parser.add_argument("--bmc-timeout-ms", type=int, default=DEFAULT_BMC_TIMEOUT_MS,
-                        help="per BMC query; a timeout is a failure (default 60000)")
+    parser.add_argument("--cells", type=cell_patterns,
+                        help="comma-separated cell names or globs (default: all)")
+    parser.add_argument("-N", "--batch-bound", type=int_in(0, MAX_BATCH_BOUND),
+                        default=DEFAULT_BATCH_BOUND,
+                        help=f"largest batch size for the sum claims (default "
+                             f"{DEFAULT_BATCH_BOUND}, at most {MAX_BATCH_BOUND})")
+    parser.add_argument("-K", "--depth", type=int_in(1, MAX_DEPTH), default=DEFAULT_DEPTH,
+                        help=f"BMC depth in event-loop iterations (default {DEFAULT_DEPTH}, "
+                             f"at most {MAX_DEPTH})")
+    parser.add_argument("-B", "--requests", type=int_in(1, MAX_REQUESTS),
+                        default=DEFAULT_REQUESTS,
+                        help=f"BMC symbolic requests (default {DEFAULT_REQUESTS}, at most "
+                             f"{MAX_REQUESTS})")
+    parser.add_argument("--bmc-timeout-ms", type=int_in(1, MAX_TIMEOUT_MS),
+                        default=DEFAULT_BMC_TIMEOUT_MS,
+                        help=f"per BMC query; a timeout is a failure (default "
+                             f"{DEFAULT_BMC_TIMEOUT_MS})")
     parser.add_argument("--no-bmc", action="store_true",
                         help="skip the bounded model check and its reachable witnesses")
-    parser.add_argument("--timeout-ms", type=int, default=DEFAULT_TIMEOUT_MS,
-                        help="per solver call; a timeout is a failure (default 20000)")
+    parser.add_argument("--timeout-ms", type=int_in(1, MAX_TIMEOUT_MS),
+                        default=DEFAULT_TIMEOUT_MS,
+                        help=f"per solver call; a timeout is a failure (default "
+                             f"{DEFAULT_TIMEOUT_MS})")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="minimal")
-    parser.add_argument("-j", "--jobs", type=int, default=get_default_jobs(),
+    parser.add_argument("-j", "--jobs", type=positive_int, default=get_default_jobs(),
                         help="cells proved in parallel worker processes (default: the CPUs "
                              "available, here %(default)s)")
-    parser.add_argument("--json", help="write the proofs section as JSON to this path")
+    parser.add_argument("--json", type=output_file, metavar="PATH",
+                        help="write the proofs section as JSON to this path")
     parser.add_argument("--quiet", action="store_true", help="print the summary only")
 
 
 def cmd_prove(args: argparse.Namespace) -> int:
-    try:
-        cells = select_cells(args.cells)
-    except NoCellMatches as error:
-        print(f"overlap-spec: {error}", file=sys.stderr)
-        return 2
-    if (args.batch_bound < 0 or args.timeout_ms <= 0 or args.depth < 1 or args.requests < 1
-            or args.jobs < 1 or args.bmc_timeout_ms <= 0):
-        print("overlap-spec: --batch-bound must be >= 0, --timeout-ms and --bmc-timeout-ms "
-              "> 0, -K, -B and --jobs >= 1", file=sys.stderr)
-        return 2
+    """Exit codes: 0 every obligation proved, 1 otherwise; a usage error raises (exit 2)."""
+    from overlap_spec.harness.prove.tier import (
+        ProveJob,
+        build_proofs_json,
+        render_matrix,
+        run_jobs,
+    )
+    from overlap_spec.proofs import solver as zs
+    from overlap_spec.proofs.induction import Obligation
+
+    cells = select_cells(args.cells)  # no match: a UsageError, before anything runs
     started = time.perf_counter()
 
     def progress(name: str, rows: list[Obligation]) -> None:

@@ -1,6 +1,10 @@
 """``overlap-spec trace``: record a script's trace (reference or gpu_impl), check a trace
 file, draw one: its timeline as Mermaid and SVG (``render``), the lengths behind an
 arithmetic violation (``plot``).
+
+The parser needs none of the trace machinery (imported when a command runs); the render
+window's default is restated here (``harness.trace.render.DEFAULT_WINDOW``, checked by
+``tests/test_cli_errors.py``).
 """
 
 from __future__ import annotations
@@ -9,19 +13,22 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from overlap_spec.harness.drive.script import (
-    ScriptError,
-    load_script,
+from overlap_spec.harness.drive.cells import (
+    ArgumentParser,
+    UsageError,
+    input_file,
+    nonnegative_int,
+    output_dir,
+    output_file,
+    report_usage_error,
 )
-from overlap_spec.harness.trace.check import check_trace_file, record_script_trace
-from overlap_spec.harness.trace.format import (
-    TraceFormatError,
-    parse_trace,
-    strip_snapshots,
-)
-from overlap_spec.harness.trace.plot import PlotError, plot_trace_file
-from overlap_spec.harness.trace.render import DEFAULT_WINDOW, render_trace_file
+
+if TYPE_CHECKING:
+    from overlap_spec.harness.trace.format import ParsedTrace
+
+DEFAULT_WINDOW = 80  # harness.trace.render.DEFAULT_WINDOW
 
 
 # ----------------------------------------------------------------------------- CLI
@@ -29,9 +36,11 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``trace`` subcommand group: check, render, plot, record, strip."""
     sub = parser.add_subparsers(dest="trace_command", required=True)
     check = sub.add_parser("check", help="replay a trace through the spec; first violation")
-    check.add_argument("file")
-    check.add_argument("--json", metavar="PATH", help="write the verdict as JSON")
-    check.add_argument("--context", type=int, default=8, help="preceding events to show")
+    check.add_argument("file", type=input_file)
+    check.add_argument("--json", type=output_file, metavar="PATH",
+                       help="write the verdict as JSON")
+    check.add_argument("--context", type=nonnegative_int, default=8,
+                       help="preceding events to show")
     render = sub.add_parser(
         "render", help="draw the timeline as Mermaid and SVG (and the length plot of an "
         "arithmetic violation)",
@@ -39,10 +48,10 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
         "one lane per stream) of a trace; the racing pair is red and linked, named by its "
         "ID and buffer. For an arithmetic (KV, SL, RP) violation also STEM.lengths.svg, "
         "as 'trace plot' draws it.")
-    render.add_argument("file")
-    render.add_argument("--out", metavar="DIR", default=None,
+    render.add_argument("file", type=input_file)
+    render.add_argument("--out", type=output_dir, metavar="DIR", default=None,
                         help="where to write the pictures (default: beside FILE)")
-    render.add_argument("--window", type=int, default=DEFAULT_WINDOW,
+    render.add_argument("--window", type=nonnegative_int, default=DEFAULT_WINDOW,
                         help="events drawn, centred on the racing access or the violation; "
                         "the race partner and the violation are always drawn, and each run "
                         f"of events left out is one row saying so (0: all; default "
@@ -54,72 +63,94 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
         "ghost output_len_true) at every observation point as step lines, the violating "
         "point marked with the invariant ID and values. A trace without such a violation "
         "(passing, inconclusive, a race) exits 2.")
-    plot.add_argument("file")
-    plot.add_argument("-o", "--output", default=None,
+    plot.add_argument("file", type=input_file)
+    plot.add_argument("-o", "--output", type=output_file, default=None,
                       help="the SVG to write (default: FILE's stem + .lengths.svg beside it)")
     record = sub.add_parser("record", help="run an operation script and write its trace")
-    record.add_argument("script")
-    record.add_argument("-o", "--output", required=True)
+    record.add_argument("script", type=input_file)
+    record.add_argument("-o", "--output", type=output_file, required=True)
     record.add_argument("--no-snapshots", action="store_true", help="omit state snapshots")
     strip = sub.add_parser("strip", help="drop the state snapshots from a trace")
-    strip.add_argument("file")
-    strip.add_argument("-o", "--output", required=True)
+    strip.add_argument("file", type=input_file)
+    strip.add_argument("-o", "--output", type=output_file, required=True)
     parser.set_defaults(func=cmd_trace)
 
 
-def cmd_trace(args: argparse.Namespace) -> int:
-    """Exit codes: 0 pass, 1 violation or inconclusive, 2 malformed input or usage."""
+def read_trace_or_usage_error(path: Path) -> ParsedTrace:
+    """The parsed trace; malformed or unreadable input is a :class:`UsageError` (exit 2)
+    naming the file, and the line and field where the format says which."""
+    from overlap_spec.harness.trace.format import TraceFormatError, read_trace
+
     try:
-        if args.trace_command == "check":
-            verdict = check_trace_file(Path(args.file), args.context)
-            print(verdict.describe())
-            if args.json:
-                Path(args.json).write_text(json.dumps(verdict.to_json(), indent=1) + "\n")
-            return 0 if verdict.ok else 1
-        if args.trace_command == "render":
-            written = render_trace_file(Path(args.file),
-                                        Path(args.out) if args.out else None, args.window)
-            for path in written:
-                print(f"wrote {path}")
-            return 0
-        if args.trace_command == "plot":
-            try:
-                target = plot_trace_file(Path(args.file),
-                                         Path(args.output) if args.output else None)
-            except PlotError as error:
-                print(f"overlap-spec: {args.file}: cannot plot: {error}", file=sys.stderr)
-                return 2
-            print(f"wrote {target}")
-            return 0
-        if args.trace_command == "record":
+        return read_trace(path)
+    except TraceFormatError as error:
+        raise UsageError(f"{path}: {error}") from None
+    except (OSError, ValueError, RecursionError) as error:
+        # Permissions, and JSON the parser refuses: nested too deep, numbers too long.
+        raise UsageError(f"{path}: trace: cannot read: {error}") from None
+
+
+def cmd_trace(args: argparse.Namespace) -> int:
+    """Exit codes: 0 pass, 1 violation or inconclusive; malformed input raises a
+    :class:`UsageError` (exit 2)."""
+    from overlap_spec.harness.drive.script import ScriptError, load_script
+    from overlap_spec.harness.trace.check import check_trace, record_script_trace
+    from overlap_spec.harness.trace.format import strip_snapshots
+
+    if args.trace_command == "check":
+        verdict = check_trace(read_trace_or_usage_error(Path(args.file)), args.context)
+        print(verdict.describe())
+        if args.json:
+            Path(args.json).write_text(json.dumps(verdict.to_json(), indent=1) + "\n")
+        return 0 if verdict.ok else 1
+    if args.trace_command == "render":
+        from overlap_spec.harness.trace.render import render_trace_file
+
+        read_trace_or_usage_error(Path(args.file))  # malformed: exit 2 before writing
+        written = render_trace_file(Path(args.file),
+                                    Path(args.out) if args.out else None, args.window)
+        for path in written:
+            print(f"wrote {path}")
+        return 0
+    if args.trace_command == "plot":
+        from overlap_spec.harness.trace.plot import PlotError, plot_trace_file
+
+        read_trace_or_usage_error(Path(args.file))
+        try:
+            target = plot_trace_file(Path(args.file),
+                                     Path(args.output) if args.output else None)
+        except PlotError as error:
+            raise UsageError(f"{args.file}: cannot plot: {error}") from None
+        print(f"wrote {target}")
+        return 0
+    if args.trace_command == "record":
+        from overlap_spec.upstream.bootstrap import UpstreamUnavailable
+
+        try:
             script = load_script(Path(args.script))
             verdict = record_script_trace(script, Path(args.output), not args.no_snapshots)
-            print(f"wrote {args.output}")
-            print(verdict.describe())
-            return 0 if verdict.ok else 1
-        text = Path(args.file).read_text()
-        parse_trace(text)
-        Path(args.output).write_text(strip_snapshots(text))
+        except (ScriptError, UpstreamUnavailable) as error:
+            # Unreadable, or a script whose implementation cannot run here (sglang's,
+            # outside its environment): said before anything is recorded.
+            raise UsageError(str(error.args[0] if error.args else error)) from None
         print(f"wrote {args.output}")
-        return 0
-    except TraceFormatError as error:
-        print(f"overlap-spec: {args.file if 'file' in args else args.script}: {error}",
-              file=sys.stderr)
-        return 2
-    except ScriptError as error:
-        print(f"overlap-spec: {error}", file=sys.stderr)
-        return 2
-    except FileNotFoundError as error:
-        print(f"overlap-spec: no such file {error.filename}", file=sys.stderr)
-        return 2
+        print(verdict.describe())
+        return 0 if verdict.ok else 1
+    read_trace_or_usage_error(Path(args.file))
+    Path(args.output).write_text(strip_snapshots(Path(args.file).read_text()))
+    print(f"wrote {args.output}")
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m overlap_spec.harness.trace.cli ...``: the same as ``overlap-spec trace ...``."""
-    parser = argparse.ArgumentParser(prog="overlap-spec trace")
+    parser = ArgumentParser(prog="overlap-spec trace")
     add_trace_arguments(parser)
-    args = parser.parse_args(argv)
-    code: int = args.func(args)
+    try:
+        args = parser.parse_args(argv)
+        code: int = args.func(args)
+    except UsageError as error:
+        return report_usage_error(error)
     return code
 
 
