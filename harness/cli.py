@@ -7,6 +7,8 @@ counts as inconclusive, never as a pass); 2 bad usage or unreadable input.
 from __future__ import annotations
 
 import argparse
+import os
+import signal
 import sys
 import time
 from pathlib import Path
@@ -397,6 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         code: int = args.func(args)
     except UsageError as error:
         return report_usage_error(error)
+    except BrokenPipeError:
+        # The reader went away (`overlap-spec invariants | head`): stop quietly, as a
+        # process killed by SIGPIPE would, with no error at exit from flushing stdout.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except OSError as error:
         if error.filename is None:  # not a file the user named: a crash, with its traceback
             raise

@@ -286,6 +286,21 @@ def test_bad_input_in_a_real_process(argv: list[str], paths: dict[str, str]) -> 
     assert "Traceback" not in done.stdout + done.stderr
 
 
+def test_a_reader_that_went_away_is_no_traceback() -> None:
+    """``overlap-spec cells | head``: the pipe closes early; the command stops quietly with
+    the status a process killed by SIGPIPE has (128 + 13)."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    try:
+        done = subprocess.run([sys.executable, "-m", "overlap_spec", "cells"], stdout=write_end,
+                              stderr=subprocess.PIPE, text=True, env=env, timeout=120,
+                              check=False)
+    finally:
+        os.close(write_end)
+    assert done.returncode == 141 and done.stderr == "", done.stderr
+
+
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
                     reason="root may write anywhere: no unwritable directory to point at")
 def test_an_unwritable_output_is_refused_before_the_run(tmp_path: Path,
