@@ -145,6 +145,14 @@ SWEEP: dict[tuple[str, ...], list[tuple[list[str], str]]] = {
         (["{empty}", "--out", "{file}"], "is a file, not a directory"),
         (["{empty}", "--window", "-1"], "out of range"),
     ],
+    ("trace", "plot"): [
+        ([], "required: file"),
+        (["{dir}"], "is a directory, not a file"),
+        (["{binary}"], "cannot read"),
+        (["{empty}", "-o", "{dir}"], "is a directory"),
+        (["{empty}", "-o", "{missing}/p.svg"], "does not exist"),
+        (["{trace_without_fields}"], "line 1, field 'id'"),
+    ],
     ("trace", "record"): [
         (["{script}"], "required: -o/--output"),
         (["{dir}", "-o", "{tmp}/t.ndjson"], "is a directory, not a file"),
@@ -339,11 +347,13 @@ def test_the_parser_imports_no_torch_z3_or_hypothesis() -> None:
 
 
 def test_what_the_parser_restates_agrees_with_its_source() -> None:
-    """The parser names the profiles and the proofs' defaults without importing their
-    modules; here they are compared with the modules that own them."""
+    """The parser names the profiles, the proofs' defaults and the render window without
+    importing their modules; here they are compared with the modules that own them."""
     from overlap_spec.harness.drive import cells, script, stateful
     from overlap_spec.harness.prove import cli as prove_cli
     from overlap_spec.harness.prove import tier
+    from overlap_spec.harness.trace import cli as trace_cli
+    from overlap_spec.harness.trace import render
     from overlap_spec.proofs.induction import DEFAULT_BATCH_BOUND
 
     assert set(cells.PROFILE_NAMES) == set(stateful.PROFILES)
@@ -354,3 +364,4 @@ def test_what_the_parser_restates_agrees_with_its_source() -> None:
     assert prove_cli.DEFAULT_DEPTH == tier.DEFAULT_DEPTH
     assert prove_cli.DEFAULT_REQUESTS == tier.DEFAULT_REQUESTS
     assert prove_cli.DEFAULT_BMC_TIMEOUT_MS == tier.DEFAULT_BMC_TIMEOUT_MS
+    assert trace_cli.DEFAULT_WINDOW == render.DEFAULT_WINDOW
