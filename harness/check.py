@@ -51,14 +51,12 @@ from overlap_spec.spec.config import ModelConfig
 def cmd_check(args: argparse.Namespace) -> int:
     profile = get_profile(args.profile)
     faults = frozenset(f.strip() for f in (args.faults or "").split(",") if f.strip())
-    unknown = faults - SUPPORTED_FAULTS
-    if unknown:
-        print(f"overlap-spec: unknown fault IDs {sorted(unknown)}; supported: "
-              f"{', '.join(sorted(SUPPORTED_FAULTS))}", file=sys.stderr)
-        return 2
+    # The parser checks both; these guard a programmatic call (one line, exit 2 in main).
+    if faults - SUPPORTED_FAULTS:
+        raise UsageError(f"unknown fault IDs {sorted(faults - SUPPORTED_FAULTS)}; supported: "
+                         f"{', '.join(sorted(SUPPORTED_FAULTS))}")
     if args.jobs < 1:
-        print("overlap-spec: --jobs must be >= 1", file=sys.stderr)
-        return 2
+        raise UsageError("--jobs must be >= 1")
     configs = select_configs(args.cells, args.preset)
     run = _Run(args, profile, faults, configs, CheckReport(args.seed, profile.name))
     started = time.perf_counter()

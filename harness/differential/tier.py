@@ -22,7 +22,7 @@ from overlap_spec.harness.differential.compare import (
     get_default_device,
     get_differential_examples,
 )
-from overlap_spec.harness.drive.cells import select_configs
+from overlap_spec.harness.drive.cells import UsageError, select_configs
 from overlap_spec.harness.drive.script import save_script
 from overlap_spec.harness.drive.stateful import (
     Profile,
@@ -39,7 +39,7 @@ def parse_device(name: str | None) -> torch.device:
         return get_default_device()
     device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("overlap-spec: --device cuda asked for, but torch sees no CUDA device")
+        raise UsageError("--device cuda asked for, but torch sees no CUDA device")
     return device
 
 
