@@ -178,7 +178,7 @@ def test_check_json_has_every_id_in_every_cell(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
     # The gpu_impl and Z3 tiers have their own tests; here they are skipped for time.
     code = main(["check", "-q", "--cells", "ov-p1-none,nov-p1-v2chain-cpu-preclaim",
-                 "--no-differential", "--no-proofs", "--json", str(out)])
+                 "--profile", "quick", "--no-differential", "--no-proofs", "--json", str(out)])
     assert code == 0
     doc = json.loads(out.read_text())
     assert doc["differential"] == {"status": "skipped", "reason": "--no-differential"}

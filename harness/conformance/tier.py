@@ -457,7 +457,10 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
         script = finding_scripts[known.id]
         script.seed = seed
         script.implementation = "upstream"
-        if crash is None:
+        # Each minimising trial drives sglang's scheduler again: the quick profile (a
+        # reviewer's `review --sglang-src`) saves a listed finding as found, still
+        # replayable; the others minimise it.
+        if crash is None and profile.name != "quick":
             script = minimize_finding(script, known.id)
         path = save_script(script, save_dir / f"{config.cell.name}-{known.id}.json")
         findings.append({"id": known.id, "invariant": known.invariant, "cell": config.cell.name,
