@@ -50,13 +50,7 @@ from overlap_spec.spec.config import ModelConfig
 
 def cmd_check(args: argparse.Namespace) -> int:
     profile = get_profile(args.profile)
-    faults = frozenset(f.strip() for f in (args.faults or "").split(",") if f.strip())
-    # The parser checks both; these guard a programmatic call (one line, exit 2 in main).
-    if faults - SUPPORTED_FAULTS:
-        raise UsageError(f"unknown fault IDs {sorted(faults - SUPPORTED_FAULTS)}; supported: "
-                         f"{', '.join(sorted(SUPPORTED_FAULTS))}")
-    if args.jobs < 1:
-        raise UsageError("--jobs must be >= 1")
+    faults = get_faults_and_check_jobs(args)
     configs = select_configs(args.cells, args.preset)
     run = _Run(args, profile, faults, configs, CheckReport(args.seed, profile.name))
     started = time.perf_counter()
@@ -110,13 +104,32 @@ class _Run:
         return True
 
 
+def get_faults_and_check_jobs(args: argparse.Namespace) -> frozenset[str]:
+    """``--faults`` as a set; the parser checks it and ``--jobs``, this guards a
+    programmatic call (a ``UsageError``: one line, exit 2 in ``main``)."""
+    faults = frozenset(f.strip() for f in (args.faults or "").split(",") if f.strip())
+    if faults - SUPPORTED_FAULTS:
+        raise UsageError(f"unknown fault IDs {sorted(faults - SUPPORTED_FAULTS)}; supported: "
+                         f"{', '.join(sorted(SUPPORTED_FAULTS))}")
+    if args.jobs < 1:
+        raise UsageError("--jobs must be >= 1")
+    return faults
+
+
+def run_hypothesis_cells(configs: list[ModelConfig], profile: Profile, seed: int,
+                         faults: frozenset[str], out: Path | None, jobs: int, quiet: bool,
+                         shrink: bool = True) -> list[CellResult]:
+    """The Hypothesis tier's cells on ``jobs`` processes, a progress line per cell;
+    ``shrink=False``: the project's minimiser instead of Hypothesis's shrinker."""
+    tasks = [CellTask(config, profile, seed, faults, out, shrink) for config in configs]
+    progress = None if quiet else CellProgress(len(tasks), "hypothesis", profile.name)
+    return run_tasks(run_cell_task, tasks, jobs, None if progress is None else progress.cell_done)
+
+
 def _hypothesis_tier(run: _Run) -> None:
     args = run.args
-    tasks = [CellTask(config, run.profile, args.seed, run.faults, run.out)
-             for config in run.configs]
-    progress = None if args.quiet else CellProgress(len(tasks), "hypothesis", run.profile.name)
-    results = run_tasks(run_cell_task, tasks, args.jobs,
-                        None if progress is None else progress.cell_done)
+    results = run_hypothesis_cells(run.configs, run.profile, args.seed, run.faults, run.out,
+                                   args.jobs, args.quiet)
     print(render_table(results))
     run.report.add(hypothesis_tier_report(results))
 

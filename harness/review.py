@@ -14,7 +14,7 @@ import argparse
 import time
 from pathlib import Path
 
-from overlap_spec.harness.check import CellProgress, CellTask, run_cell_task
+from overlap_spec.harness.check import get_faults_and_check_jobs, run_hypothesis_cells
 from overlap_spec.harness.conformance.cli import (
     UsageError,
     render_report,
@@ -23,7 +23,7 @@ from overlap_spec.harness.conformance.cli import (
 )
 from overlap_spec.harness.drive.cells import select_configs
 from overlap_spec.harness.drive.stateful import get_profile
-from overlap_spec.harness.pool import catching_interrupts, raise_if_interrupted, run_tasks
+from overlap_spec.harness.pool import catching_interrupts, raise_if_interrupted
 from overlap_spec.harness.report import (
     get_verdicts,
     hypothesis_tier_report,
@@ -31,19 +31,13 @@ from overlap_spec.harness.report import (
     write_json,
 )
 from overlap_spec.harness.verdict import CheckReport, Verdict
-from overlap_spec.reference.scheduler import SUPPORTED_FAULTS
 from overlap_spec.spec.config import ModelConfig
 
 
 def cmd_review(args: argparse.Namespace) -> int:
     """``overlap-spec review`` (its arguments: ``harness.cli``)."""
     profile = get_profile(args.profile)
-    faults = frozenset(f.strip() for f in (args.faults or "").split(",") if f.strip())
-    if faults - SUPPORTED_FAULTS:
-        raise UsageError(f"unknown fault IDs {sorted(faults - SUPPORTED_FAULTS)}; supported: "
-                         f"{', '.join(sorted(SUPPORTED_FAULTS))}")
-    if args.jobs < 1:
-        raise UsageError("--jobs must be >= 1")
+    faults = get_faults_and_check_jobs(args)
     if args.sglang_src is not None and faults:
         raise UsageError("--faults switches bugs on in the reference; it does not apply to "
                          "--sglang-src")
@@ -79,11 +73,8 @@ def _review_reference(args: argparse.Namespace, profile_name: str, faults: froze
     out = Path(args.out) / "failures" if args.out else None
     # Our minimiser instead of Hypothesis's shrinker: a failing cell costs seconds, not
     # tens of seconds, and the counterexample is as small (tests/test_review.py).
-    tasks = [CellTask(config, profile, args.seed, faults, out, shrink=False)
-             for config in configs]
-    progress = None if args.quiet else CellProgress(len(tasks), "hypothesis", profile.name)
-    results = run_tasks(run_cell_task, tasks, args.jobs,
-                        None if progress is None else progress.cell_done)
+    results = run_hypothesis_cells(configs, profile, args.seed, faults, out, args.jobs,
+                                   args.quiet, shrink=False)
     failures = render_failures(results)
     if failures:
         print(failures)
