@@ -276,7 +276,8 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("--no-mutants", action="store_true",
                        help="skip the mutant matrix (it is skipped anyway with --faults)")
     check.add_argument("-j", "--jobs", type=positive_int, default=jobs,
-                       help="worker processes for the proofs tier, one cell each "
+                       help="worker processes for every tier: one cell (or mutant and cell) "
+                            "each "
                             "(default: the CPUs available, here %(default)s)")
     check.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     check.set_defaults(func=cmd_check)
