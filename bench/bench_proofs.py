@@ -23,11 +23,11 @@ import time
 
 from overlap_spec.harness.drive.cells import select_cells
 from overlap_spec.harness.mutants.z3 import run_z3_mutant_column
+from overlap_spec.harness.pool import get_default_jobs
 from overlap_spec.harness.prove.tier import (
     DEFAULT_BMC_TIMEOUT_MS,
     DEFAULT_TIMEOUT_MS,
     ProveJob,
-    get_default_jobs,
     run_jobs,
     run_proofs,
 )

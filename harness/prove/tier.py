@@ -16,7 +16,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
-from overlap_spec.harness.pool import get_default_jobs as get_default_jobs  # the CLI default
 from overlap_spec.harness.pool import run_tasks
 from overlap_spec.harness.verdict import TierReport, Verdict
 from overlap_spec.proofs import bmc
