@@ -4,6 +4,7 @@ release: tests/test_upstream_tier.py, marked ``upstream``.)"""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -43,6 +44,48 @@ def test_without_an_upstream_environment_the_tier_exits_2_with_one_line(tmp_path
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert "cannot run the upstream interpreter" in done.stderr
+
+
+FAKE_SERVER = """#!/bin/sh
+# Stands for the upstream interpreter: whatever it is asked, it answers as a cell server
+# whose first cell is killed and which then dies before the second cell finishes.
+cat <<'END'
+{"event": "sglang", "version": "0.5.23", "source": "release"}
+{"event": "start", "cell": "ov-p1-none"}
+{"event": "start", "cell": "nov-p1-none"}
+{"event": "done", "cell": "ov-p1-none", "exit": -9, "wall_s": 1.0, "reason": "killed"}
+END
+echo "the server's last words" >&2
+exit 3
+"""
+
+
+def test_a_crashed_cell_and_a_lost_one_fail_the_tier(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text(FAKE_SERVER)
+    fake.chmod(0o755)
+    env = dict(os.environ, OVERLAP_SPEC_UPSTREAM_PYTHON=str(fake))
+    report = tmp_path / "r.json"
+    done = run_cli("upstream", "check", "--cells", "ov-p1-none,nov-p1-none", "--json",
+                   str(report), "--out", str(tmp_path), env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    cells = json.loads(report.read_text())["cells"]
+    assert cells["ov-p1-none"]["verdict"] == "fail"
+    assert "exit -9" in cells["ov-p1-none"]["reason"]
+    assert cells["nov-p1-none"]["verdict"] == "fail"
+    assert "before this cell finished" in cells["nov-p1-none"]["reason"]
+    assert "the server's last words" in cells["nov-p1-none"]["reason"]
+
+
+def test_sglang_failing_to_import_in_the_server_is_a_usage_error(tmp_path: Path) -> None:
+    fake = tmp_path / "python"
+    fake.write_text("#!/bin/sh\necho '{\"event\": \"error\", \"message\": "
+                    "\"sglang does not import: ImportError: x\"}'\nexit 2\n")
+    fake.chmod(0o755)
+    env = dict(os.environ, OVERLAP_SPEC_UPSTREAM_PYTHON=str(fake))
+    done = run_cli("upstream", "check", "--cells", "ov-p1-none", env=env)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stderr.count("\n") == 1 and "sglang does not import" in done.stderr
 
 
 @pytest.mark.parametrize(("args", "message"), [

@@ -222,3 +222,33 @@ def test_upstreams_own_checker_runs_and_can_fail() -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["clean"] and all(m is None for m in result["clean"])
     assert result["after"] and "Leak" in (result["after"][-1] or "")
+
+
+def run_server(tmp_path: Path, cells: str, *extra: str) -> list[dict[str, object]]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([p for p in [env.get("PYTHONPATH", ""), str(REPO)] if p])
+    done = subprocess.run([sys.executable, "-W", "ignore", "-m",
+                           "overlap_spec.harness.conformance.server", "--cells", cells,
+                           "--out", str(tmp_path), "--profile", "quick", "--jobs", "2", *extra],
+                          capture_output=True, text=True, env=env, timeout=600, check=False,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    return [json.loads(line) for line in done.stdout.splitlines()]
+
+
+@needs_sglang
+@pytest.mark.parametrize("fork", [True, False], ids=["forked", "fresh-interpreters"])
+def test_cell_server_reports_every_cell_and_a_crash_as_a_crash(tmp_path: Path,
+                                                               fork: bool) -> None:
+    # A cell the tier does not know exits 2 in its process: reported with its exit status
+    # and its last line, never as a result; the real cell after it runs as usual.
+    events = run_server(tmp_path, "no-such-cell,ov-p1-none", *([] if fork else ["--no-fork"]))
+    assert events[0]["event"] == "sglang" and events[0]["version"] == "0.5.23"
+    done = {e["cell"]: e for e in events if e["event"] == "done"}
+    assert set(done) == {"no-such-cell", "ov-p1-none"}
+    assert done["no-such-cell"]["exit"] == 2 and "no-such-cell" in str(
+        done["no-such-cell"]["reason"])
+    assert not (tmp_path / "no-such-cell.json").exists()
+    assert done["ov-p1-none"]["exit"] == 0 and done["ov-p1-none"]["reason"] is None
+    result = json.loads((tmp_path / "ov-p1-none.json").read_text())
+    assert result["verdict"] == "pass" and result["runs"] > 0

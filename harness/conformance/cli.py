@@ -1,10 +1,12 @@
 """``overlap-spec upstream``: sglang's own scheduler (the release, or a tree) against the spec.
 
 ``upstream check`` runs :mod:`overlap_spec.harness.conformance.tier` in one process per
-cell (upstream allows one ``Scheduler`` per process) inside the upstream environment,
-merges the cells into one report (text, and JSON with ``--json``) and exits 0 only if
-every drivable cell passed: no violation outside the listed findings, no divergence
-outside the allow-list, no vacuous invariant, no crash. ``upstream replay FILE`` re-runs a
+cell (upstream allows one ``Scheduler`` per process) inside the upstream environment, each
+forked from one cell server that imported sglang once
+(:mod:`overlap_spec.harness.conformance.server`), merges the cells into one report (text,
+and JSON with ``--json``) and exits 0 only if every drivable cell passed: no violation
+outside the listed findings, no divergence outside the allow-list, no vacuous invariant,
+no crash. ``upstream replay FILE`` re-runs a
 saved upstream script. ``upstream stand-ins`` and ``upstream findings`` print what the
 tier replaces and knows.
 
@@ -22,8 +24,8 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -71,31 +73,6 @@ def _require_python() -> str:
     return python
 
 
-def _preflight(python: str, src: Path | None) -> dict[str, str]:
-    """Import sglang in the upstream interpreter once: its version and source, or exit 2."""
-    code = ("import json, sys\n"
-            "from pathlib import Path\n"
-            "from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang\n"
-            "src = Path(sys.argv[1]) if sys.argv[1] else None\n"
-            "try:\n"
-            "    s = load_sglang(src)\n"
-            "except UpstreamUnavailable as e:\n"
-            "    print(e.args[0], file=sys.stderr); sys.exit(2)\n"
-            "print(json.dumps({'version': s.version, 'source': s.source}))\n")
-    env = _child_env()
-    try:
-        done = subprocess.run([python, "-W", "ignore", "-c", code, str(src or "")],
-                              capture_output=True, text=True, env=env, timeout=300,
-                              check=False)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        raise UsageError(f"cannot run the upstream interpreter {python}: {error}") from None
-    if done.returncode != 0:
-        lines = [x for x in done.stderr.splitlines() if x.strip() and not x.startswith("[20")]
-        raise UsageError(lines[-1] if lines else f"{python} failed to import sglang")
-    parsed: dict[str, str] = json.loads(done.stdout.strip().splitlines()[-1])
-    return parsed
-
-
 def _child_env() -> dict[str, str]:
     env = dict(os.environ)
     # The checkout first (the upstream env has it installed in editable mode, but a
@@ -114,33 +91,77 @@ def select_cells(patterns: str | None) -> list[str]:
         raise UsageError(str(error)) from None
 
 
-def run_cell_process(python: str, cell: str, args: argparse.Namespace, out: Path
-                     ) -> dict[str, Any]:
-    """One cell in its own process; a crash or a timeout is a failing cell, never a pass."""
-    command = [python, "-W", "ignore", "-m", "overlap_spec.harness.conformance.tier",
-               "--cell", cell, "--out", str(out), "--seed", str(args.seed),
-               "--profile", args.profile, "--preset", args.preset]
+def _failed_cell(reason: str) -> dict[str, Any]:
+    return {"verdict": "fail", "reason": reason, "invariants": {}, "findings": [],
+            "differential": {"verdict": "n/a", "divergences": []}}
+
+
+def _last_line(text: str) -> str:
+    lines = [x for x in text.splitlines() if x.strip() and not x.startswith("[20")]
+    return lines[-1] if lines else "no output"
+
+
+def run_cell_server(python: str, cells: list[str], args: argparse.Namespace, out: Path,
+                    progress: bool) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
+    """sglang's version and source, and each cell's result, from one cell server
+    (:mod:`overlap_spec.harness.conformance.server`: sglang imported once, a forked process
+    per cell). sglang failing to import is a usage error (exit 2) before any cell runs; a
+    cell that crashes, times out or is lost with the server is a failing cell, never a pass.
+    """
+    command = [python, "-W", "ignore", "-m", "overlap_spec.harness.conformance.server",
+               "--cells", ",".join(cells), "--out", str(out), "--seed", str(args.seed),
+               "--profile", args.profile, "--preset", args.preset, "--jobs", str(args.jobs),
+               "--timeout", str(CELL_TIMEOUT_S)]
     if args.sglang_src:
         command += ["--sglang-src", str(args.sglang_src)]
-    started = time.perf_counter()
-    try:
-        done = subprocess.run(command, capture_output=True, text=True, env=_child_env(),
-                              timeout=CELL_TIMEOUT_S, check=False)
-    except subprocess.TimeoutExpired:
-        return {"verdict": "fail", "reason": f"timed out after {CELL_TIMEOUT_S}s",
-                "invariants": {}, "findings": [], "differential": {"verdict": "n/a",
-                                                                    "divergences": []}}
-    result_path = out / f"{cell}.json"
-    if done.returncode != 0 or not result_path.exists():
-        lines = [x for x in done.stderr.splitlines() if x.strip() and not x.startswith("[20")]
-        return {"verdict": "fail",
-                "reason": f"the cell process failed (exit {done.returncode}): "
-                          + (lines[-1] if lines else "no output"),
-                "invariants": {}, "findings": [],
-                "differential": {"verdict": "n/a", "divergences": []}}
-    result: dict[str, Any] = json.loads(result_path.read_text())
-    result["wall_s"] = round(time.perf_counter() - started, 1)
-    return result
+    results: dict[str, dict[str, Any]] = {}
+    sglang: dict[str, str] | None = None
+    with tempfile.TemporaryFile("w+") as errors:
+        try:
+            server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True,
+                                      env=_child_env())
+        except OSError as error:
+            raise UsageError(f"cannot run the upstream interpreter {python}: {error}") from None
+        try:
+            assert server.stdout is not None
+            for line in server.stdout:
+                event = json.loads(line)
+                kind = event["event"]
+                if kind == "error":
+                    raise UsageError(event["message"])
+                if kind == "sglang":
+                    sglang = {"version": event["version"], "source": event["source"]}
+                elif kind == "start" and progress:
+                    print(f"  upstream {event['cell']} ...", file=sys.stderr, flush=True)
+                elif kind == "done":
+                    cell = event["cell"]
+                    result_path = out / f"{cell}.json"
+                    if event["exit"] != 0 or not result_path.exists():
+                        result = _failed_cell(
+                            f"the cell process failed (exit {event['exit']}): "
+                            f"{event.get('reason') or 'no result written'}")
+                    else:
+                        result = json.loads(result_path.read_text())
+                    result["wall_s"] = event["wall_s"]
+                    results[cell] = result
+                    if progress:
+                        print(f"  upstream {cell}: {result['verdict']} ({event['wall_s']}s)",
+                              file=sys.stderr, flush=True)
+            code = server.wait()
+        finally:
+            if server.poll() is None:
+                server.terminate()
+                server.wait()
+        errors.seek(0)
+        stderr = errors.read()
+    if sglang is None:
+        raise UsageError(f"{python} failed to import sglang (exit {code}): "
+                         f"{_last_line(stderr)}")
+    for cell in cells:
+        if cell not in results:
+            results[cell] = _failed_cell(f"the cell server exited ({code}) before this cell "
+                                         f"finished: {_last_line(stderr)}")
+    return sglang, results
 
 
 def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, str],
@@ -258,7 +279,6 @@ def run_upstream_check(args: argparse.Namespace, progress: bool = True) -> dict[
         raise UsageError("--jobs must be >= 1")
     cells = select_cells(args.cells)
     python = _require_python()
-    sglang = _preflight(python, args.sglang_src)
     out = Path(args.out or os.environ.get("OVERLAP_SPEC_OUT", ".overlap-spec")) / "upstream"
     out.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
@@ -275,19 +295,8 @@ def run_upstream_check(args: argparse.Namespace, progress: bool = True) -> dict[
                              "findings": [], "differential": {"verdict": "n/a",
                                                               "reason": reason,
                                                               "divergences": []}}
-
-    def one(name: str) -> tuple[str, dict[str, Any]]:
-        if progress:
-            print(f"  upstream {name} ...", file=sys.stderr, flush=True)
-        result = run_cell_process(python, name, args, out)
-        if progress:
-            print(f"  upstream {name}: {result['verdict']} ({result.get('wall_s', 0)}s)",
-                  file=sys.stderr, flush=True)
-        return name, result
-
-    with ThreadPoolExecutor(max_workers=args.jobs) as pool:
-        for name, result in pool.map(one, runnable):
-            results[name] = result
+    sglang, ran = run_cell_server(python, runnable, args, out, progress)
+    results.update(ran)
     ordered = {c: results[c] for c in cells}
     return build_report(ordered, sglang, args, time.perf_counter() - started)
 
@@ -403,7 +412,7 @@ def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
                         help="sizes (default minimal)")
     parser.add_argument("-j", "--jobs", type=positive_int,
                         default=max(1, min(2, os.cpu_count() or 1)),
-                        help="cells run at once, one process each (default %(default)s)")
+                        help="cells run at once, one forked process each (default %(default)s)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
 
