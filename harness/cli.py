@@ -224,8 +224,30 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_cells(args: argparse.Namespace) -> int:
     from overlap_spec.spec.config import enumerate_cells
 
+    if not args.limits:
+        for cell in enumerate_cells():
+            print(cell.name)
+        return 0
+    from overlap_spec.harness.drive.script import get_op_limits
+    from overlap_spec.spec.config import ModelConfig
+
+    def span(bounds: tuple[int, int]) -> str:
+        return f"{bounds[0]}..{bounds[1]}"
+
+    rows = [("cell", "prompt_len", "max_new_tokens", "retract", "accept_lens", "rows",
+             "spec_steps", "eos_offset")]
     for cell in enumerate_cells():
-        print(cell.name)
+        limits = get_op_limits(ModelConfig(cell, PRESETS[args.preset]))
+        rows.append((cell.name, span(limits.prompt_len), span(limits.max_new_tokens),
+                     span(limits.retract), span(limits.accept_len),
+                     str(limits.batch_positions), span(limits.spec_steps),
+                     span(limits.eos_offset)))
+    widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
+    print(f"op field limits, preset {args.preset} (scripts and traces outside them are "
+          "refused)")
+    for row in rows:
+        cells_text = (value.ljust(width) for value, width in zip(row, widths, strict=True))
+        print("  ".join(cells_text).rstrip())
     return 0
 
 
@@ -386,7 +408,12 @@ def build_parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", help="re-run a saved counterexample script")
     replay.add_argument("file", type=input_file)
     replay.set_defaults(func=cmd_replay)
-    sub.add_parser("cells", help="list the configuration cells").set_defaults(func=cmd_cells)
+    cells = sub.add_parser("cells", help="list the configuration cells")
+    cells.add_argument("--limits", action="store_true",
+                       help="the range of every script and trace op field, per cell")
+    cells.add_argument("--preset", choices=sorted(PRESETS), default="minimal",
+                       help="the sizes the limits are for (default minimal)")
+    cells.set_defaults(func=cmd_cells)
     sub.add_parser("invariants", help="list invariant IDs").set_defaults(func=cmd_invariants)
     return parser
 

@@ -208,7 +208,8 @@ SWEEP: dict[tuple[str, ...], list[tuple[list[str], str]]] = {
         (["{huge_prompt}"], "field 'prompt_len' is 1000000000"),
         (["{huge_accept}"], "op 1 (iterate): field 'accept_lens' is 1000000000; allowed 1..4"),
     ],
-    ("cells",): [(["extra"], "unrecognized arguments: extra")],
+    ("cells",): [(["extra"], "unrecognized arguments: extra"),
+                 (["--limits", "--preset", "huge"], "invalid choice: 'huge'")],
     ("invariants",): [(["--bogus"], "unrecognized arguments: --bogus")],
 }
 

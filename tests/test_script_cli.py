@@ -23,6 +23,7 @@ from overlap_spec.harness.drive.script import (
     Script,
     ScriptError,
     check_op_ranges,
+    get_op_limits,
     load_script,
     run_script,
     save_script,
@@ -318,3 +319,21 @@ def test_a_crash_is_saved_and_replays_as_a_crash(tmp_path: Path, monkeypatch: py
     assert main(["replay", str(result.script_path)]) == 1
     out = capsys.readouterr().out
     assert "crashed: AssertionError: prompt of 5 refused" in out and "no violation" not in out
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_cells_limits_prints_the_ranges_scripts_are_checked_against(
+        preset: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["cells", "--limits", "--preset", preset]) == 0
+    rows = {line.split()[0]: line.split()[1:]
+            for line in capsys.readouterr().out.splitlines()[2:]}
+    assert set(rows) == {c.name for c in enumerate_cells()}
+    for cell in enumerate_cells():
+        limits = get_op_limits(ModelConfig(cell, PRESETS[preset]))
+        low, high = limits.prompt_len
+        assert rows[cell.name][0] == f"{low}..{high}"
+        assert rows[cell.name][3] == "{}..{}".format(*limits.accept_len)
+        # The printed top is what a script may use; one more is refused.
+        check_op_ranges(ModelConfig(cell, PRESETS[preset]), [Admit(high, 1)])
+        with pytest.raises(ScriptError, match="prompt_len"):
+            check_op_ranges(ModelConfig(cell, PRESETS[preset]), [Admit(high + 1, 1)])

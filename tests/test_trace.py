@@ -18,6 +18,7 @@ from overlap_spec.harness.trace.format import (
     INCONCLUSIVE,
     OK,
     VIOLATION,
+    TraceFormatError,
     get_trace_path,
     parse_trace,
     strip_snapshots,
@@ -37,8 +38,8 @@ def _bug_of(path: Path) -> str:
 
 def _b8_trace(tmp_path: Path) -> Path:
     ops = [Admit(3, 5), Admit(2, 4),
-           Iterate(IterationChoices(True, 0, (2, 1, 1), frozenset())),
-           Iterate(IterationChoices(True, 1, (1, 2, 1), frozenset({1})))]
+           Iterate(IterationChoices(True, 0, (1, 1, 1), frozenset())),
+           Iterate(IterationChoices(True, 1, (1, 1, 1), frozenset({1})))]
     path = tmp_path / "b8.trace.ndjson"
     record_script_trace(Script("ov-p1-none", "minimal", ops, ("B8",)), path)
     return path
@@ -193,7 +194,26 @@ MALFORMED = {
         if k == _first(ls, event="observe") else x for k, x in enumerate(ls)],
     "event-after-end": lambda ls: ls + [json.dumps({"id": len(ls), "event": "op"})],
     "end-count": lambda ls: ls[:-1] + [_edit(ls[-1], events=3)],
+    "length-out-of-range": lambda ls: [ls[0], _edit(ls[1], prompt_len=10**9)] + ls[2:],
+    "negative-length": lambda ls: [ls[0], _edit(ls[1], max_new_tokens=-1)] + ls[2:],
 }
+
+
+@pytest.mark.parametrize(("edit", "field", "value"), [
+    ({"prompt_len": 10**9}, "prompt_len", "1000000000"),
+    ({"max_new_tokens": 0}, "max_new_tokens", "0"),
+])
+def test_an_op_outside_the_cells_limits_is_refused_at_its_line(
+        tmp_path: Path, edit: dict[str, object], field: str, value: str) -> None:
+    # Range-checked like a script file: a length the cell cannot hold never runs and
+    # reports nothing; the error names the line, the field, the value and the range.
+    lines = _lines(_b8_trace(tmp_path))
+    second_admit = _first(lines[2:], event="op") + 2
+    lines[second_admit] = _edit(lines[second_admit], **edit)
+    with pytest.raises(TraceFormatError) as caught:
+        parse_trace("\n".join(lines) + "\n")
+    assert caught.value.line == second_admit + 1 and caught.value.field == field
+    assert f"is {value}; allowed 1.." in str(caught.value), caught.value
 
 
 @pytest.mark.parametrize("case", sorted(MALFORMED))

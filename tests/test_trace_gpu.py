@@ -8,12 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from overlap_spec.harness.drive.script import Admit, AdmitPrebuilt, Iterate, Script, load_script
+from overlap_spec.harness.drive.script import (
+    Admit,
+    AdmitPrebuilt,
+    Iterate,
+    Script,
+    get_op_limits,
+    load_script,
+)
 from overlap_spec.harness.trace.check import check_trace_file, record_script_trace
 from overlap_spec.harness.trace.format import read_trace
 from overlap_spec.harness.trace.render import render_trace_file
 from overlap_spec.spec.bugs import get_bug
-from overlap_spec.spec.config import enumerate_cells
+from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells, get_cell
 from overlap_spec.spec.state import IterationChoices
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -21,9 +28,16 @@ CORPUS = sorted((ROOT / "tests" / "data" / "mutant_scripts").glob("*.json"))
 
 
 def _busy_script(cell: str) -> Script:
-    ops = [Admit(3, 6), Admit(2, 5), Iterate(IterationChoices(accept_lens=(2, 1))),
-           AdmitPrebuilt(2, 4), Iterate(IterationChoices(accept_lens=(3, 1, 2))),
-           Iterate(IterationChoices(retract=1, accept_lens=(1, 2))),
+    # Accept lengths above 1 only where the cell speculates (a trace is range-checked
+    # against its cell like a script).
+    top = get_op_limits(ModelConfig(get_cell(cell), PRESETS["minimal"])).accept_len[1]
+
+    def lens(*values: int) -> tuple[int, ...]:
+        return tuple(min(v, top) for v in values)
+
+    ops = [Admit(3, 6), Admit(2, 5), Iterate(IterationChoices(accept_lens=lens(2, 1))),
+           AdmitPrebuilt(2, 4), Iterate(IterationChoices(accept_lens=lens(3, 1, 2))),
+           Iterate(IterationChoices(retract=1, accept_lens=lens(1, 2))),
            Iterate(IterationChoices(eos_positions=frozenset({0}))),
            Iterate(IterationChoices(disable_overlap=True)), Iterate(IterationChoices())]
     return Script(cell, "minimal", ops, implementation="gpu_impl")

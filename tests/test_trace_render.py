@@ -118,10 +118,10 @@ def test_labels_lie_inside_the_viewbox_for_long_names() -> None:
 
 
 def test_long_op_fields_are_shortened_and_fit(tmp_path: Path) -> None:
-    lens = tuple(range(1, 40))
+    lens = tuple(i % 4 + 1 for i in range(16))  # one per row of the realistic preset
     ops = [Admit(3, 5), Iterate(IterationChoices(accept_lens=lens))]
     path = tmp_path / "wide.trace.ndjson"
-    record_script_trace(Script("ov-p1-none", "minimal", ops, ("B8",)), path)
+    record_script_trace(Script("ov-p1-v2chain-cpu-honest", "realistic", ops, ("B8",)), path)
     parsed = read_trace(path)
     svg = render_svg(parsed, check_trace(parsed), window=0)
     assert_text_inside_viewbox(svg)

@@ -17,6 +17,7 @@ from overlap_spec.harness.drive.script import (
     Op,
     Script,
     ScriptError,
+    check_op_ranges,
     op_from_json,
 )
 from overlap_spec.harness.trace.codec import CodecError, decode_dataclass, encode_value
@@ -200,6 +201,7 @@ def parse_trace(text: str) -> ParsedTrace:
     header: TraceHeader | None = None
     events: list[TraceEvent] = []
     ops: list[Op] = []
+    op_lines: list[int] = []
     states: dict[int, Observation] = {}
     calls: dict[int, Observation] = {}
     state_calls: set[int] = set()
@@ -249,6 +251,7 @@ def parse_trace(text: str) -> ParsedTrace:
                                        f"{step} (op steps count up by one from 0)")
             try:
                 ops.append(op_from_json(raw, step))
+                op_lines.append(number)
             except ScriptError as error:
                 text_error = str(error).split(": ", 1)[-1]
                 match = re.search(r"field '([a-z_]+)'", text_error)
@@ -280,7 +283,21 @@ def parse_trace(text: str) -> ParsedTrace:
                                "'end' line")
     script = Script(header.cell, header.preset, ops, header.faults, header.seed,
                     header.implementation)
+    _check_ranges(script, op_lines)
     return ParsedTrace(header, events, script, states, calls, end_line, state_calls)
+
+
+def _check_ranges(script: Script, op_lines: list[int]) -> None:
+    """Every op within the header's cell's limits (as a script file is), else a
+    :class:`TraceFormatError` at that op's line naming the field, value and range."""
+    try:
+        check_op_ranges(script.get_config(), script.ops)
+    except ScriptError as error:
+        text = str(error)
+        match = re.match(r"op (\d+) ", text)
+        line = op_lines[int(match.group(1))] if match else None
+        field = re.search(r"field '([a-z_]+)'", text)
+        raise TraceFormatError(line, field.group(1) if field else "op", text) from None
 
 
 def _validate_stream(raw: dict[str, Any], line: int) -> None:
