@@ -120,3 +120,4 @@ def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
     req.pages = []
     req.holds_kv = False
     req.req_pool_idx = None
+    req.kv_allocated_len = 0  # ReqKvInfo.mark_kv_released

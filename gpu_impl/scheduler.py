@@ -468,4 +468,6 @@ class Scheduler:
             req.update_finish_state(eos_at is not None and eos_at < run_len)
             if req.finished() and req.holds_kv:
                 release_kv_cache(rt, req, is_insert=True)
-        self.num_correct_drafts, self.metrics_batch_size = counted
+        # Only spec decode results feed the metrics (update_spec_metrics).
+        metered = cell.is_spec and is_decode
+        self.num_correct_drafts, self.metrics_batch_size = counted if metered else (0, 0)

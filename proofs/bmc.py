@@ -517,6 +517,7 @@ class _Builder:
         was_stale: list[Term] = []
         processed_live: list[Term] = []
         accepts: list[Term] = []
+        extends: list[Term] = []
         posts: list[Record] = []
         for b, r in enumerate(self.reqs):
             step = process_result(ctx, r, r["eos_oldest"], r["eos_index_oldest"])
@@ -532,7 +533,11 @@ class _Builder:
             was_stale.append(zs.And(which[b], zs.Not(is_live(r))))
             processed_live.append(zs.And(which[b], zs.Not(step.notes["stale"])))
             accepts.append(step.notes["accept"])
+            extends.append(zs.And(which[b], step.notes["extend"]))
         if ctx.is_spec:
+            # Only a decode result feeds the spec metrics (update_spec_metrics); a prefill
+            # result reports none, so RP3 has nothing to judge there.
+            metered = zs.Not(zs.Or(*extends))
             counted = which if ctx.has("B4") else processed_live
             expected = [zs.And(w, zs.Not(s)) for w, s in zip(which, was_stale, strict=True)]
             correct = zs.Sum([zs.If(c, a - 1, 0) for c, a in zip(counted, accepts, strict=True)])
@@ -541,8 +546,8 @@ class _Builder:
                 "RP3",
                 i,
                 f"{label} counters",
-                zs.Or(correct != truth, _count(counted) != _count(expected)),
-                zs.Or(*expected),
+                zs.And(metered, zs.Or(correct != truth, _count(counted) != _count(expected))),
+                zs.And(metered, zs.Or(*expected)),
             )
         self.reqs = posts
         self.snapshot()

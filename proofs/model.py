@@ -384,6 +384,8 @@ def process_result(ctx: Context, r: Record, eos: Term, eos_at: Term) -> Step:
         ),
         finished=zs.Or(r["finished"], finishing),
         holds_kv=zs.And(r["holds_kv"], zs.Not(finishing)),
+        # The finish release ends with ReqKvInfo.mark_kv_released.
+        kv_allocated_len=zs.If(finishing, zs.IntVal(0), r["kv_allocated_len"]),
     )
     notes = {
         "run_len": run,

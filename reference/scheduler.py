@@ -556,8 +556,12 @@ class Scheduler:
                 accept_len=accept, run_len=run_len if not stale else 0, stride=result.stride,
                 output_before=out_before, output_after=len(req.output_ids),
                 committed_before=committed_before, committed_after=req.kv_committed_len))
+        # Upstream feeds update_spec_metrics from spec decode results only.
+        metered = cfg.cell.is_spec and result.forward_mode == "decode"
         counted = all_correct if rt.has_fault("B4") else live_correct
         batch_size = len(result.reqs) if rt.has_fault("B4") else live_count
+        if not metered:
+            counted = batch_size = 0
         view = ResultView(
             step=result.step,
             entries=tuple(entries),
@@ -565,6 +569,7 @@ class Scheduler:
             metrics_batch_size=batch_size,
             previous_step=self.last_processed_step,
             pending_after=len(self.result_queue),
+            metered=metered,
         )
         self.last_processed_step = result.step
         self.accept_counters = (counted, batch_size)

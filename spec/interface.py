@@ -47,7 +47,9 @@ class ObservableState:
     last_batch: BatchState | None  # the batch launched by the last iteration
     free_pages: int  # allocator free list plus evictable cache
     kv_write_faults: int  # forward writes outside what the request owns, so far
-    accept_counters: tuple[int, int]  # (num_correct_drafts, metrics batch size), last result
+    # (num_correct_drafts, metrics batch size) the last processed result fed the spec
+    # metrics; (0, 0) when it fed none (non-spec, or a prefill result with spec).
+    accept_counters: tuple[int, int]
 
 
 class SchedulerModel(Protocol):

@@ -745,10 +745,17 @@ def check_rp2(config: ModelConfig, obs: Observation) -> int:
 
 
 def check_rp3(config: ModelConfig, obs: Observation) -> int:
-    """RP3: global accept counters count only requests live at processing time
-    (PR 18848, 23456 review; upstream still counts all: mutant B4)."""
+    """RP3: global accept counters count only requests live at processing time, in a
+    result that feeds them (a prefill result feeds none and reports (0, 0)) (PR 18848,
+    23456 review; upstream still counts all: mutant B4)."""
     result = obs.result
     if result is None:
+        return 0
+    if not result.metered:
+        if (result.num_correct_drafts, result.metrics_batch_size) != (0, 0):
+            raise fail("RP3", obs, f"the result of step {result.step} feeds no spec metrics "
+                       f"but reports num_correct_drafts={result.num_correct_drafts}, batch "
+                       f"size {result.metrics_batch_size}")
         return 0
     live = [e for e in result.entries if not e.stale]
     expected_correct = sum(e.accept_len - 1 for e in live)

@@ -356,21 +356,22 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
     return replace(grown, finished_reason=compute_finished_reason(grown, hit_eos))
 
 
-@transition("release_count", "holds_kv", "req_pool_idx", "cached_len",
+@transition("release_count", "holds_kv", "req_pool_idx", "kv_allocated_len", "cached_len",
             "committed_at_release", "ghost.inflight_at_release", "ghost.claimed_at_release")
 def release_kv_cache(req: RequestRecord, is_insert: bool,
                      faults: frozenset[str] = NO_FAULTS) -> RequestRecord:
     """``release_kv_cache`` (mem_cache/common.py): the row and KV are released once.
 
     At a finish (``is_insert``) the tree caches ``effective_kv_committed_len``, never past
-    the allocation (compute_cached_len). kv_committed_len is unchanged. B11 caches
+    the allocation (compute_cached_len). kv_committed_len is unchanged; kv_allocated_len
+    becomes 0 (``ReqKvInfo.mark_kv_released``, the end of upstream's release). B11 caches
     kv_committed_len itself.
     """
     name = "release_kv_cache"
     require(req.holds_kv, name, req, "holds_kv", "released twice")
     require(req.req_pool_idx is not None, name, req, "req_pool_idx", "released twice")
     released = replace(req, release_count=req.release_count + 1, holds_kv=False,
-                       req_pool_idx=None)
+                       req_pool_idx=None, kv_allocated_len=0)
     if not is_insert:
         return released
     committed = req.kv_committed_len

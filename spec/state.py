@@ -212,6 +212,9 @@ class ResultView:
     metrics_batch_size: int
     previous_step: StepId | None  # the step processed before this one
     pending_after: int  # results still queued after this one
+    # Whether this result fed the spec metrics (update_spec_metrics: spec decode results
+    # only); an unmetered result reports (0, 0) and makes no counter claim.
+    metered: bool = True
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,7 @@ from overlap_spec.harness.mutants.z3 import (
     replay_counterexample,
     run_z3_mutant_column,
 )
-from overlap_spec.harness.prove.tier import ProveJob, run_jobs, witness_rows
+from overlap_spec.harness.prove.tier import ProveJob, get_witness_bound, run_jobs, witness_rows
 from overlap_spec.harness.trace.check import record_script_trace
 from overlap_spec.proofs import bmc
 from overlap_spec.proofs import solver as zs
@@ -122,8 +122,11 @@ def test_z3_column_kills_every_bug_with_a_replaying_script(tmp_path: Path) -> No
             if run_differential(as_gpu).ok:
                 gpu_missed.append((bug_id, cell_kill.cell))
     # Not visible in the state after an operation (README, "Agreement between checkers"):
-    # B1's stale sum mid-iteration, B7 without overlap.
-    assert {bug for bug, _ in gpu_missed} <= {"B1", "B7"}, gpu_missed
+    # B1's stale sum mid-iteration, B7 without overlap, and B12 where the solver's shortest
+    # run finishes the down-switched request in the iteration that lowered its allocation
+    # (the finish release zeroes kv_allocated_len, as upstream's mark_kv_released does, so
+    # by the end of the op nothing differs; the reference's KV4 sees it mid-iteration).
+    assert {bug for bug, _ in gpu_missed} <= {"B1", "B7", "B12"}, gpu_missed
 
 
 def test_counterexample_decodes_to_the_script_it_describes() -> None:
@@ -288,9 +291,12 @@ def test_window_path_proves_when_the_step_does_not(monkeypatch: pytest.MonkeyPat
     "cell", ["ov-p4-v2chain-cpu-preclaim", "nov-p1-none", "ov-p1-v2tree-nocpu-honest", "ov-p4-none"]
 )
 def test_every_checked_id_has_a_reachable_witness(cell: str) -> None:
-    """No BMC check is vacuous: a run within K=2, B=2 gives each one something to check
-    (all 22 cells run in `prove` / `check` as the "reachable" rows)."""
-    found = bmc.find_reachable_witnesses(Context(ModelConfig(get_cell(cell), MINIMAL)))
+    """No BMC check is vacuous: a run within the cell's witness bound (K=2, B=2; K=3 with
+    speculation under overlap, whose first metered result comes in the third iteration)
+    gives each one something to check (all 22 cells run in `prove` / `check` as the
+    "reachable" rows)."""
+    found = bmc.find_reachable_witnesses(Context(ModelConfig(get_cell(cell), MINIMAL)),
+                                         *get_witness_bound(get_cell(cell)))
     assert found and all(v == zs.SATISFIABLE for v in found.values()), found
     assert {"KV7", "SL3", "SL1", "KV1"} <= set(found)
 

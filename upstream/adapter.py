@@ -426,14 +426,10 @@ class UpstreamScheduler:
         view = ResultView(step=record.step, entries=tuple(entries), num_correct_drafts=correct,
                           metrics_batch_size=batch_size,
                           previous_step=self.last_processed_step,
-                          pending_after=len(getattr(self.scheduler, "result_queue", ())))
+                          pending_after=len(getattr(self.scheduler, "result_queue", ())),
+                          # Upstream feeds its spec metrics from decode results only.
+                          metered=self.spec_metrics is not None)
         self.last_processed_step = record.step
-        if self.spec_metrics is None:
-            # Upstream feeds its spec metrics from decode results only: this result
-            # makes no counter claim for RP3 to judge.
-            hook = getattr(self.observer, "on_unmetered_result", None)
-            if hook is not None:
-                hook(record.step)
         self.observe(ObservationPoint.PROCESS_RESULT, result=view)
 
     def on_spec_metrics(self, batch_size: int, num_correct_drafts: int) -> None:

@@ -172,11 +172,6 @@ def _requests(state: ObservableState) -> dict[int, RequestState]:
     return {int(r.rid): r for r in state.requests}
 
 
-def _released_by_upstream(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
-    rid = int(path.split(".")[0].split("r")[-1])
-    return _requests(ctx.upstream)[rid].status == "finished" and bool(up == 0)
-
-
 def _overshoot_skipped(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
     """Some request the release finished got one more decode in the reference: it sits in
     the reference's launched batch (spec) or committed one more slot (non-spec), or the
@@ -201,10 +196,6 @@ def _overshoot_skipped(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> 
                        and before[rid].status == "running"
                        for rid, u in _requests(ctx.upstream).items())
     return finished_now and bool(ctx.reference_retracted - ctx.upstream_retracted)
-
-
-def _counters_not_fed(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
-    return bool(up == (0, 0) and ref[0] == 0)
 
 
 def _admission_held_back(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
@@ -276,13 +267,10 @@ def _spec_retraction_order(path: str, ref: Any, up: Any, ctx: DivergenceContext)
             and ctx.upstream_retracted != ctx.reference_retracted)
 
 
+# Retired (the reference now does what the release does; ids are not reused): A1, a
+# release sets kv_allocated_len to 0 (ReqKvInfo.mark_kv_released); A3, a result that feeds
+# no spec metrics reports (0, 0) accept counters.
 ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
-    AllowedDivergence(
-        "A1", r"request r\d+\.kv_allocated_len",
-        "python/sglang/srt/managers/schedule_batch.py ReqKvInfo.mark_kv_released "
-        "(called at the end of mem_cache/common.py:444 release_kv_cache)",
-        "a release sets kv_allocated_len to 0; the reference leaves it as it was (D1)",
-        True, _released_by_upstream),
     AllowedDivergence(
         "A2", OPERATION_WIDE,
         "python/sglang/srt/managers/scheduler.py:4444 (_reqs_finishing_inflight), 2063 "
@@ -290,14 +278,6 @@ ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
         "under overlap the release does not decode a request whose queued result finishes it "
         "by length; the reference models that overshoot decode (D2)",
         True, _overshoot_skipped),
-    AllowedDivergence(
-        "A3", r"accept_counters",
-        "python/sglang/srt/managers/scheduler_components/batch_result_processor.py:985 "
-        "(update_spec_metrics only for spec)",
-        "results that feed no spec metrics (non-spec, and prefill results with spec): the "
-        "release leaves its accept counters alone; the reference reports the live batch "
-        "size with no correct draft",
-        False, _counters_not_fed),
     AllowedDivergence(
         "A4", r"(running|last_batch)\.seq_lens_sum",
         "python/sglang/srt/model_executor/forward_batch_info.py ForwardBatch.init_new "

@@ -76,20 +76,11 @@ class UpstreamChecker(InvariantChecker):
         self.finding_scripts: dict[str, Script] = {}
         self.finding_messages: dict[str, str] = {}
         self.script: Script | None = None
-        self.unmetered_step: int | None = None
-
-    def on_unmetered_result(self, step: int) -> None:
-        """The next PROCESS_RESULT (of ``step``) fed no spec metrics upstream (a prefill):
-        RP3, a claim about those counters, has nothing to judge there."""
-        self.unmetered_step = step
 
     def __call__(self, obs: Observation) -> None:
         self.observations += 1
         failures: list[InvariantViolation] = []
-        unmetered = obs.result is not None and obs.result.step == self.unmetered_step
         for inv in self.applicable:
-            if inv.id == "RP3" and unmetered:
-                continue
             try:
                 count = inv.check(self.config, obs)
                 if inv.id == "KV7" and count == 0:

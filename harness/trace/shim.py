@@ -395,7 +395,8 @@ class TraceShim:
             step=StepId(launch.step), entries=tuple(entries), num_correct_drafts=correct,
             metrics_batch_size=batch_size,
             previous_step=None if previous is None else StepId(previous),
-            pending_after=len(getattr(self.scheduler, "result_queue", ()) or ()))
+            pending_after=len(getattr(self.scheduler, "result_queue", ()) or ()),
+            metered=self.spec_metrics is not None)
 
     # -- wrapping ------------------------------------------------------------------
     def _wrap(self, owner: Any, name: str, record: Recorder, before: Hook | None = None,
