@@ -291,8 +291,8 @@ class Scheduler:
     def retract_decode(self, batch: ScheduleBatch, forced: int) -> None:
         """Retract until the next decode fits, plus ``forced`` more; keep at least one.
 
-        Spec retracts from the back only; non-spec sorts by (len(output_ids),
-        -len(origin)) descending and pops the last: fewest outputs, longest prompt.
+        Spec and non-spec alike (#32023) sort by (len(output_ids), -len(origin))
+        descending and pop the last: fewest outputs, longest prompt.
         """
         seq_lens: list[int | None] = [None] * len(batch.reqs)
         if not self.config.cell.is_spec:
@@ -302,9 +302,8 @@ class Scheduler:
         if forced == 0 and sum(needs) <= get_available_pages(self.rt):
             return
         order = list(range(len(batch.reqs)))
-        if not self.config.cell.is_spec:
-            order.sort(key=lambda j: (len(batch.reqs[j].output_ids), -batch.reqs[j].prompt_len),
-                       reverse=True)
+        order.sort(key=lambda j: (len(batch.reqs[j].output_ids), -batch.reqs[j].prompt_len),
+                   reverse=True)
         retracted: list[Req] = []
 
         def short_of_pages() -> bool:

@@ -9,7 +9,7 @@ requests each transition fires on in each iteration, decided the way
     1. the last extend batch is filtered and merged into the running batch
     2. prefill first: the waiting queue FIFO, while a row, the running cap and the
        pages of fill_len fit (``_choose_admissions``); else the decode path:
-       filter_batch, retract_decode (memory or forced; spec from the back, non-spec
+       filter_batch, retract_decode (memory or forced; spec and non-spec
        fewest outputs / longest prompt first), prepare_for_decode at this rung
     3. overlap with disable_overlap: the pending result first, then the re-filter
     4. run_batch: resolve_seq_lens_cpu (spec overlap), launch with accept lengths
@@ -766,8 +766,7 @@ class _Builder:
         def before(c: int, b: int) -> Term:
             """Request c is retracted before request b (when both are candidates)."""
             rc, rb = reqs[c], reqs[b]
-            if ctx.is_spec:
-                return rc["running_order"] > rb["running_order"]  # from the back
+            # Spec and non-spec alike (#32023): fewest outputs, then longest prompt, first.
             lower = zs.Or(
                 rc["output_len"] < rb["output_len"],
                 zs.And(rc["output_len"] == rb["output_len"], rc["prompt_len"] > rb["prompt_len"]),

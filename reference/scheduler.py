@@ -297,8 +297,9 @@ class Scheduler:
     def retract_decode(self, batch: ScheduleBatch, forced: int) -> None:
         """Retract until the next decode fits, plus ``forced`` more; keep at least one.
 
-        Spec retracts from the back only; non-spec sorts by (len(output_ids),
-        -len(origin)) descending and pops the last: fewest outputs, longest prompt.
+        Spec and non-spec alike (#32023: before it spec retracted from the back) sort by
+        (len(output_ids), -len(origin)) descending and pop the last: fewest outputs,
+        longest prompt (``_get_decode_retraction_order``).
         """
         everyone = set(range(len(batch.reqs)))
         fits = self._pages_needed_for(batch, everyone) <= get_available_pages(self.rt)
@@ -306,9 +307,8 @@ class Scheduler:
             return
         retracted: list[Req] = []
         order = list(range(len(batch.reqs)))
-        if not self.config.cell.is_spec:
-            order.sort(key=lambda j: (len(batch.reqs[j].output_ids), -batch.reqs[j].prompt_len),
-                       reverse=True)
+        order.sort(key=lambda j: (len(batch.reqs[j].output_ids), -batch.reqs[j].prompt_len),
+                   reverse=True)
         keep = set(order)
         while len(keep) > 1 and (
             forced > len(retracted)

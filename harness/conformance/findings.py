@@ -261,15 +261,10 @@ def _sum_not_backfilled(path: str, ref: Any, up: Any, ctx: DivergenceContext) ->
     return up is None and ref is not None
 
 
-def _spec_retraction_order(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
-    """With speculation both retracted in this operation, but not the same requests."""
-    return (ctx.is_spec and bool(ctx.upstream_retracted) and bool(ctx.reference_retracted)
-            and ctx.upstream_retracted != ctx.reference_retracted)
-
-
 # Retired (the reference now does what the release does; ids are not reused): A1, a
 # release sets kv_allocated_len to 0 (ReqKvInfo.mark_kv_released); A3, a result that feeds
-# no spec metrics reports (0, 0) accept counters.
+# no spec metrics reports (0, 0) accept counters; A6, spec retracts by the same policy
+# sort as non-spec (#32023).
 ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
     AllowedDivergence(
         "A2", OPERATION_WIDE,
@@ -295,14 +290,6 @@ ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
         "request (new_token_ratio x remaining max_new_tokens, page-rounded) fits; the "
         "reference admits while a row and the prompt's pages are free",
         True, _admission_held_back),
-    AllowedDivergence(
-        "A6", OPERATION_WIDE,
-        "python/sglang/srt/managers/schedule_batch.py:3453 (retract_decode: "
-        "_get_decode_retraction_order, #32023)",
-        "spec retraction order: the release retracts by the same policy sort as non-spec "
-        "(fewest outputs, then longest prompt, last); the reference retracts spec requests "
-        "from the back of the batch",
-        True, _spec_retraction_order),
     AllowedDivergence(
         "A7", OPERATION_WIDE,
         "python/sglang/srt/managers/scheduler.py:3963 (get_next_batch_to_run filters the "
@@ -348,7 +335,7 @@ ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
 
 def get_allowed(path: str, reference_value: Any, upstream_value: Any,
                 ctx: DivergenceContext) -> AllowedDivergence | None:
-    # Entries about one field first; the ones that explain a whole operation (A2, A5, A6:
+    # Entries about one field first; the ones that explain a whole operation (A2, A5, A7, A11:
     # a mechanism whose consequences reach any field) only for what no field entry names.
     ordered = sorted(ALLOWED_DIVERGENCES, key=lambda e: e.field == OPERATION_WIDE)
     for entry in ordered:
