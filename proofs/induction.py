@@ -269,7 +269,7 @@ def prove_sums(ctx: Context, matrix: list[Obligation], bound: int, timeout_ms: i
         rank = {zs.PROVED: 0, zs.UNKNOWN: 1, zs.COUNTEREXAMPLE: 2}
         total = outcome.seconds + (previous.seconds if previous else 0.0)
         if previous is None or rank[outcome.verdict] > rank[previous.verdict]:
-            verdicts[key] = zs.Outcome(outcome.verdict, total, outcome.model, outcome.reason)
+            verdicts[key] = zs.Outcome(outcome.verdict, total, outcome.reason, outcome.raw_model)
         else:
             previous.seconds = total
 

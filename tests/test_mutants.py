@@ -95,6 +95,23 @@ def test_minimizer_keeps_the_invariant_and_never_grows() -> None:
     assert again is not None and first.invariant_id in again.all_ids
 
 
+def test_minimizer_tries_only_real_changes_and_stops_at_a_fixpoint() -> None:
+    """Every trial differs from the script it would replace: a candidate equal to its
+    operation "still fails" by construction, and counted as progress it kept the passes
+    running until the budget was spent (400 replays per kill)."""
+    plain = IterationChoices(True, 0, (1,), frozenset(), False, 0, 0)
+    script = Script("ov-p1-none", "minimal", [Admit(1, 2), Iterate(plain)], ("B8",))
+    trials: list[Script] = []
+
+    def still_fails(trial: Script) -> bool:
+        trials.append(trial)
+        return trial.ops == script.ops
+
+    assert minimize_script(script, "ST2", still_fails=still_fails).ops == script.ops
+    assert trials and all(t.ops != script.ops for t in trials)
+    assert len(trials) < 10, len(trials)
+
+
 def test_mutants_cli_json(tmp_path: Path) -> None:
     out = tmp_path / "m.json"
     # The gpu_impl column has its own test (tests/test_gpu_impl.py); here, the CLI's JSON.

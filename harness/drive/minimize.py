@@ -37,7 +37,10 @@ def _simpler_ops(op: Op) -> list[Op]:
         ]
         return [Iterate(x) for x in candidates if x != c]
     if isinstance(op, Admit | AdmitPrebuilt):
-        return [type(op)(1, op.max_new_tokens), type(op)(op.prompt_len, 2)]
+        # Only real changes: a candidate equal to ``op`` "still fails" every time, which
+        # would count as progress and rerun the passes until the budget is spent.
+        admissions = [type(op)(1, op.max_new_tokens), type(op)(op.prompt_len, 2)]
+        return [x for x in admissions if x != op]
     if isinstance(op, Abort):
         return [Abort(0)] if op.request else []
     return []
