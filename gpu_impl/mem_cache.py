@@ -113,9 +113,12 @@ def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
         cached = max(0, min(cached, req.kv_allocated_len))
         cached_pages = compute_pages_for_len(cached, rt.config.page_size)
         req.cached_len = cached
+    # Only the pages the row records, [0, kv_allocated_len), are found and freed (upstream
+    # reads them from req_to_token); a page stranded past a shrunk allocation leaks (B12).
+    recorded_pages = compute_pages_for_len(req.kv_allocated_len, rt.config.page_size)
     rt.kv.set_owner(list(req.pages), [-1] * len(req.pages))
     rt.tree.cache_finished_req(req.pages[:cached_pages])
-    rt.allocator.free(req.pages[cached_pages:])
+    rt.allocator.free(req.pages[cached_pages:recorded_pages])
     rt.req_to_token_pool.free(req.req_pool_idx)
     req.pages = []
     req.holds_kv = False

@@ -89,15 +89,18 @@ def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
     """Release a request's KV once: committed part to the tree (finish), rest freed.
 
     The record's update is spec.relation.release_kv_cache; here the memory follows it:
-    the pool row and every page are freed, and with ``is_insert`` the pages covering the
-    cached length go to the tree cache.
+    the pool row and the pages the row records are freed, and with ``is_insert`` the pages
+    covering the cached length go to the tree cache. Upstream finds the pages to free in
+    ``req_to_token[row, :kv_allocated_len]`` (``_release_overallocated_kv_indices``), so a
+    page past a shrunk allocation (B12's stranded tail) is never freed: it leaks (KV7).
     """
     row = req.req_pool_idx
+    recorded_pages = compute_pages_for_len(req.kv_allocated_len, rt.config.page_size)
     req.apply(relation.release_kv_cache, is_insert, rt.faults)  # its guard: released twice
     assert row is not None
     cached = req.cached_len if is_insert else None
     cached_pages = 0 if cached is None else compute_pages_for_len(cached, rt.config.page_size)
     rt.tree.cache_finished_req(req.pages[:cached_pages])
-    rt.allocator.free(req.pages[cached_pages:])
+    rt.allocator.free(req.pages[cached_pages:recorded_pages])
     rt.req_to_token.free(row)
     req.pages = []
