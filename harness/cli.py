@@ -372,6 +372,8 @@ def build_parser() -> argparse.ArgumentParser:
     exhaust.add_argument("-j", "--jobs", type=positive_int, default=jobs,
                          help="worker processes, one cell each (default: the CPUs "
                               "available, here %(default)s)")
+    exhaust.add_argument("--witnesses", action="store_true",
+                         help="print each applicable invariant's witness count per cell")
     exhaust.add_argument("-q", "--quiet", action="store_true",
                          help="no progress lines (the table is printed at the end)")
     exhaust.set_defaults(func=cmd_exhaust)

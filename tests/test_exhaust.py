@@ -133,9 +133,11 @@ def test_a_depth_too_small_is_vacuous_not_a_pass(tmp_path: Path,
     report = run_exhaust_task(ExhaustTask(_config("ov-p1-none"), 1, frozenset(), tmp_path))
     assert report.complete and report.vacuous and report.verdict is Verdict.VACUOUS
     code = main(["exhaust", "--cells", "ov-p1-none", "--depth", "1", "-j", "1",
-                 "--out", str(tmp_path)])
+                 "--out", str(tmp_path), "--witnesses"])
     assert code == 1
-    assert "[vacuous] ov-p1-none@minimal: no witness for" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "[vacuous] ov-p1-none@minimal: no witness for" in out
+    assert f"{report.vacuous[0]} 0" in out.split("witnesses:")[1]
 
 
 # -- deterministic counts -------------------------------------------------------------------

@@ -1,58 +1,69 @@
 """The exhaustive tier's operation alphabet, and the oracle that enumerates iterations.
 
 One cell's alphabet (:func:`get_alphabet`) is a finite set of script operations
-(:mod:`overlap_spec.harness.drive.script`):
+(:mod:`overlap_spec.harness.drive.script`); at most two requests are admitted on a path.
 
-- ``admit(prompt_len, max_new_tokens)`` and ``admit_prebuilt(prompt_len, max_new_tokens)``
-  for ``prompt_len`` in {1, page_size + 1} (one page, and the first length that needs a
-  second page: 2 at page size 1, 5 at page size 4) and ``max_new_tokens`` in {1, 2, 8}
-  (finished by the prefill's token, by the first decode, and still running at the depth
-  bound: a request emits at most one prefill token plus ``max_accept_len`` per decode);
-  ``admit_prebuilt`` needs ``max_new_tokens >= 2`` (its first token arrives with it), so
-  it takes {2, 8}. At most two requests are admitted on a path.
-- ``abort(i)`` for every request admitted so far (running, waiting or finished).
-- ``iterate(choices)``: **every** :class:`~overlap_spec.spec.state.IterationChoices`
-  whose fields lie in these domains, up to what the model can tell apart:
+==================  =====================================================================
+operation           values
+==================  =====================================================================
+admit               prompt_len 1; max_new_tokens 2 (finishes by length at its first
+                    decode, or earlier by EOS) and the preset's maximum, 8 (still
+                    running at the depth bound unless EOS or an abort ends it)
+admit_prebuilt      prompt_len 1 and page_size - 1 where that differs (3 at page size
+                    4: the prompt leaves one slot of its page free, so the first
+                    reserve ends on a page boundary); max_new_tokens 8
+abort(i)            every request admitted so far (running, waiting or finished)
+iterate             every IterationChoices whose fields lie in the domains below, up
+                    to what the model can tell apart
+==================  =====================================================================
 
-  ==================  =========================================================
-  field               domain
-  ==================  =========================================================
-  allow_prefill       True, False
-  retract             0, 1 (with at most two requests a forced retraction keeps
-                      one, so any value >= 1 retracts the same request)
-  disable_overlap     False, True in overlap cells; not read elsewhere
-  spec_steps          one value per distinct shape ``config.get_shape(s)``,
-                      s in 0..chain_steps: 0 (the configured maximum) and each
-                      lower rung in v2chain cells; 0 elsewhere (get_shape
-                      ignores it)
-  accept_lens[j]      1..max_accept_len for each batch position j (1 without
-                      speculation)
-  eos_positions       any subset of the positions (EOS on none, one or both)
-  eos_offset          0..max_accept_len - 1 (EOS at the end of the accepted run
-                      or that many tokens before it)
-  ==================  =========================================================
+==================  =====================================================================
+iterate field       domain
+==================  =====================================================================
+allow_prefill       True, False
+retract             0, 1 (a forced retraction keeps one request, so with two any value
+                    from 1 up retracts the same one)
+disable_overlap     False, True in overlap cells (not read elsewhere)
+spec_steps          0 (the configured shape) and 1 (the lowest rung) in v2chain cells,
+                    so every iteration may switch the rung up or down by the widest
+                    step; 0 elsewhere (``get_shape`` ignores it there)
+accept_lens         one length 1..max_accept_len for the whole batch (1 without
+                    speculation): ``(a, a, a)``
+eos_positions       none, or one batch position (0 or 1); ``eos_offset`` 0: EOS is
+                    the last token of that request's accepted run
+==================  =====================================================================
 
-An iteration reads only some of those fields, and only through a few functions
-(``get_accept_len`` clamps, ``get_eos_index`` folds the offset into an index). So
-instead of running the product of the domains, :class:`ChoiceOracle` answers each
-read lazily: the first time the model reads a field it branches over the *distinct
-answers* the field's remaining candidates give to that read, and narrows the field to
-the candidates that give the chosen answer. :func:`get_next_decisions` walks the tree of
-those branch points depth-first, so one call per leaf runs every distinguishable
-iteration exactly once. A field the model never reads keeps its first candidate in the
-replayable :class:`~overlap_spec.harness.drive.script.Iterate` op
-(:meth:`ChoiceOracle.get_choices`): that op reads the same answers and runs the same.
-The exactness of that argument rests on two facts about the model, each checked by
-``tests/test_exhaust.py``: it reads the choices only through the members the oracle
-implements (any other read raises), and it uses ``spec_steps`` only as
-``config.get_shape(spec_steps)``.
+Why these: each value is a boundary of the arithmetic it feeds. A request that finishes
+at once and one that outlives the bound; a prompt inside one page and one that makes the
+first reserve cross a page; no draft accepted and every draft accepted, and each length
+between, since the page rounding of the reserve depends on the exact count; the widest
+rung switch each way; the early result processing that ``disable_overlap`` forces and the
+forced retraction. The kill matrix (``tests/test_exhaust.py``) shows the alphabet is
+enough for every catalogue bug in every cell where it applies.
 
-What the alphabet leaves out, by construction: prompt lengths 2..page_size and above
-page_size + 1, other ``max_new_tokens`` (3..7: the lengths between "finishes after one
-decode" and "never finishes"), retracting more than one request, a third request
-(the batch, the pool rows and the KV pool are never full, so memory-pressure
-retraction and admission refused for lack of pages are out of reach), and any
-sequence longer than the depth bound. The Hypothesis tier samples those.
+What it leaves out, and the Hypothesis tier samples: prompt lengths other than these,
+max_new_tokens 1 and 3..7, different accept lengths for the requests of one batch, EOS
+before the end of an accepted run or on two requests in one iteration, the intermediate
+rung (2 of 3), retracting more than one request, a third request (so the pool rows and
+the KV pool never fill: memory-pressure retraction and an admission refused for lack of
+pages are out of reach), and every sequence longer than the depth bound.
+
+**Enumerating iterations.** An iteration reads only some of its fields, and only through
+a few members (``get_accept_len`` clamps, ``is_eos`` compares a position). So instead of
+running the product of the domains, :class:`ChoiceOracle` answers each read lazily: the
+first time the model reads a field it branches over the *distinct answers* the field's
+remaining candidates give to that read, and narrows the field to the candidates that give
+the chosen answer. :func:`get_next_decisions` walks the tree of those branch points depth
+first, so one run per leaf covers every distinguishable iteration once. A field never
+read keeps its first candidate in the replayable
+:class:`~overlap_spec.harness.drive.script.Iterate` op (:meth:`ChoiceOracle.get_choices`),
+which reads the same answers and runs the same. That rests on two facts about the model,
+each checked by ``tests/test_exhaust.py``: it reads the choices only through the members
+the oracle implements (any other read raises :class:`OracleReadError`), and it uses
+``spec_steps`` only through ``config.get_shape``. Three fields do not branch where the
+model's state makes them irrelevant (:func:`is_prefill_possible`,
+:func:`is_retract_possible`, :func:`is_result_pending`, each restating the reference's
+own guard); a test checks that the search reaches exactly the same states without them.
 """
 
 from __future__ import annotations

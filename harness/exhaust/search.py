@@ -16,12 +16,14 @@ its parent's bytes.
 :func:`canonicalise`. Pickling writes every object reachable from the scheduler (its
 requests and their ghosts, queues, batches, the result queue with its batch copies, the
 pools and allocator, the FutureMap, the happens-before record, the refinement's
-cursors, the fault set) with its exact values and the order of every list and dict, so
-two states with equal bytes restore to equal object graphs and run identically from then
-on; and the search only ever continues from the restored bytes, never from the live
-object. A digest collision would merge two different states; at 2^-128 per pair it is
-not a practical risk. :func:`canonicalise` first removes what no later operation reads,
-so that states differing only there merge:
+cursors, the fault set) with its exact values, the order of every list and dict and
+which objects are shared, so two states with equal bytes restore to equal object graphs
+and run identically from then on; and the search only ever continues from the restored
+bytes, never from the live object. The converse does not hold: two equal states whose
+equal strings or tuples are one object in one and two in the other pickle differently and
+are explored twice (a cost, not a loss). A digest collision would merge two different
+states; at 2^-128 per pair it is not a practical risk. :func:`canonicalise` first removes
+what no later operation reads, so that states differing only there merge:
 
 - the happens-before record's race and checked-pair lists up to the refinement's
   cursors (``Refinement.observe`` only reads past them), and ``host_syncs`` (read only

@@ -15,6 +15,7 @@ a search that completes with neither is *survived*.
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -199,7 +200,7 @@ def run_exhaust(configs: list[ModelConfig], depth: int | None, faults: frozenset
 
 # -- reports ---------------------------------------------------------------------------------
 HEADER: Final = (f"{'cell':<36} {'depth':>5} {'states':>8} {'transitions':>11} "
-                 f"{'observations':>12} {'witnessed':>9} {'seconds':>8}  verdict")
+                 f"{'observations':>12} {'witnessed':>9} {'time':>8}  verdict")
 
 
 def _word(report: CellReport) -> str:
@@ -213,7 +214,13 @@ def render_cell_line(report: CellReport) -> str:
     states = f"{report.states}" + ("" if report.complete else "+")
     return (f"{report.cell:<36} {report.depth:>5} {states:>8} {report.transitions:>11} "
             f"{report.observations:>12} {f'{witnessed}/{len(report.applicable)}':>9} "
-            f"{report.wall_seconds:>8.1f}  {_word(report)}")
+            f"{f'{report.wall_seconds:.1f}s':>8}  {_word(report)}")
+
+
+def render_witnesses(report: CellReport) -> str:
+    """Each applicable invariant's witness count in one cell (0: vacuous when complete)."""
+    counts = ", ".join(f"{i} {report.exercised.get(i, 0)}" for i in report.applicable)
+    return f"{report.cell} witnesses: {counts}"
 
 
 def render_findings(reports: list[CellReport]) -> str:
@@ -279,10 +286,11 @@ def cmd_exhaust(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown fault IDs {sorted(faults - SUPPORTED_FAULTS)}; supported: "
                          f"{', '.join(sorted(SUPPORTED_FAULTS))}")
     configs = select_configs(args.cells, "minimal")
-    out_dir = Path(args.out or ".overlap-spec") / "exhaust"
+    out_dir = Path(args.out or os.environ.get("OVERLAP_SPEC_OUT", ".overlap-spec")) / "exhaust"
     depth = args.depth
-    bound = f"depth {depth}" if depth else (f"depth {NON_SPEC_DEPTH} (non-speculative cells),"
-                                            f" {SPEC_DEPTH} (speculative)")
+    depths = {depth or get_default_depth(c.cell) for c in configs}
+    bound = (f"depth {depths.pop()}" if len(depths) == 1 else
+             f"depth {NON_SPEC_DEPTH} in non-speculative cells, {SPEC_DEPTH} in speculative ones")
     print(f"exhaust: every sequence of operations over each cell's alphabet, up to {bound}, "
           f"at most 2 requests, in {len(configs)} cell{'s' * (len(configs) != 1)}"
           + (f", faults {','.join(sorted(faults))}" if faults else ""))
@@ -301,6 +309,9 @@ def cmd_exhaust(args: argparse.Namespace) -> int:
         print(HEADER)
         for report in reports:
             print(render_cell_line(report))
+    if args.witnesses:
+        for report in reports:
+            print(render_witnesses(report))
     findings = render_findings(reports)
     if findings:
         print(findings)
