@@ -1,9 +1,8 @@
 """The exhaustive tier (``harness/exhaust``, ``overlap-spec exhaust``).
 
 - Every catalogue bug, switched on alone, is killed by an invariant the catalogue lists for
-  it in every cell where it applies, at the cell's default depth (the full matrix is
-  ``slow``; a fast subset, one cheap cell per bug that dies within three operations, runs
-  by default).
+  it in every cell where it applies, at the cell's default depth (the full matrix, 204
+  pairs, is ``slow`` and run by ``.ci/run``; one cheap cell per bug runs by default).
 - The clean reference has no violation at a small depth, with witnesses; a depth too small
   to exercise an invariant reports it vacuous, never passed.
 - The counts are deterministic (asserted exactly; timings never are).
@@ -63,15 +62,16 @@ from overlap_spec.spec.state import IterationChoices, Observation
 KILL_PAIRS = [(bug.id, cell.name) for bug in BUGS for cell in enumerate_cells()
               if bug.applies(cell)]
 
-# One cell per bug where it dies within three operations (measured: a second or two each);
-# the bugs that need four operations (B3, B4, B9, B11 in honest overlap cells, B13, B16)
-# run in the slow matrix only.
+# One cheap cell per bug (measured on 2 shared cores: B16 about 30 s of CPU, the rest a few
+# seconds together); the slow matrix runs every applicable cell.
 FAST_KILLS = [
-    ("B1", "ov-p1-none"), ("B2", "nov-p1-v2tree-cpu-honest"), ("B5", "ov-p1-v2tree-cpu-honest"),
+    ("B1", "ov-p1-none"), ("B2", "nov-p1-v2tree-cpu-honest"), ("B3", "ov-p4-none"),
+    ("B4", "ov-p1-v2tree-cpu-preclaim"), ("B5", "ov-p1-v2tree-cpu-honest"),
     ("B6", "ov-p4-v2chain-nocpu-preclaim"), ("B7", "nov-p1-v2chain-cpu-honest"),
-    ("B8", "ov-p4-none"), ("B10", "nov-p4-none"), ("B11", "ov-p1-v2tree-cpu-preclaim"),
-    ("B12", "nov-p4-v2chain-cpu-preclaim"), ("B14", "ov-p1-v2tree-nocpu-honest"),
-    ("B15", "ov-p1-v2tree-nocpu-honest"),
+    ("B8", "ov-p4-none"), ("B9", "ov-p1-v2tree-cpu-preclaim"), ("B10", "nov-p4-none"),
+    ("B11", "ov-p1-v2tree-cpu-honest"), ("B12", "nov-p4-v2chain-cpu-preclaim"),
+    ("B13", "ov-p1-v2tree-nocpu-preclaim"), ("B14", "ov-p1-v2tree-nocpu-honest"),
+    ("B15", "ov-p1-v2tree-nocpu-honest"), ("B16", "ov-p1-v2chain-cpu-honest"),
 ]
 
 
@@ -97,9 +97,9 @@ def test_bug_is_killed_fast(bug_id: str, cell: str, tmp_path: Path) -> None:
     _assert_killed(bug_id, cell, tmp_path)
 
 
-def test_the_fast_subset_names_every_cheap_bug_and_applicable_cells() -> None:
+def test_the_fast_subset_has_every_bug_in_an_applicable_cell() -> None:
     assert all(get_bug(b).applies(get_cell(c)) for b, c in FAST_KILLS)
-    assert len({b for b, _ in FAST_KILLS}) == len(FAST_KILLS)
+    assert [b for b, _ in FAST_KILLS] == [bug.id for bug in BUGS]
 
 
 @pytest.mark.slow
@@ -307,7 +307,7 @@ def test_prefixes_with_the_same_key_behave_the_same(cell: str) -> None:
         assert state_first == state_second
 
 
-@pytest.mark.parametrize("cell", ["ov-p1-none", "ov-p1-v2chain-nocpu-preclaim",
+@pytest.mark.parametrize("cell", ["ov-p1-none", "ov-p1-v2tree-nocpu-preclaim",
                                   "nov-p1-v2chain-cpu-honest"])
 def test_relevance_predicates_lose_no_state(cell: str) -> None:
     config = _config(cell)
@@ -321,13 +321,16 @@ def test_relevance_predicates_lose_no_state(cell: str) -> None:
 @pytest.mark.parametrize("cell", ["ov-p4-none", "ov-p1-v2chain-cpu-honest",
                                   "ov-p1-v2tree-nocpu-preclaim"])
 def test_an_oracle_iteration_is_its_concrete_choices(cell: str) -> None:
-    """From every state two operations reach, every distinguishable iteration: the oracle's
-    run and the run of the op it reports give the same observations and the same state."""
+    """From states two operations reach (a sample of 12), every distinguishable iteration:
+    the oracle's run and the run of the op it reports give the same observations and the
+    same state."""
     config = _config(cell)
     alphabet = get_alphabet(config)
     result = explore(config, 2, keep_paths=True)
+    paths = list(result.paths.values())
+    sample = random.Random(3).sample(paths, min(12, len(paths)))
     leaves = 0
-    for path in result.paths.values():
+    for path in sample:
         seen_before, state = _run_to_bytes(config, list(path))
         decisions: list[int] | None = []
         while decisions is not None:
@@ -342,7 +345,7 @@ def test_an_oracle_iteration_is_its_concrete_choices(cell: str) -> None:
             assert through_oracle == (seen_after[len(seen_before):], state_after), concrete
             decisions = get_next_decisions(oracle.taken)
             leaves += 1
-    assert leaves > len(result.paths)
+    assert leaves > len(sample)
 
 
 @pytest.mark.parametrize("cell", ["ov-p1-v2chain-cpu-honest", "ov-p1-v2tree-cpu-honest"])

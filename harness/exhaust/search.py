@@ -5,7 +5,8 @@ alphabet (:mod:`overlap_spec.harness.exhaust.alphabet`) is run from every state 
 d, on a fresh copy of the state, with the :class:`InvariantChecker` watching every
 observation point inside it; the states it reaches that no earlier level or earlier
 sibling reached form level d + 1. Breadth first, the first violation found is a shortest
-one (no sequence of fewer operations over the alphabet fails).
+one (no sequence of fewer operations over the alphabet fails). An operation that fails
+ends its sequence: the model stopped inside it, so there is no state to go on from.
 
 **State copies.** The reference is plain Python: a state is a pickle of the scheduler
 and the admitted request ids (the checker, which only counts and judges, is detached
