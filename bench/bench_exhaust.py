@@ -39,7 +39,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", metavar="DIR", help="write exhaust-<date>.json here")
     args = parser.parse_args(argv)
     results: dict[str, Any] = {
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.processor()}",
+        "machine": ", ".join(part for part in (platform.machine(), f"{os.cpu_count()} CPUs",
+                                               platform.processor()) if part),
         "python": platform.python_version(),
         "command": "bench/bench_exhaust.py" + (f" --cells {args.cells}" if args.cells else "")
         + (f" --depth {args.depth}" if args.depth else ""),

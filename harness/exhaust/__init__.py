@@ -10,7 +10,8 @@ name them without loading the tier.
 from typing import Final
 
 # Operations per sequence, per kind of cell: as deep as about a minute of one core allows
-# on the machine of bench/results/exhaust-*.json (each level costs 10-60 times the last).
+# on the machine of bench/results/exhaust-*.json (one level more costs 4-8 times as much
+# without speculation, 10-25 times with it).
 NON_SPEC_DEPTH: Final = 5
 SPEC_DEPTH: Final = 4
 MAX_DEPTH: Final = 12
