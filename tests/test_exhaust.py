@@ -171,6 +171,8 @@ def test_a_counterexample_replays_through_the_cli(tmp_path: Path,
     assert cell["kill"] == KILLED and cell["stopped"]["invariant"] in get_bug("B10").invariants
     replay = cell["stopped"]["replay"]
     assert f"replay: {replay}" in out
+    assert Path(cell["stopped"]["trace"]).exists()
+    assert cell["stopped"]["trace_status"] == "violation"
     script = load_script(Path(cell["stopped"]["script"]))
     assert script.faults == ("B10",) and len(script.ops) == cell["stopped"]["ops"]
     assert main(replay.split()[1:]) == 1

@@ -75,6 +75,8 @@ class FindingReport:
     requests: int
     script: str
     expected: bool  # with faults: trips an invariant the catalogue lists for them
+    trace: str | None = None  # the same run as a trace (violations), and its checker's word
+    trace_status: str | None = None
 
     @property
     def replay(self) -> str:
@@ -137,8 +139,10 @@ def _save(task: ExhaustTask, result: Exploration, finding: Finding, suffix: str,
     name = "-".join([task.config.name.replace("@", "-"), *sorted(task.faults)]) + suffix
     path = save_script(script, task.out_dir / f"{name}.json")
     violation: InvariantViolation | None = finding.violation
+    trace, trace_status = None, None
     if violation is not None:
-        record_script_trace(script, get_trace_path(path))
+        trace = get_trace_path(path)
+        trace_status = record_script_trace(script, trace).status
     # The invariant a kill is named by: the first listed one it tripped, else the first.
     invariant = None if violation is None else next(
         (i for i in violation.all_ids if i in wanted), violation.invariant_id)
@@ -147,7 +151,8 @@ def _save(task: ExhaustTask, result: Exploration, finding: Finding, suffix: str,
         invariant=invariant,
         ids=finding.ids, message=finding.describe(), ops=len(finding.ops),
         requests=script.count_requests(), script=str(path),
-        expected=bool(set(finding.ids) & wanted))
+        expected=bool(set(finding.ids) & wanted),
+        trace=None if trace is None else str(trace), trace_status=trace_status)
 
 
 def run_exhaust_task(task: ExhaustTask) -> CellReport:
@@ -238,6 +243,9 @@ def render_findings(reports: list[CellReport]) -> str:
                          f"{finding.requests} request{'s' * (finding.requests != 1)} "
                          "(no shorter sequence over the alphabet fails)")
             lines.append(f"    replay: {finding.replay}")
+            if finding.trace is not None:
+                lines.append(f"    trace: {finding.trace} (trace checker: "
+                             f"{finding.trace_status})")
         if report.error is not None:
             lines.append(f"[error] {report.cell}: {report.error}")
         if report.vacuous:
@@ -257,7 +265,8 @@ def build_exhaust_json(reports: list[CellReport], elapsed: float) -> dict[str, A
             return None
         return {"kind": f.kind, "invariant": f.invariant, "ids": list(f.ids),
                 "message": f.message, "ops": f.ops, "requests": f.requests,
-                "expected": f.expected, "script": f.script, "replay": f.replay}
+                "expected": f.expected, "script": f.script, "replay": f.replay,
+                "trace": f.trace, "trace_status": f.trace_status}
 
     return {
         "version": 1,
