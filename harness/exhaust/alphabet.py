@@ -10,8 +10,9 @@ admit               prompt_len 1; max_new_tokens 2 (finishes by length at its fi
                     decode, or earlier by EOS) and the preset's maximum, 8 (still
                     running at the depth bound unless EOS or an abort ends it)
 admit_prebuilt      prompt_len 1 and page_size - 1 where that differs (3 at page size
-                    4: the prompt leaves one slot of its page free, so the first
-                    reserve ends on a page boundary); max_new_tokens 8
+                    4: the prompt ends one slot short of a page; B16 at page size 4
+                    with the pre-claim dies within four operations from it, and needs
+                    five from prompt 1); max_new_tokens 8
 abort(i)            every request admitted so far (running, waiting or finished)
 iterate             every IterationChoices whose fields lie in the domains below, up
                     to what the model can tell apart
@@ -117,8 +118,8 @@ def get_rungs(config: ModelConfig) -> tuple[int, ...]:
 
 
 def get_prompt_lens(config: ModelConfig) -> tuple[int, ...]:
-    """1, and page_size - 1 where that differs: the prompt that leaves one slot of its
-    page free, so the first decode's reserve crosses a page boundary at once."""
+    """1, and page_size - 1 where that differs: a prompt one slot short of a page, the
+    residue a page-size-4 reserve overflow needs soonest (see the module docstring)."""
     return tuple(sorted({1, max(config.cell.page_size - 1, 1)}))
 
 
