@@ -34,6 +34,8 @@ from overlap_spec.harness.drive.cells import (
     report_usage_error,
     select_configs,
 )
+from overlap_spec.harness.exhaust import MAX_DEPTH as EXHAUST_MAX_DEPTH
+from overlap_spec.harness.exhaust import NON_SPEC_DEPTH, SPEC_DEPTH
 from overlap_spec.harness.measure import (
     BENCH_BATCH_SIZES,
     MAX_BATCH_SIZE,
@@ -69,6 +71,8 @@ commands:
   upstream     check sglang's own scheduler (the release, or --sglang-src DIR, a
                PR branch) against the spec: invariants, findings, differential
   mutants      switch each historical bug B1-B16 on alone and print the kill matrix
+  exhaust      every operation sequence up to a small depth (1-2 requests) in each
+               cell, every invariant checked, states and witnesses counted
   diff         gpu_impl against the reference only (--device cuda, --cuda-sanitizer)
   syncs        host syncs, D2H copies and launches per steady-state iteration
   bench gpu    schedule-side host time and syncs per iteration, era A vs today
@@ -104,6 +108,12 @@ def cmd_diff(args: argparse.Namespace) -> int:
     from overlap_spec.harness.differential.tier import cmd_diff as run_diff
 
     return run_diff(args)
+
+
+def cmd_exhaust(args: argparse.Namespace) -> int:
+    from overlap_spec.harness.exhaust.tier import cmd_exhaust as run_exhaust
+
+    return run_exhaust(args)
 
 
 def cmd_vectors(args: argparse.Namespace) -> int:
@@ -342,6 +352,31 @@ def build_parser() -> argparse.ArgumentParser:
                          help="write the kill matrix as JSON")
     mutants.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     mutants.set_defaults(func=cmd_mutants)
+    exhaust = sub.add_parser(
+        "exhaust", help="every operation sequence up to a small depth, 1-2 requests per cell")
+    exhaust.add_argument("--cells", type=cell_patterns, default=None,
+                         help="comma-separated cell names or globs (default: every cell)")
+    exhaust.add_argument("--depth", type=int_in(1, EXHAUST_MAX_DEPTH), default=None,
+                         help=f"operations per sequence, 1..{EXHAUST_MAX_DEPTH} (default: "
+                              f"{NON_SPEC_DEPTH} in non-speculative cells, {SPEC_DEPTH} in "
+                              "speculative ones)")
+    exhaust.add_argument("--faults", type=bug_ids, default=None,
+                         help="switch historical bugs on in the reference, e.g. B16: the "
+                              "search stops at the shortest sequence that trips an "
+                              "invariant the catalogue lists for them")
+    exhaust.add_argument("--json", type=output_file, metavar="PATH",
+                         help="write the JSON report here")
+    exhaust.add_argument("--out", type=output_dir, metavar="DIR",
+                         help="counterexample scripts go to DIR/exhaust (default: "
+                              ".overlap-spec)")
+    exhaust.add_argument("-j", "--jobs", type=positive_int, default=jobs,
+                         help="worker processes, one cell each (default: the CPUs "
+                              "available, here %(default)s)")
+    exhaust.add_argument("--witnesses", action="store_true",
+                         help="print each applicable invariant's witness count per cell")
+    exhaust.add_argument("-q", "--quiet", action="store_true",
+                         help="no progress lines (the table is printed at the end)")
+    exhaust.set_defaults(func=cmd_exhaust)
     diff = sub.add_parser("diff", help="gpu_impl against the reference, races watched")
     diff.add_argument("--cells", type=cell_patterns, default=None,
                       help="cell names or globs (default: every cell)")

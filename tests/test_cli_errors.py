@@ -89,6 +89,17 @@ SWEEP: dict[tuple[str, ...], list[tuple[list[str], str]]] = {
         (["--cells", "nope"], "no cell matches"),
         (["--preset", "all"], "invalid choice: 'all'"),
     ],
+    ("exhaust",): [
+        (["--depth", "0"], "0 is out of range (allowed: 1..12)"),
+        (["--depth", "13"], "13 is out of range"),
+        (["--depth", "x"], "expected an integer, got 'x'"),
+        (["--faults", "B99"], "unknown bug IDs B99"),
+        (["--cells", "nope"], "no cell matches 'nope'"),
+        (["--jobs", "0"], "0 is out of range"),
+        (["--json", "{dir}"], "is a directory"),
+        (["--json", "{missing}/e.json"], "does not exist"),
+        (["--out", "{file}"], "is a file, not a directory"),
+    ],
     ("diff",): [
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--device", "cuda:x"], "unknown device 'cuda:x'"),

@@ -1,0 +1,17 @@
+"""The small-scope exhaustive tier (``overlap-spec exhaust``): ``alphabet`` (each cell's
+finite operation alphabet and the oracle that enumerates every distinguishable
+iteration), ``search`` (breadth-first enumeration with state copies and a sound dedup
+key), ``tier`` (cells across processes, saved counterexamples, report, JSON).
+
+The depth bounds live here, with no imports, so that the command line's parser can
+name them without loading the tier.
+"""
+
+from typing import Final
+
+# Operations per sequence, per kind of cell: as deep as about a minute of one core allows
+# on the machine of bench/results/exhaust-*.json (one level more costs 4-8 times as much
+# without speculation, 10-25 times with it).
+NON_SPEC_DEPTH: Final = 5
+SPEC_DEPTH: Final = 4
+MAX_DEPTH: Final = 12

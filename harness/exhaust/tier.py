@@ -1,0 +1,339 @@
+"""``overlap-spec exhaust``: the small-scope exhaustive tier, one task per cell.
+
+Per cell it runs :func:`~overlap_spec.harness.exhaust.search.explore` to the cell's depth
+(:func:`get_default_depth`, or ``--depth``), saves and replays every counterexample, and
+reports the depth, the distinct states and the transitions explored, the observation
+points checked, each applicable invariant's witness count (zero is *vacuous*, a failure)
+and the time.
+
+With ``--faults`` the search stops at the first (shortest) violation of an invariant the
+catalogue lists for one of those bugs: the bug is *killed* there; violations of other IDs
+are reported and the search goes on around them (*other-id* when nothing else is found);
+a search that completes with neither is *survived*.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final
+
+from overlap_spec.harness.drive.cells import UsageError, select_configs
+from overlap_spec.harness.drive.script import save_script
+from overlap_spec.harness.exhaust import NON_SPEC_DEPTH, SPEC_DEPTH
+from overlap_spec.harness.exhaust.alphabet import get_alphabet
+from overlap_spec.harness.exhaust.search import (
+    Exploration,
+    Finding,
+    check_replays,
+    explore,
+    get_script,
+)
+from overlap_spec.harness.pool import catching_interrupts, raise_if_interrupted, run_tasks
+from overlap_spec.harness.report import write_json
+from overlap_spec.harness.trace.check import record_script_trace
+from overlap_spec.harness.trace.format import get_trace_path
+from overlap_spec.harness.verdict import Verdict
+from overlap_spec.reference.scheduler import SUPPORTED_FAULTS
+from overlap_spec.spec.bugs import get_bug
+from overlap_spec.spec.config import Cell, ModelConfig
+from overlap_spec.spec.invariants import INVARIANTS, Invariant, InvariantViolation
+
+KILLED, SURVIVED, OTHER_ID = "killed", "survived", "other-id"
+
+
+def get_default_depth(cell: Cell) -> int:
+    return SPEC_DEPTH if cell.is_spec else NON_SPEC_DEPTH
+
+
+def get_wanted_ids(faults: Iterable[str]) -> frozenset[str]:
+    """The invariants the catalogue lists for these bugs (what a kill must trip)."""
+    return frozenset(i for bug_id in faults for i in get_bug(bug_id).invariants)
+
+
+@dataclass(frozen=True)
+class ExhaustTask:
+    config: ModelConfig
+    depth: int
+    faults: frozenset[str]
+    out_dir: Path
+
+
+@dataclass(frozen=True)
+class FindingReport:
+    """A saved counterexample, in plain values (it crosses process boundaries)."""
+
+    kind: str  # "violation" | "crash"
+    invariant: str | None
+    ids: tuple[str, ...]
+    message: str
+    ops: int
+    requests: int
+    script: str
+    expected: bool  # with faults: trips an invariant the catalogue lists for them
+    trace: str | None = None  # the same run as a trace (violations), and its checker's word
+    trace_status: str | None = None
+
+    @property
+    def replay(self) -> str:
+        return f"overlap-spec replay {self.script}"
+
+
+@dataclass
+class CellReport:
+    cell: str
+    depth: int
+    faults: tuple[str, ...]
+    alphabet: str
+    applicable: tuple[str, ...]
+    levels: list[dict[str, int]] = field(default_factory=list)
+    states: int = 0
+    transitions: int = 0
+    observations: int = 0
+    exercised: dict[str, int] = field(default_factory=dict)
+    complete: bool = False
+    stopped: FindingReport | None = None
+    others: list[FindingReport] = field(default_factory=list)
+    wall_seconds: float = 0.0
+    cpu_seconds: float = 0.0
+    error: str | None = None  # this tier's own failure (a counterexample that did not replay)
+
+    @property
+    def vacuous(self) -> tuple[str, ...]:
+        """Applicable invariants with no witness; judged only when every sequence ran."""
+        if not self.complete:
+            return ()
+        return tuple(i for i in self.applicable if not self.exercised.get(i))
+
+    @property
+    def kill(self) -> str | None:
+        """With faults: killed, other-id or survived; None without faults."""
+        if not self.faults:
+            return None
+        if self.stopped is not None and self.stopped.kind == "violation":
+            return KILLED
+        if self.others:
+            return OTHER_ID
+        return SURVIVED if self.complete else None
+
+    @property
+    def verdict(self) -> Verdict:
+        if self.error is not None or (self.stopped is not None and self.stopped.kind == "crash"):
+            return Verdict.INCONCLUSIVE
+        if self.stopped is not None or self.others:
+            return Verdict.FAIL
+        if self.vacuous:
+            return Verdict.VACUOUS
+        return Verdict.PASS
+
+
+def _save(task: ExhaustTask, result: Exploration, finding: Finding, suffix: str,
+          wanted: frozenset[str]) -> FindingReport:
+    """Save, replay from scratch (it must fail the same way) and describe one finding."""
+    check_replays(result, finding)
+    script = get_script(result, finding)
+    name = "-".join([task.config.name.replace("@", "-"), *sorted(task.faults)]) + suffix
+    path = save_script(script, task.out_dir / f"{name}.json")
+    violation: InvariantViolation | None = finding.violation
+    trace, trace_status = None, None
+    if violation is not None:
+        trace = get_trace_path(path)
+        trace_status = record_script_trace(script, trace).status
+    # The invariant a kill is named by: the first listed one it tripped, else the first.
+    invariant = None if violation is None else next(
+        (i for i in violation.all_ids if i in wanted), violation.invariant_id)
+    return FindingReport(
+        kind="violation" if violation is not None else "crash",
+        invariant=invariant,
+        ids=finding.ids, message=finding.describe(), ops=len(finding.ops),
+        requests=script.count_requests(), script=str(path),
+        expected=bool(set(finding.ids) & wanted),
+        trace=None if trace is None else str(trace), trace_status=trace_status)
+
+
+def run_exhaust_task(task: ExhaustTask) -> CellReport:
+    """One cell (module level: the pool pickles it by name)."""
+    config, faults = task.config, task.faults
+    alphabet = get_alphabet(config)
+    wanted = get_wanted_ids(faults)
+    report = CellReport(config.name, task.depth, tuple(sorted(faults)), alphabet.describe(),
+                        tuple(i.id for i in _applicable(config)))
+    if faults:
+        def stop(violation: InvariantViolation) -> bool:
+            return bool(set(violation.all_ids) & wanted)
+        result = explore(config, task.depth, faults, stop, alphabet)
+    else:
+        result = explore(config, task.depth, faults, alphabet=alphabet)
+    report.levels = [{"depth": level.depth, "transitions": level.transitions,
+                      "new_states": level.new_states, "merged": level.merged}
+                     for level in result.levels]
+    report.states, report.transitions = result.states, result.transitions
+    report.observations = result.observations
+    report.exercised = dict(sorted(result.exercised.items()))
+    report.complete = result.complete
+    report.wall_seconds, report.cpu_seconds = result.wall_seconds, result.cpu_seconds
+    try:
+        for finding in result.findings:
+            report.others.append(_save(task, result, finding, f"-{finding.ids[0]}", wanted))
+        if result.stopped is not None:
+            suffix = "-crash" if result.stopped.crash is not None else ""
+            report.stopped = _save(task, result, result.stopped, suffix, wanted)
+    except Exception as error:  # noqa: BLE001 - reported as this tier's failure
+        report.error = f"{type(error).__name__}: {error}"
+    return report
+
+
+def _applicable(config: ModelConfig) -> list[Invariant]:
+    return [inv for inv in INVARIANTS if inv.applies(config.cell)]
+
+
+def run_exhaust(configs: list[ModelConfig], depth: int | None, faults: frozenset[str],
+                out_dir: Path, jobs: int, quiet: bool = True) -> list[CellReport]:
+    tasks = [ExhaustTask(c, depth or get_default_depth(c.cell), faults, out_dir)
+             for c in configs]
+
+    def progress(task: ExhaustTask, report: CellReport) -> None:
+        if not quiet:
+            print(render_cell_line(report), flush=True)
+
+    return run_tasks(run_exhaust_task, tasks, jobs, progress)
+
+
+# -- reports ---------------------------------------------------------------------------------
+HEADER: Final = (f"{'cell':<36} {'depth':>5} {'states':>8} {'transitions':>11} "
+                 f"{'observations':>12} {'witnessed':>9} {'time':>8}  verdict")
+
+
+def _word(report: CellReport) -> str:
+    if report.kill is not None and report.verdict is not Verdict.INCONCLUSIVE:
+        return report.kill
+    return report.verdict.value
+
+
+def render_cell_line(report: CellReport) -> str:
+    witnessed = sum(1 for i in report.applicable if report.exercised.get(i))
+    states = f"{report.states}" + ("" if report.complete else "+")
+    return (f"{report.cell:<36} {report.depth:>5} {states:>8} {report.transitions:>11} "
+            f"{report.observations:>12} {f'{witnessed}/{len(report.applicable)}':>9} "
+            f"{f'{report.wall_seconds:.1f}s':>8}  {_word(report)}")
+
+
+def render_witnesses(report: CellReport) -> str:
+    """Each applicable invariant's witness count in one cell (0: vacuous when complete)."""
+    counts = ", ".join(f"{i} {report.exercised.get(i, 0)}" for i in report.applicable)
+    return f"{report.cell} witnesses: {counts}"
+
+
+def render_findings(reports: list[CellReport]) -> str:
+    lines: list[str] = []
+    for report in reports:
+        shown = ([report.stopped] if report.stopped is not None else []) + report.others
+        for finding in shown:
+            what = "crash" if finding.kind == "crash" else (
+                "kill" if report.faults and finding.expected else
+                "violation" if not report.faults else "other-id")
+            lines.append(f"[{what}] {report.cell}" + (
+                f", faults {','.join(report.faults)}" if report.faults else ""))
+            lines.append(f"    {finding.message}")
+            lines.append(f"    counterexample: {finding.ops} op{'s' * (finding.ops != 1)}, "
+                         f"{finding.requests} request{'s' * (finding.requests != 1)} "
+                         "(no shorter sequence over the alphabet fails)")
+            lines.append(f"    replay: {finding.replay}")
+            if finding.trace is not None:
+                lines.append(f"    trace: {finding.trace} (trace checker: "
+                             f"{finding.trace_status})")
+        if report.error is not None:
+            lines.append(f"[error] {report.cell}: {report.error}")
+        if report.vacuous:
+            lines.append(f"[vacuous] {report.cell}: no witness for "
+                         f"{', '.join(report.vacuous)} (every sequence up to depth "
+                         f"{report.depth} ran)")
+    return "\n".join(lines)
+
+
+def is_ok(reports: list[CellReport]) -> bool:
+    return not any(r.verdict.fails_run for r in reports)
+
+
+def build_exhaust_json(reports: list[CellReport], elapsed: float) -> dict[str, Any]:
+    def finding(f: FindingReport | None) -> dict[str, Any] | None:
+        if f is None:
+            return None
+        return {"kind": f.kind, "invariant": f.invariant, "ids": list(f.ids),
+                "message": f.message, "ops": f.ops, "requests": f.requests,
+                "expected": f.expected, "script": f.script, "replay": f.replay,
+                "trace": f.trace, "trace_status": f.trace_status}
+
+    return {
+        "version": 1,
+        "ok": is_ok(reports),
+        "elapsed_s": round(elapsed, 3),
+        "cells": {
+            r.cell: {
+                "verdict": r.verdict.value, "kill": r.kill, "depth": r.depth,
+                "faults": list(r.faults), "alphabet": r.alphabet, "complete": r.complete,
+                "states": r.states, "transitions": r.transitions,
+                "observations": r.observations, "levels": r.levels,
+                "witnesses": {i: r.exercised.get(i, 0) for i in r.applicable},
+                "vacuous": list(r.vacuous), "stopped": finding(r.stopped),
+                "others": [finding(f) for f in r.others], "error": r.error,
+                "wall_s": round(r.wall_seconds, 3), "cpu_s": round(r.cpu_seconds, 3),
+            }
+            for r in reports
+        },
+    }
+
+
+def cmd_exhaust(args: argparse.Namespace) -> int:
+    """``overlap-spec exhaust`` (its arguments: ``harness.cli``)."""
+    faults = frozenset(f.strip() for f in (args.faults or "").split(",") if f.strip())
+    if faults - SUPPORTED_FAULTS:
+        raise UsageError(f"unknown fault IDs {sorted(faults - SUPPORTED_FAULTS)}; supported: "
+                         f"{', '.join(sorted(SUPPORTED_FAULTS))}")
+    configs = select_configs(args.cells, "minimal")
+    out_dir = Path(args.out or os.environ.get("OVERLAP_SPEC_OUT", ".overlap-spec")) / "exhaust"
+    depth = args.depth
+    depths = {depth or get_default_depth(c.cell) for c in configs}
+    bound = (f"depth {depths.pop()}" if len(depths) == 1 else
+             f"depth {NON_SPEC_DEPTH} in non-speculative cells, {SPEC_DEPTH} in speculative ones")
+    print(f"exhaust: every sequence of operations over each cell's alphabet, up to {bound}, "
+          f"at most 2 requests, in {len(configs)} cell{'s' * (len(configs) != 1)}"
+          + (f", faults {','.join(sorted(faults))}" if faults else ""))
+    if not args.quiet:
+        print(HEADER)
+    started = time.perf_counter()
+    try:
+        with catching_interrupts():
+            reports = run_exhaust(configs, depth, faults, out_dir, args.jobs, args.quiet)
+            raise_if_interrupted()
+    except KeyboardInterrupt:
+        print("INTERRUPTED (report incomplete)")
+        return 130
+    elapsed = time.perf_counter() - started
+    if args.quiet:
+        print(HEADER)
+        for report in reports:
+            print(render_cell_line(report))
+    if args.witnesses:
+        for report in reports:
+            print(render_witnesses(report))
+    findings = render_findings(reports)
+    if findings:
+        print(findings)
+    ok = is_ok(reports)
+    clean = sum(not r.verdict.fails_run for r in reports)
+    total_states = sum(r.states for r in reports)
+    total_transitions = sum(r.transitions for r in reports)
+    kills = ""
+    if faults:
+        killed = sum(r.kill == KILLED for r in reports)
+        kills = f", {','.join(sorted(faults))} killed in {killed}/{len(reports)} cells"
+    print(f"{'OK' if ok else 'FAILED'}: {clean}/{len(reports)} cells clean{kills}, "
+          f"{total_states} states, {total_transitions} transitions, {elapsed:.1f}s")
+    if args.json:
+        write_json(build_exhaust_json(reports, elapsed), Path(args.json))
+    return 0 if ok else 1

@@ -1,0 +1,381 @@
+"""The exhaustive tier (``harness/exhaust``, ``overlap-spec exhaust``).
+
+- Every catalogue bug, switched on alone, is killed by an invariant the catalogue lists for
+  it in every cell where it applies, at the cell's default depth (the full matrix, 204
+  pairs, is ``slow`` and run by ``.ci/run``; one cheap cell per bug runs by default).
+- The clean reference has no violation at a small depth, with witnesses; a depth too small
+  to exercise an invariant reports it vacuous, never passed.
+- The counts are deterministic (asserted exactly; timings never are).
+- A counterexample replays through ``overlap-spec replay``.
+- The search's two exactness claims, on samples: prefixes that reach the same dedup key
+  behave the same under the same suffixes, and an iteration run through the oracle is the
+  iteration its concrete choices replay; the relevance predicates lose no state.
+"""
+
+from __future__ import annotations
+
+import collections
+import enum
+import json
+import pickle
+import random
+from pathlib import Path
+
+import pytest
+
+from overlap_spec.harness.cli import main
+from overlap_spec.harness.drive.checker import InvariantChecker
+from overlap_spec.harness.drive.script import (
+    Abort,
+    Admit,
+    AdmitPrebuilt,
+    Iterate,
+    Op,
+    apply_op,
+    load_script,
+)
+from overlap_spec.harness.exhaust import NON_SPEC_DEPTH, SPEC_DEPTH
+from overlap_spec.harness.exhaust.alphabet import (
+    ChoiceOracle,
+    OracleReadError,
+    get_alphabet,
+    get_next_decisions,
+)
+from overlap_spec.harness.exhaust.search import (
+    explore,
+    get_state_bytes,
+    restore_state,
+)
+from overlap_spec.harness.exhaust.tier import (
+    KILLED,
+    ExhaustTask,
+    get_default_depth,
+    run_exhaust_task,
+)
+from overlap_spec.harness.verdict import Verdict
+from overlap_spec.reference.scheduler import Scheduler
+from overlap_spec.spec.bugs import BUGS, get_bug
+from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells, get_cell
+from overlap_spec.spec.invariants import INVARIANTS
+from overlap_spec.spec.state import IterationChoices, Observation
+
+KILL_PAIRS = [(bug.id, cell.name) for bug in BUGS for cell in enumerate_cells()
+              if bug.applies(cell)]
+
+# One cheap cell per bug (measured on 2 shared cores: B16 about 30 s of CPU, the rest a few
+# seconds together); the slow matrix runs every applicable cell.
+FAST_KILLS = [
+    ("B1", "ov-p1-none"), ("B2", "nov-p1-v2tree-cpu-honest"), ("B3", "ov-p4-none"),
+    ("B4", "ov-p1-v2tree-cpu-preclaim"), ("B5", "ov-p1-v2tree-cpu-honest"),
+    ("B6", "ov-p4-v2chain-nocpu-preclaim"), ("B7", "nov-p1-v2chain-cpu-honest"),
+    ("B8", "ov-p4-none"), ("B9", "ov-p1-v2tree-cpu-preclaim"), ("B10", "nov-p4-none"),
+    ("B11", "ov-p1-v2tree-cpu-honest"), ("B12", "nov-p4-v2chain-cpu-preclaim"),
+    ("B13", "ov-p1-v2tree-nocpu-preclaim"), ("B14", "ov-p1-v2tree-nocpu-honest"),
+    ("B15", "ov-p1-v2tree-nocpu-honest"), ("B16", "ov-p1-v2chain-cpu-honest"),
+]
+
+
+def _config(cell: str) -> ModelConfig:
+    return ModelConfig(get_cell(cell), PRESETS["minimal"])
+
+
+def _assert_killed(bug_id: str, cell: str, out: Path) -> None:
+    config = _config(cell)
+    depth = get_default_depth(config.cell)
+    report = run_exhaust_task(ExhaustTask(config, depth, frozenset({bug_id}), out))
+    assert report.error is None, report.error
+    assert report.kill == KILLED, (bug_id, cell, report.kill, report.others)
+    stopped = report.stopped
+    assert stopped is not None and stopped.kind == "violation"
+    assert set(stopped.ids) & set(get_bug(bug_id).invariants), stopped.message
+    assert stopped.ops <= depth and stopped.requests <= 2
+    assert Path(stopped.script).exists()
+
+
+@pytest.mark.parametrize(("bug_id", "cell"), FAST_KILLS, ids=[f"{b}-{c}" for b, c in FAST_KILLS])
+def test_bug_is_killed_fast(bug_id: str, cell: str, tmp_path: Path) -> None:
+    _assert_killed(bug_id, cell, tmp_path)
+
+
+def test_the_fast_subset_has_every_bug_in_an_applicable_cell() -> None:
+    assert all(get_bug(b).applies(get_cell(c)) for b, c in FAST_KILLS)
+    assert [b for b, _ in FAST_KILLS] == [bug.id for bug in BUGS]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("bug_id", "cell"), KILL_PAIRS, ids=[f"{b}-{c}" for b, c in KILL_PAIRS])
+def test_every_bug_is_killed_in_every_applicable_cell(bug_id: str, cell: str,
+                                                      tmp_path: Path) -> None:
+    _assert_killed(bug_id, cell, tmp_path)
+
+
+def test_default_depths() -> None:
+    for cell in enumerate_cells():
+        assert get_default_depth(cell) == (SPEC_DEPTH if cell.is_spec else NON_SPEC_DEPTH)
+
+
+# -- the clean reference -----------------------------------------------------------------
+@pytest.mark.parametrize("cell", ["ov-p1-none", "nov-p4-none", "ov-p1-v2chain-cpu-preclaim",
+                                  "nov-p1-v2tree-cpu-honest"])
+def test_clean_reference_has_no_violation_and_has_witnesses(cell: str) -> None:
+    result = explore(_config(cell), 3)
+    assert result.complete and result.stopped is None and not result.findings
+    assert [level.depth for level in result.levels] == [1, 2, 3]
+    assert all(level.transitions and level.new_states for level in result.levels)
+    applicable = [inv.id for inv in INVARIANTS if inv.applies(get_cell(cell))]
+    witnessed = [i for i in applicable if result.exercised[i]]
+    assert len(witnessed) >= len(applicable) // 2, witnessed
+    assert result.observations > result.transitions
+
+
+def test_a_depth_too_small_is_vacuous_not_a_pass(tmp_path: Path,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    report = run_exhaust_task(ExhaustTask(_config("ov-p1-none"), 1, frozenset(), tmp_path))
+    assert report.complete and report.vacuous and report.verdict is Verdict.VACUOUS
+    code = main(["exhaust", "--cells", "ov-p1-none", "--depth", "1", "-j", "1",
+                 "--out", str(tmp_path), "--witnesses"])
+    assert code == 1
+    out = capsys.readouterr().out
+    assert "[vacuous] ov-p1-none@minimal: no witness for" in out
+    assert f"{report.vacuous[0]} 0" in out.split("witnesses:")[1]
+
+
+# -- deterministic counts -------------------------------------------------------------------
+EXPECTED_COUNTS = {
+    # cell, depth: (states, transitions, observations, per-level new states)
+    ("ov-p1-none", 3): (118, 139, 433, (3, 18, 96)),
+    ("ov-p1-v2chain-cpu-honest", 3): (512, 667, 4869, (3, 28, 480)),
+}
+
+
+@pytest.mark.parametrize(("cell", "depth"), list(EXPECTED_COUNTS))
+def test_counts_are_deterministic(cell: str, depth: int) -> None:
+    first, second = explore(_config(cell), depth), explore(_config(cell), depth)
+    counts = [(r.states, r.transitions, r.observations,
+               tuple(level.new_states for level in r.levels)) for r in (first, second)]
+    assert counts[0] == counts[1]
+    assert dict(first.exercised) == dict(second.exercised)
+    assert counts[0] == EXPECTED_COUNTS[(cell, depth)]
+
+
+# -- counterexamples ---------------------------------------------------------------------------
+def test_a_counterexample_replays_through_the_cli(tmp_path: Path,
+                                                  capsys: pytest.CaptureFixture[str]) -> None:
+    report_path = tmp_path / "report.json"
+    code = main(["exhaust", "--cells", "ov-p1-none", "--faults", "B10", "-j", "1",
+                 "--out", str(tmp_path), "--json", str(report_path)])
+    out = capsys.readouterr().out
+    assert code == 1
+    document = json.loads(report_path.read_text())
+    cell = document["cells"]["ov-p1-none@minimal"]
+    assert cell["kill"] == KILLED and cell["stopped"]["invariant"] in get_bug("B10").invariants
+    replay = cell["stopped"]["replay"]
+    assert f"replay: {replay}" in out
+    assert Path(cell["stopped"]["trace"]).exists()
+    assert cell["stopped"]["trace_status"] == "violation"
+    script = load_script(Path(cell["stopped"]["script"]))
+    assert script.faults == ("B10",) and len(script.ops) == cell["stopped"]["ops"]
+    assert main(replay.split()[1:]) == 1
+    replayed = capsys.readouterr().out
+    assert cell["stopped"]["message"] in replayed
+
+
+def test_a_crash_is_a_failure_with_a_script(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            capsys: pytest.CaptureFixture[str]) -> None:
+    def broken_abort(self: Scheduler, rid: object) -> None:
+        raise RuntimeError("abort is broken")
+
+    monkeypatch.setattr(Scheduler, "abort", broken_abort)
+    report = run_exhaust_task(ExhaustTask(_config("nov-p1-none"), 3, frozenset(), tmp_path))
+    assert report.error is None, report.error  # the saved script crashed the same on replay
+    assert report.stopped is not None and report.stopped.kind == "crash"
+    assert report.stopped.ops == 2 and "abort is broken" in report.stopped.message
+    assert report.verdict is Verdict.INCONCLUSIVE and report.verdict.fails_run
+    assert main(["replay", report.stopped.script]) == 1
+    assert "the model crashed: RuntimeError: abort is broken" in capsys.readouterr().out
+
+
+# -- exactness of the search, on samples ------------------------------------------------------
+class Recorder(InvariantChecker):
+    """Checks like the tier and keeps every observation, the op index set to 0."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.seen: list[Observation] = []
+
+    def __call__(self, obs: Observation) -> None:
+        from dataclasses import replace
+
+        self.seen.append(replace(obs, step_index=0))
+        super().__call__(obs)
+
+
+def get_value(state: bytes) -> object:
+    """A state's value, blind to which equal immutable values are one object: pickle bytes
+    are not (a string shared after a restore is written once, two equal strings of a fresh
+    run twice), so states are compared through this. Mutable objects reached twice are
+    named by the order they were first reached, so shared structure still counts."""
+    order: dict[int, int] = {}
+
+    def walk(obj: object) -> object:
+        if isinstance(obj, str | int | float | bool | bytes | type(None) | enum.Enum):
+            return obj
+        if isinstance(obj, tuple | frozenset):
+            items = sorted(obj, key=repr) if isinstance(obj, frozenset) else obj
+            return (type(obj).__name__, tuple(walk(x) for x in items))
+        if id(obj) in order:
+            return ("ref", order[id(obj)])
+        order[id(obj)] = len(order)
+        if isinstance(obj, list | collections.deque):
+            return (type(obj).__name__, tuple(walk(x) for x in obj))
+        if isinstance(obj, set):
+            return ("set", tuple(sorted(walk(x) for x in obj)))  # ints only in the model
+        if isinstance(obj, dict):
+            return ("dict", tuple((walk(k), walk(v)) for k, v in obj.items()))
+        if hasattr(obj, "__dict__"):
+            return (type(obj).__name__, tuple((k, walk(v)) for k, v in vars(obj).items()))
+        raise TypeError(f"no value for {type(obj).__name__}")
+
+    return walk(pickle.loads(state))
+
+
+def _run_to_bytes(config: ModelConfig, ops: list[Op]) -> tuple[list[Observation], bytes]:
+    """The observations (op index set to 0) and the canonical state bytes."""
+    recorder = Recorder(config)
+    model = Scheduler(config, frozenset(), recorder)
+    admitted: list[int] = []
+    for index, op in enumerate(ops):
+        model.set_step_index(index)
+        apply_op(model, op, admitted)
+    return recorder.seen, get_state_bytes(model, admitted)
+
+
+def _run_from_scratch(config: ModelConfig, ops: list[Op]) -> tuple[list[Observation], object]:
+    """The observations (op index set to 0) and the value of the canonical state."""
+    seen, state = _run_to_bytes(config, ops)
+    return seen, get_value(state)
+
+
+def _random_suffix(config: ModelConfig, rng: random.Random, admitted: int,
+                   length: int) -> list[Op]:
+    """Ops of the cell's alphabet, drawn at random (iterations with concrete choices)."""
+    alphabet = get_alphabet(config)
+    domains = alphabet.domains
+    ops: list[Op] = []
+    for _ in range(length):
+        kinds = ["iterate", "iterate"] + (["abort"] if admitted else []) + (
+            ["admit"] if admitted < alphabet.max_requests else [])
+        kind = rng.choice(kinds)
+        if kind == "admit":
+            ops.append(rng.choice(alphabet.admissions))
+            admitted += 1
+        elif kind == "abort":
+            ops.append(Abort(rng.randrange(admitted)))
+        else:
+            eos = rng.choice(domains["eos_position"])
+            ops.append(Iterate(IterationChoices(
+                allow_prefill=bool(rng.choice(domains["allow_prefill"])),
+                retract=int(rng.choice(domains["retract"])),
+                accept_lens=(int(rng.choice(domains["accept_len"])),) * alphabet.rows,
+                eos_positions=frozenset() if eos is None else frozenset({int(eos)}),
+                disable_overlap=bool(rng.choice(domains["disable_overlap"])),
+                spec_steps=int(rng.choice(domains["spec_steps"])))))
+    return ops
+
+
+def _count_admissions(ops: tuple[Op, ...] | list[Op]) -> int:
+    return sum(isinstance(op, Admit | AdmitPrebuilt) for op in ops)
+
+
+@pytest.mark.parametrize("cell", ["ov-p1-none", "ov-p1-v2chain-cpu-honest",
+                                  "nov-p4-v2chain-cpu-preclaim"])
+def test_prefixes_with_the_same_key_behave_the_same(cell: str) -> None:
+    config = _config(cell)
+    result = explore(config, 3, keep_paths=True)
+    rng = random.Random(7)
+    distinct = [(a, b) for a, b in result.merges if a != b]
+    assert len(distinct) >= 20, "too few merged prefixes to sample"
+    for first, second in rng.sample(distinct, 20):
+        assert _count_admissions(first) == _count_admissions(second)
+        suffix = _random_suffix(config, rng, _count_admissions(first), 3)
+        seen_first, state_first = _run_from_scratch(config, [*first, *suffix])
+        seen_second, state_second = _run_from_scratch(config, [*second, *suffix])
+        _, at_first = _run_from_scratch(config, list(first))
+        _, at_second = _run_from_scratch(config, list(second))
+        assert at_first == at_second  # the same state, from scratch
+        prefix_first = len(_run_from_scratch(config, list(first))[0])
+        prefix_second = len(_run_from_scratch(config, list(second))[0])
+        assert seen_first[prefix_first:] == seen_second[prefix_second:], (first, second, suffix)
+        assert state_first == state_second
+
+
+@pytest.mark.parametrize("cell", ["ov-p1-none", "ov-p1-v2tree-nocpu-preclaim",
+                                  "nov-p1-v2chain-cpu-honest"])
+def test_relevance_predicates_lose_no_state(cell: str) -> None:
+    config = _config(cell)
+    peeked = explore(config, 3, keep_paths=True)
+    full = explore(config, 3, keep_paths=True, peek=False)
+    assert set(peeked.paths) == set(full.paths)
+    assert full.transitions > peeked.transitions
+    assert peeked.complete and full.complete
+
+
+@pytest.mark.parametrize("cell", ["ov-p4-none", "ov-p1-v2chain-cpu-honest",
+                                  "ov-p1-v2tree-nocpu-preclaim"])
+def test_an_oracle_iteration_is_its_concrete_choices(cell: str) -> None:
+    """From states two operations reach (a sample of 12), every distinguishable iteration:
+    the oracle's run and the run of the op it reports give the same observations and the
+    same state."""
+    config = _config(cell)
+    alphabet = get_alphabet(config)
+    result = explore(config, 2, keep_paths=True)
+    paths = list(result.paths.values())
+    sample = random.Random(3).sample(paths, min(12, len(paths)))
+    leaves = 0
+    for path in sample:
+        seen_before, state = _run_to_bytes(config, list(path))
+        decisions: list[int] | None = []
+        while decisions is not None:
+            recorder = Recorder(config)
+            model, admitted = restore_state(state, recorder)
+            oracle = ChoiceOracle(alphabet, decisions)
+            oracle.attach(model)
+            model.run_iteration(oracle.as_choices())
+            through_oracle = (recorder.seen, get_value(get_state_bytes(model, admitted)))
+            concrete = Iterate(oracle.get_choices())
+            seen_after, state_after = _run_from_scratch(config, [*path, concrete])
+            assert through_oracle == (seen_after[len(seen_before):], state_after), concrete
+            decisions = get_next_decisions(oracle.taken)
+            leaves += 1
+    assert leaves > len(sample)
+
+
+@pytest.mark.parametrize("cell", ["ov-p1-v2chain-cpu-honest", "ov-p1-v2tree-cpu-honest"])
+def test_spec_steps_matter_only_through_the_shape(cell: str) -> None:
+    """Rung values with the same shape run alike (the oracle offers one value per shape)."""
+    config = _config(cell)
+    prefix: list[Op] = [AdmitPrebuilt(1, 8), Iterate(IterationChoices(accept_lens=(4,)))]
+    values = range(config.preset.chain_steps + 1)
+    pairs = [(a, b) for a in values for b in values
+             if a < b and config.get_shape(a) == config.get_shape(b)]
+    assert pairs
+    for a, b in pairs:
+        runs = [_run_from_scratch(config, [*prefix, Iterate(IterationChoices(
+            accept_lens=(2,), spec_steps=steps))]) for steps in (a, b)]
+        assert runs[0] == runs[1], (a, b)
+
+
+def test_the_oracle_refuses_a_read_it_does_not_answer() -> None:
+    oracle = ChoiceOracle(get_alphabet(_config("ov-p1-none")), [])
+    with pytest.raises(OracleReadError, match="IterationChoices.bogus"):
+        oracle.bogus  # noqa: B018
+
+
+def test_state_bytes_leave_the_observer_out() -> None:
+    config = _config("ov-p1-none")
+    checker = InvariantChecker(config)
+    model = Scheduler(config, frozenset(), checker)
+    state = get_state_bytes(model, [])
+    assert model.refinement.observer is checker
+    restored, admitted = pickle.loads(state)
+    assert restored.refinement.observer is None and admitted == []
