@@ -58,3 +58,14 @@ def test_readme_example_prints_what_the_readme_shows(
     assert any(printed[i:i + len(expected)] == expected for i in starts), (
         "the README shows:\n" + "\n".join(expected) + "\n\nthe command printed:\n"
         + "\n".join(printed))
+
+
+def test_the_readme_mutant_table_lists_the_catalogues_invariants() -> None:
+    """Each row of the README's mutant table names exactly the invariants spec/bugs.py
+    lists for that bug (a kill outside them is ``other-id`` and fails the matrix)."""
+    from overlap_spec.spec.bugs import BUGS
+
+    rows = dict(re.findall(r"^\| (B\d+) \| .*? \| ([^|\n]*) \|$", README.read_text(), flags=re.M))
+    assert sorted(rows) == sorted(bug.id for bug in BUGS)
+    for bug in BUGS:
+        assert rows[bug.id].split(", ") == list(bug.invariants), bug.id
