@@ -29,9 +29,10 @@ from overlap_spec.harness.differential.tier import (
 from overlap_spec.harness.drive.cells import select_configs
 from overlap_spec.harness.drive.stateful import (
     CellResult,
+    CellTask,
     Profile,
-    check_cell,
     get_profile,
+    run_cell_task,
 )
 from overlap_spec.harness.mutants.matrix import (
     mutants_tier_report,
@@ -201,24 +202,6 @@ def _mutant_tier(run: _Run) -> None:
                           checkers=checkers, jobs=args.jobs)
     print(render_mutants(results))
     run.report.add(mutants_tier_report(results))
-
-
-@dataclass(frozen=True)
-class CellTask:
-    """One cell of the Hypothesis tier, as sent to a worker process."""
-
-    config: ModelConfig
-    profile: Profile
-    seed: int
-    faults: frozenset[str]
-    save_dir: Path | None
-    # False: no Hypothesis shrinking; the failing script is minimised instead (review).
-    shrink: bool = True
-
-
-def run_cell_task(task: CellTask) -> CellResult:
-    return check_cell(task.config, task.profile, task.seed, task.faults, save_dir=task.save_dir,
-                      shrink=task.shrink, minimize=not task.shrink)
 
 
 class CellProgress:

@@ -159,7 +159,9 @@ def _disagreements(cell: str, faults: frozenset[str] = frozenset(),
     compared = 0
     for k in range(runs):
         run = _random_run(config, rng)
-        outcome = zs.check_sat(unrolling.constraints + _pin(unrolling, run, config), 60_000)
+        solver = zs.Preprocessed(60_000)  # the BMC's own solver, for a query its size
+        solver.add(*unrolling.constraints)
+        outcome = solver.check(_pin(unrolling, run, config))
         where = (f"cell {cell}, run {k}, seed {SEED}; script:\n"
                  + "\n".join(f"  op {n}: {op}" for n, op in enumerate(run.script.ops)))
         if outcome.verdict == zs.UNKNOWN:

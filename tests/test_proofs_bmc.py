@@ -148,7 +148,9 @@ def test_counterexample_decodes_to_the_script_it_describes() -> None:
             it.accept[0] == 1,
             zs.Not(it.eos[0]),
         ]
-    outcome = zs.check_sat([*unrolling.constraints, *pins])
+    solver = zs.Preprocessed()  # the BMC's own solver, for a query its size
+    solver.add(*unrolling.constraints)
+    outcome = solver.check(pins)
     assert outcome.verdict == zs.SATISFIABLE
     result = bmc.BmcResult(
         "ov-p1-none",
@@ -258,8 +260,10 @@ def test_inductive_step_is_not_vacuous(cell: str) -> None:
             *[zs.And(a, b) for a, b in zip(it.launched, it.launched[1:], strict=False)]
         ),
     }
+    solver = zs.Preprocessed()  # the BMC's own solver, for a query its size
+    solver.add(*step.constraints, *assumed)
     for name, witness in witnesses.items():
-        outcome = zs.check_sat([*step.constraints, *assumed, witness])
+        outcome = solver.check([witness])
         assert outcome.verdict == zs.SATISFIABLE, name
 
 

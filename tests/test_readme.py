@@ -46,9 +46,14 @@ def test_the_readme_has_console_examples_and_the_first_is_the_reviewers() -> Non
 
 @pytest.mark.parametrize("command,shown", EXAMPLES, ids=[c for c, _ in EXAMPLES])
 def test_readme_example_prints_what_the_readme_shows(
-        command: str, shown: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+        command: str, shown: list[str], capsys: pytest.CaptureFixture[str],
+        monkeypatch: pytest.MonkeyPatch) -> None:
     argv = shlex.split(command)
     assert argv[0] == "overlap-spec", command
+    # The command as written, on one job: what it prints does not depend on --jobs, and
+    # spawned workers (each importing torch and Z3 afresh) would compete with the other
+    # test workers; tests/test_script_cli.py runs check's tiers on spawned workers.
+    monkeypatch.setattr("overlap_spec.harness.cli.get_default_jobs", lambda: 1)
     main(argv[1:])
     out_dir = os.environ["OVERLAP_SPEC_OUT"]  # tests/conftest.py: a temporary folder
     printed = [_normalise(line, out_dir) for line in capsys.readouterr().out.splitlines()]

@@ -263,6 +263,25 @@ def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
     return result
 
 
+@dataclass(frozen=True)
+class CellTask:
+    """One cell of the Hypothesis tier, as sent to a worker process (defined here, not in
+    harness/check.py, so that a spawned worker imports no torch: about 2 s of CPU each)."""
+
+    config: ModelConfig
+    profile: Profile
+    seed: int
+    faults: frozenset[str]
+    save_dir: Path | None
+    # False: no Hypothesis shrinking; the failing script is minimised instead (review).
+    shrink: bool = True
+
+
+def run_cell_task(task: CellTask) -> CellResult:
+    return check_cell(task.config, task.profile, task.seed, task.faults, save_dir=task.save_dir,
+                      shrink=task.shrink, minimize=not task.shrink)
+
+
 def _count(number: int, noun: str) -> str:
     return f"{number} {noun}{'s' * (number != 1)}"
 

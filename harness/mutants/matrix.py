@@ -12,15 +12,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
-from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS as GPU_SUPPORTED_FAULTS
-from overlap_spec.harness.differential.compare import (
-    check_cell_differential,
-    get_finding_kind,
-    get_gpu_mutant_examples,
-    run_differential,
-)
 from overlap_spec.harness.drive.minimize import minimize_script
 from overlap_spec.harness.drive.script import (
     Script,
@@ -124,12 +115,30 @@ def run_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed: in
     return kill
 
 
+def get_gpu_supported_faults() -> frozenset[str]:
+    """The fault IDs gpu_impl implements. Imported on use, like the gpu_impl checker
+    below: gpu_impl imports torch, which a worker process given only Hypothesis or z3
+    tasks never needs (about 2 s of CPU per spawned worker)."""
+    from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS
+
+    return SUPPORTED_FAULTS
+
+
 def run_gpu_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed: int,
                            save_dir: Path) -> CellKill:
     """The gpu_impl checker: differential run against the clean reference + race detector."""
+    import torch
+
+    from overlap_spec.harness.differential.compare import (
+        check_cell_differential,
+        get_finding_kind,
+        get_gpu_mutant_examples,
+        run_differential,
+    )
+
     started = time.perf_counter()
     kill = CellKill(config.name, SURVIVED, "gpu_impl")
-    if bug.id not in GPU_SUPPORTED_FAULTS:
+    if bug.id not in get_gpu_supported_faults():
         kill.verdict = NOT_APPLICABLE
         kill.detail = NO_GPU_PATH
         return kill
@@ -228,6 +237,7 @@ def run_mutants(profile: Profile, seed: int, bug_ids: set[str] | None = None,
     directory = save_dir or get_failure_dir().parent / "mutants"
     results: list[MutantResult] = []
     tasks: list[tuple[MutantResult, MutantTask]] = []
+    gpu_faults = get_gpu_supported_faults() if "gpu_impl" in checkers else frozenset()
     for bug in BUGS:
         if bug_ids is not None and bug.id not in bug_ids:
             continue
@@ -242,7 +252,7 @@ def run_mutants(profile: Profile, seed: int, bug_ids: set[str] | None = None,
             if checker == "z3":
                 tasks.append((result, MutantTask(bug.id, checker, None, profile, seed,
                                                  directory)))
-            elif checker == "gpu_impl" and bug.id not in GPU_SUPPORTED_FAULTS:
+            elif checker == "gpu_impl" and bug.id not in gpu_faults:
                 result.not_applicable = NO_GPU_PATH
             else:
                 tasks.extend((result, MutantTask(bug.id, checker,
