@@ -29,6 +29,27 @@ def _failure_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OVERLAP_SPEC_OUT", str(tmp_path / "out"))
 
 
+# ----------------------------------------------------------------------------- cells
+# A test that takes a ``tier_cell`` argument runs in every cell, but only these six in the
+# default tier: between them every value of each dimension (overlap, page size, speculative
+# mode, CPU mirror, pre-claim). The other sixteen are marked slow (``-m slow``); `check`,
+# which CI runs, covers all 22 with the same tier at a larger budget.
+DEFAULT_TIER_CELLS = frozenset({
+    "ov-p1-none", "nov-p4-none", "ov-p1-v2chain-cpu-honest", "nov-p1-v2chain-cpu-honest",
+    "ov-p4-v2chain-nocpu-preclaim", "ov-p1-v2tree-cpu-preclaim",
+})
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "tier_cell" in metafunc.fixturenames:
+        from overlap_spec.spec.config import enumerate_cells
+
+        metafunc.parametrize("tier_cell", [
+            pytest.param(cell.name, id=cell.name,
+                         marks=() if cell.name in DEFAULT_TIER_CELLS else pytest.mark.slow)
+            for cell in enumerate_cells()])
+
+
 # ----------------------------------------------------------------------------- pytest-xdist
 # `pytest -n auto`: each worker builds a module-scoped fixture for itself, so the tests of
 # one module spread over N workers would build the mutant matrix (or the vectors) N times.

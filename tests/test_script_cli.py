@@ -177,12 +177,12 @@ def test_replay_of_a_failing_script_exits_one(tmp_path: Path,
 
 def test_check_json_has_every_id_in_every_cell(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
-    # The gpu_impl and Z3 tiers have their own tests; here they are skipped for time.
+    # The gpu_impl, Z3 and upstream tiers have their own tests; here they are skipped for time.
     # Two jobs whatever the machine: the Hypothesis and mutant tiers' tasks go through
     # spawned workers (pickled there and back), as they do for a user.
     code = main(["check", "-q", "--cells", "ov-p1-none,nov-p1-v2chain-cpu-preclaim",
-                 "--profile", "quick", "--no-differential", "--no-proofs", "-j", "2",
-                 "--json", str(out)])
+                 "--profile", "quick", "--no-differential", "--no-proofs", "--no-upstream",
+                 "-j", "2", "--json", str(out)])
     assert code == 0
     doc = json.loads(out.read_text())
     assert doc["differential"] == {"status": "skipped", "reason": "--no-differential"}
@@ -254,8 +254,9 @@ def test_help_documents_the_commands(capsys: pytest.CaptureFixture[str]) -> None
 
 def test_check_runs_the_differential_and_proof_tiers(tmp_path: Path) -> None:
     out = tmp_path / "r.json"
+    # The upstream tier inside check is the upstream test tier's (tests/test_upstream_tier.py).
     code = main(["check", "-q", "--cells", "ov-p1-v2chain-cpu-honest", "--no-mutants",
-                 "--json", str(out)])
+                 "--no-upstream", "--json", str(out)])
     assert code == 0
     doc = json.loads(out.read_text())
     assert doc["ok"] is True
