@@ -89,22 +89,22 @@ def _are_bools(terms: tuple[Term, ...]) -> bool:
     return all(type(t) is z3.BoolRef and t.ctx is ctx for t in terms)
 
 
-def And(*terms: Term) -> Term:  # noqa: N802
+def _connective(terms: tuple[Term, ...], empty: bool, make: Any, fallback: Any) -> Term:
+    """An n-ary And/Or: ``make`` (Z3_mk_and / Z3_mk_or) on Boolean terms, else z3's own."""
     if not terms:
-        return z3.BoolVal(True)
+        return z3.BoolVal(empty)
     if _are_bools(terms):
         ctx = terms[0].ctx
-        return z3.BoolRef(z3.Z3_mk_and(ctx.ref(), len(terms), _ast_array(terms)), ctx)
-    return z3.And(*terms)
+        return z3.BoolRef(make(ctx.ref(), len(terms), _ast_array(terms)), ctx)
+    return fallback(*terms)
+
+
+def And(*terms: Term) -> Term:  # noqa: N802
+    return _connective(terms, True, z3.Z3_mk_and, z3.And)
 
 
 def Or(*terms: Term) -> Term:  # noqa: N802
-    if not terms:
-        return z3.BoolVal(False)
-    if _are_bools(terms):
-        ctx = terms[0].ctx
-        return z3.BoolRef(z3.Z3_mk_or(ctx.ref(), len(terms), _ast_array(terms)), ctx)
-    return z3.Or(*terms)
+    return _connective(terms, False, z3.Z3_mk_or, z3.Or)
 
 
 def Not(term: Term) -> Term:  # noqa: N802
