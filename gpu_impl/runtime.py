@@ -34,5 +34,5 @@ class Runtime:
         return bug_id in self.faults
 
     def get_decode_reserve(self) -> int:
-        """The v2 reserve ahead of kv_committed_len: lag bound + W (B16: 2A of this rung)."""
+        """The v2 reserve ahead of kv_committed_len for this iteration's rung (spec/config.py)."""
         return self.config.get_decode_reserve(self.shape, self.faults)

@@ -11,6 +11,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -83,7 +84,7 @@ commands:
   cells        list the configuration cells
   invariants   list the invariant IDs with their claims and sources
 
-Invariant IDs follow the digest: SL1-SL11, KV1-KV10, FM1-FM5, ST1-ST5, RP1-RP3.
+Invariant IDs follow the digest: SL1-SL11, KV1-KV10, FM1-FM7, ST1-ST5, RP1-RP3.
 A check passes only if no invariant fails, every applicable invariant had a
 witness in every cell (else "vacuous"), gpu_impl agrees with the reference with
 no race, every proof is proved (a solver timeout or "unknown" fails), and every
@@ -234,6 +235,23 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_cells(args: argparse.Namespace) -> int:
     from overlap_spec.spec.config import enumerate_cells
 
+    if args.switches:
+        from overlap_spec.spec.config import get_departures
+
+        rows = [("cell", "overlap", "page", "spec", "host mirror", "claim", "reserve",
+                 "design")]
+        for cell in enumerate_cells():
+            departures = get_departures(cell)
+            rows.append((cell.name, "yes" if cell.overlap else "no", str(cell.page_size),
+                         cell.spec_mode.value,
+                         ("yes" if cell.needs_cpu_seq_lens else "no") if cell.is_spec else "-",
+                         ("pre-claim" if cell.preclaim else "honest") if cell.is_spec else "-",
+                         ("rung" if cell.rung_reserve else "2A(max)") if cell.is_spec else "-",
+                         "; ".join(departures) or "release"))
+        _print_table(rows)
+        print("release: sglang 0.5.23's design; the differences the model keeps from it are "
+              "in the README (the coverage table, and the upstream tier's allowed list)")
+        return 0
     if not args.limits:
         for cell in enumerate_cells():
             print(cell.name)
@@ -252,13 +270,17 @@ def cmd_cells(args: argparse.Namespace) -> int:
                      span(limits.retract), span(limits.accept_len),
                      str(limits.batch_positions), span(limits.spec_steps),
                      span(limits.eos_offset)))
-    widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
     print(f"op field limits, preset {args.preset} (scripts and traces outside them are "
           "refused)")
+    _print_table(rows)
+    return 0
+
+
+def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
+    widths = [max(len(row[k]) for row in rows) for k in range(len(rows[0]))]
     for row in rows:
         cells_text = (value.ljust(width) for value, width in zip(row, widths, strict=True))
         print("  ".join(cells_text).rstrip())
-    return 0
 
 
 def cmd_invariants(args: argparse.Namespace) -> int:
@@ -448,6 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the range of every script and trace op field, per cell")
     cells.add_argument("--preset", choices=sorted(PRESETS), default="minimal",
                        help="the sizes the limits are for (default minimal)")
+    cells.add_argument("--switches", action="store_true",
+                       help="each cell's design switches, and which of them are an earlier "
+                            "era or a proposal rather than sglang 0.5.23")
     cells.set_defaults(func=cmd_cells)
     sub.add_parser("invariants", help="list invariant IDs").set_defaults(func=cmd_invariants)
     return parser

@@ -11,7 +11,11 @@
 
 Rows are req_pool_idx; row 0 is the padding row. Each row remembers which owner
 (request id, ghost epoch) last wrote it and how many stashes it took since its
-last gather, which is what FM4 and FM5 are stated over.
+last gather, which is what FM4 and FM5 are stated over. The map also keeps what
+upstream's CI guards keep (#30471, ``SGLANG_IS_IN_CI``): whether publish_ready was
+re-armed by a publish since the last resolve consumed it (``_publish_fresh``, FM6) and
+which new_seq_lens_buf rows a resolve gathered with no publish since (upstream poisons
+them with -1; FM7).
 """
 
 from __future__ import annotations
@@ -43,6 +47,9 @@ class FutureMap:
     stasher: dict[PoolRow, Owner] = field(default_factory=dict)
     row_owner: dict[PoolRow, Owner] = field(default_factory=dict)
     stashes_since_gather: dict[PoolRow, int] = field(default_factory=dict)
+    publish_fresh: bool = False  # publish_ready recorded since the last resolve consumed it
+    ever_published: bool = False  # publish_ready has been recorded at least once
+    consumed_rows: set[PoolRow] = field(default_factory=set)  # gathered, not re-published
 
     def __post_init__(self) -> None:
         rows = self.rt.config.preset.max_running_requests + 1
@@ -65,9 +72,11 @@ class FutureMap:
         for req, row, value in zip(reqs, rows, values, strict=True):
             self.new_seq_lens_buf[row] = value
             self.publisher[row] = get_owner(req)
+            self.consumed_rows.discard(row)
             rt.hb.write(stream, ("new_seq_lens_buf", row), "FutureMap.publish")
         if rt.config.cell.is_spec and rows:
             rt.hb.record(PUBLISH_READY, stream)
+            self.publish_fresh = self.ever_published = True
 
     def stash(self, reqs: list[Req], rows: list[PoolRow], tokens: list[int],
               stream: str | None = None) -> None:
@@ -102,6 +111,10 @@ class FutureMap:
         if rows is None:
             return None
         hb = rt.hb
+        fresh = self.publish_fresh if self.ever_published else None
+        self.publish_fresh = False
+        regathered = tuple(row for row in rows if row in self.consumed_rows)
+        self.consumed_rows.update(rows)
         if not rt.has_fault("B5"):
             hb.wait_event(SCHEDULE, PUBLISH_READY)
         uncovered: list[PoolRow] = []
@@ -117,7 +130,7 @@ class FutureMap:
             batch.seq_lens_cpu = None
             batch.seq_lens_sum = None
             batch.seq_len_cpu_ub = max((r.kv_allocated_len for r in batch.reqs), default=0)
-            return ResolveView(tuple(rows), tuple(uncovered))
+            return ResolveView(tuple(rows), tuple(uncovered), fresh, regathered)
         if not rt.has_fault("B5"):
             hb.wait_event(D2H, PUBLISH_READY)
         for index in range(len(self.new_seq_lens_buf)):  # the whole buffer, as upstream
@@ -132,7 +145,7 @@ class FutureMap:
         batch.seq_lens_cpu = cpu
         batch.seq_lens_sum = sum(cpu)
         batch.seq_len_cpu_ub = None
-        return ResolveView(tuple(rows), tuple(uncovered))
+        return ResolveView(tuple(rows), tuple(uncovered), fresh, regathered)
 
     def get_unseeded_rows(
         self, reqs: list[Req], rows: list[PoolRow]

@@ -9,7 +9,7 @@ the happens-before record found since the previous observation.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from overlap_spec.reference.runtime import Runtime
 from overlap_spec.spec.interface import Observer
@@ -22,7 +22,7 @@ from overlap_spec.spec.state import (
     ObservationPoint,
     RequestView,
 )
-from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, TokenCount
+from overlap_spec.spec.units import PoolRow, RequestId, SlotId, TokenCount
 
 if TYPE_CHECKING:
     from overlap_spec.reference.req import Req
@@ -50,7 +50,9 @@ class Refinement:
         row: tuple[SlotId, ...] = ()
         if req.req_pool_idx is not None and req.holds_kv:
             values = self.rt.req_to_token.rows[req.req_pool_idx][: max(req.kv_allocated_len, 0)]
-            row = tuple(SlotId(v) for v in values)
+            # SlotId is a NewType (the identity at run time): a cast, not a per-slot call,
+            # because this runs for every request at every observation point.
+            row = cast("tuple[SlotId, ...]", tuple(values))
         return RequestView(
             rid=req.rid,
             prompt_len=req.prompt_len,
@@ -110,7 +112,7 @@ class Refinement:
         return AllocatorView(
             total_pages=rt.allocator.total_pages,
             page_size=rt.config.page_size,
-            free_pages=tuple(PageId(p) for p in rt.allocator.free_pages),
+            free_pages=tuple(rt.allocator.free_pages),
             tree_pages=tuple(rt.tree.get_pages()),
             free_pool_rows=tuple(rt.req_to_token.free_slots),
             pool_rows=rt.req_to_token.size,

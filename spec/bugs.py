@@ -1,4 +1,5 @@
-"""The historical bugs B1-B15 (digest section 5), each a mutant the checkers must kill.
+"""The historical bugs B1-B16 (digest section 5; B16 is the reserve upstream fixed in
+#26354), each a mutant the checkers must kill.
 
 Each entry names the upstream PRs, the trigger, the invariants the digest says it
 breaks and the cells where the trigger can occur. An implementation re-introduces
@@ -63,8 +64,10 @@ def _finish_overshoot(cell: Cell) -> bool:
     return cell.is_spec or cell.overlap
 
 
-def _adaptive_chain(cell: Cell) -> bool:
-    return cell.spec_mode is SpecMode.V2_CHAIN
+def _rung_reserve(cell: Cell) -> bool:
+    """A reserve that shrinks on an adaptive down-switch: the rung reserve proposal only
+    (since PR 26354 the release's reserve does not depend on the rung)."""
+    return cell.spec_mode is SpecMode.V2_CHAIN and cell.rung_reserve
 
 
 def _adaptive_chain_overlap(cell: Cell) -> bool:
@@ -113,11 +116,13 @@ BUGS: Final[tuple[Bug, ...]] = (
         "the accepted run is committed uncut and the release caches kv_committed_len",
         "commit the full accept run; cache kv_committed_len, not the effective length",
         ("KV9",), _finish_overshoot),
-    Bug("B12", "v2 reserve without the max clamp", "A1 -> J2",
-        "after an adaptive step down-switch committed + 2A < allocated",
-        "nxt = page_align(committed + 2A) without max(cur, ...)", ("KV1", "KV4", "KV7"),
-        _adaptive_chain,
-        representative_cells=("ov-p1-v2chain-cpu-honest", "nov-p1-v2chain-cpu-honest")),
+    Bug("B12", "v2 reserve without the max clamp", "#23336 (the clamp); rung reserve cells",
+        "after an adaptive step down-switch committed + reserve < allocated (reachable only "
+        "where the reserve shrinks with the rung: the rung reserve proposal)",
+        "nxt = page_align(committed + reserve) without max(cur, ...)", ("KV1", "KV4", "KV7"),
+        _rung_reserve,
+        representative_cells=("ov-p1-v2chain-cpu-honest-rungreserve",
+                              "nov-p1-v2chain-cpu-honest-rungreserve")),
     Bug("B13", "schedule stream reads forward-produced spec state", "#35198",
         "spec_info carries a forward-written accept_lens tensor that filter_batch gathers on S",
         # ST4 too: the forward-allocated tensor now lives on the schedule side, so its free
@@ -131,10 +136,11 @@ BUGS: Final[tuple[Bug, ...]] = (
     Bug("B15", "tensor lifetime across streams", "#11210, #36661",
         "tensors read by F_i are dropped before F_i completes and their memory reused",
         "the batch_record_buf ring has one slot", ("ST4",), _overlap, stream_level=True),
-    Bug("B16", "2A reserve under an adaptive down-switch", "found by this model; task #486",
+    Bug("B16", "2A reserve of the current rung under an adaptive down-switch",
+        "before #26354 (fixed upstream 2026-05-28)",
         "the in-flight verify ran a wider rung than the one being prepared, so the lag can "
-        "exceed A of the new rung and 2A does not cover lag + W",
-        "reserve = 2 * A(current rung) instead of lag bound + W", ("KV3",),
+        "exceed A of the new rung and 2A of it does not cover lag + W",
+        "reserve = 2 * A(current rung) instead of 2 * A(widest rung)", ("KV3",),
         _adaptive_chain_overlap,
         representative_cells=("ov-p1-v2chain-cpu-honest", "ov-p1-v2chain-nocpu-honest")),
 )

@@ -2,13 +2,23 @@
 
 A *cell* fixes the switches that change which code paths run (overlap, paging,
 speculative mode, whether attention needs the host mirror, the bonus pre-claim
-era). A *preset* fixes the sizes (pools, context, speculative shape). A model
-configuration is one cell plus one preset.
+era, the rung-dependent reserve proposal). A *preset* fixes the sizes (pools,
+context, speculative shape). A model configuration is one cell plus one preset.
 
 Upstream sources: ``scheduler.py`` (``enable_overlap``), ``eagle_info_v2.py``
 (``get_alloc_len_per_decode``, ``get_alloc_reserve_per_decode``),
 ``overlap_utils.py`` (``needs_cpu_seq_lens``, PR 26128), PR 23456 / PR 28754
-(bonus pre-claim on / off), PR 26866 (topk > 1 with page_size 1 only).
+(bonus pre-claim on / off), PR 26866 (topk > 1 with page_size 1 only), PR 26354 (the
+decode reserve is ``2 * A`` of the widest rung, whatever the adaptive rung).
+
+Defaults are sglang 0.5.23's. Two switches name what the release does not do:
+
+- ``preclaim``: an era (2026-05, PR 23456 until PR 28754 removed it).
+- ``rung_reserve``: a proposal (the ``efschu/htsglang`` fork's task #486): reserve the
+  lag bound plus ``A`` of the *current* rung instead of ``2 * A`` of the widest. It is
+  at most the release's reserve, and the only setting where the reserve shrinks on an
+  adaptive down-switch, which is what B12 needs. Its cells fix everything the reserve
+  does not touch (page 1, the host mirror on, the honest claim).
 
 Switches that do not matter in a cell take one canonical value, so no two cells
 run the same code paths:
@@ -45,6 +55,7 @@ class Cell:
     spec_mode: SpecMode
     needs_cpu_seq_lens: bool
     preclaim: bool
+    rung_reserve: bool = False  # the proposal: lag bound + A(current rung), not 2 * A(max)
 
     @property
     def is_spec(self) -> bool:
@@ -60,6 +71,8 @@ class Cell:
         if self.is_spec:
             parts.append("cpu" if self.needs_cpu_seq_lens else "nocpu")
             parts.append("preclaim" if self.preclaim else "honest")
+        if self.rung_reserve:
+            parts.append("rungreserve")
         return "-".join(parts)
 
 
@@ -181,16 +194,21 @@ class ModelConfig:
 
     def get_decode_reserve(self, shape: SpecShape,
                            faults: frozenset[str] = frozenset()) -> TokenCount:
-        """Reserve ahead of kv_committed_len: lag bound + this step's write width W.
+        """Reserve ahead of kv_committed_len for a spec decode at ``shape``.
 
-        For a fixed shape this is the digest's 2A. Under an adaptive down-switch the
-        in-flight verify may be wider than this step, so 2A of the new rung is too
-        little (found by this model; upstream's derivation, task #486, agrees): B16
-        (in ``faults``) is the 2A-of-this-rung formula.
+        The release (``get_alloc_reserve_per_decode``, PR 26354): ``2 * A`` with ``A`` of
+        the widest rung, so the reserve does not move with the adaptive rung; it covers
+        the lag bound (one in-flight verify of the widest rung) plus any step's writes.
+        The ``rung_reserve`` proposal: lag bound + ``A`` of this rung (equal at the widest
+        rung, smaller after a down-switch, and ``A`` alone without overlap). B16 (in
+        ``faults``) is the formula before PR 26354: ``2 * A`` of this rung, too little
+        when the in-flight verify ran a wider rung.
         """
         if "B16" in faults:
             return TokenCount(2 * shape.alloc_len_per_decode)
-        return TokenCount(self.lag_bound + shape.alloc_len_per_decode)
+        if self.cell.rung_reserve:
+            return TokenCount(self.lag_bound + shape.alloc_len_per_decode)
+        return TokenCount(2 * self.alloc_len_per_decode)
 
     @property
     def row_width(self) -> TokenCount:
@@ -214,6 +232,18 @@ class ModelConfig:
         return SpecShape(rung, 1, rung + 1, TokenCount(rung + 1))
 
 
+def get_departures(cell: Cell) -> tuple[str, ...]:
+    """What this cell switches on that sglang 0.5.23 does not do (empty: the release's
+    behaviour): each an era or a proposal, with where it comes from."""
+    departures = []
+    if cell.preclaim:
+        departures.append("era: the 2026-05 bonus pre-claim (PR 23456; PR 28754 removed it)")
+    if cell.rung_reserve:
+        departures.append("proposal: the rung reserve, lag bound + A of the current rung "
+                          "(the efschu/htsglang fork's task #486)")
+    return tuple(departures)
+
+
 def is_valid_cell(cell: Cell) -> bool:
     """Whether a cell is a configuration upstream can run, in canonical form."""
     if cell.page_size < 1:
@@ -224,6 +254,9 @@ def is_valid_cell(cell: Cell) -> bool:
         return False
     if not (cell.is_spec and cell.overlap) and not cell.needs_cpu_seq_lens:
         return False
+    if cell.rung_reserve and not (cell.spec_mode is SpecMode.V2_CHAIN and cell.page_size == 1
+                                  and cell.needs_cpu_seq_lens and not cell.preclaim):
+        return False  # the proposal's cells vary only what the reserve depends on
     return True
 
 
@@ -238,9 +271,10 @@ def enumerate_cells() -> tuple[Cell, ...]:
             for page in PAGE_SIZES:
                 for needs_cpu in (True, False):
                     for preclaim in (False, True):
-                        cell = Cell(overlap, page, mode, needs_cpu, preclaim)
-                        if is_valid_cell(cell):
-                            cells.append(cell)
+                        for rung_reserve in (False, True):
+                            cell = Cell(overlap, page, mode, needs_cpu, preclaim, rung_reserve)
+                            if is_valid_cell(cell):
+                                cells.append(cell)
     return tuple(cells)
 
 

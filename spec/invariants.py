@@ -649,6 +649,32 @@ def check_fm5(config: ModelConfig, obs: Observation) -> int:
     return len(obs.launch.relay_gathers) + len(obs.launch.members)
 
 
+def check_fm6(config: ModelConfig, obs: Observation) -> int:
+    """FM6: each resolve that waits on publish_ready consumes a publish recorded since the
+    previous resolve (consume-once; overlap_utils.py _publish_fresh, PR 30471)."""
+    resolve = obs.resolve
+    if resolve is None or resolve.fresh_publish is None:
+        return 0
+    if not resolve.fresh_publish:
+        raise fail("FM6", obs, "resolve_seq_lens_cpu waited on a publish_ready that no "
+                   "publish re-armed since the previous resolve consumed it")
+    return 1
+
+
+def check_fm7(config: ModelConfig, obs: Observation) -> int:
+    """FM7: a resolve gathers a new_seq_lens_buf row only if it was published since the
+    previous resolve gathered it (upstream's CI poisons gathered rows with -1 and asserts
+    non-negative values; overlap_utils.py _assert_nonneg_and_invalidate, PR 30471)."""
+    resolve = obs.resolve
+    if resolve is None:
+        return 0
+    if resolve.regathered_rows:
+        raise fail("FM7", obs, f"for new_seq_lens_buf rows {list(resolve.regathered_rows)}: "
+                   "gathered again with no publish since the previous resolve consumed them "
+                   "(upstream's CI would read the -1 poison)")
+    return len(resolve.rows)
+
+
 def check_st1(config: ModelConfig, obs: Observation) -> int:
     """ST1: the forward reads schedule-produced tensors only after F.wait_stream(S)
     (scheduler.py run_batch)."""
@@ -824,6 +850,10 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
     Invariant("FM4", "consume-once relay rows", "#30471", _overlap, check_fm4),
     Invariant("FM5", "relay row belongs to its owner", "overlap_utils.py", _overlap,
               check_fm5),
+    Invariant("FM6", "publish_ready consumed once", "#30471 (_publish_fresh)", _spec_overlap,
+              check_fm6),
+    Invariant("FM7", "resolved rows re-published first", "#30471 (-1 poison)", _spec_overlap,
+              check_fm7),
     Invariant("ST1", "RAW: F waits for S at launch", "scheduler.py run_batch", _overlap,
               check_st1),
     Invariant("ST2", "WAR: S writes after F reads", "_apply_war_barrier #31687", _overlap,

@@ -188,6 +188,12 @@ class ResolveView:
 
     rows: tuple[PoolRow, ...]
     uncovered_rows: tuple[PoolRow, ...]  # last publish of the row not captured by publish_ready
+    # publish_ready re-armed by a publish since the previous resolve consumed it; None when
+    # no publish has recorded it yet (nothing to consume: upstream skips the wait)
+    fresh_publish: bool | None = None
+    # rows a previous resolve gathered with no publish of them since (upstream's CI writes
+    # -1 into each gathered row and asserts the next gather reads none)
+    regathered_rows: tuple[PoolRow, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -10,18 +10,21 @@ from overlap_spec.spec.config import (
     SpecMode,
     enumerate_cells,
     get_cell,
+    get_departures,
 )
 
 
 def test_every_cell_is_valid_named_once_and_covers_each_switch() -> None:
     cells = enumerate_cells()
     names = [c.name for c in cells]
-    assert len(names) == len(set(names)) == 22
+    assert len(names) == len(set(names)) == 24
     assert {c.spec_mode for c in cells} == set(SpecMode)
     assert {c.overlap for c in cells} == {True, False}
     assert {c.page_size for c in cells} == {1, 4}
     assert any(not c.needs_cpu_seq_lens for c in cells)
     assert any(c.preclaim for c in cells)
+    assert [c.name for c in cells if c.rung_reserve] == [
+        "ov-p1-v2chain-cpu-honest-rungreserve", "nov-p1-v2chain-cpu-honest-rungreserve"]
 
 
 def test_tree_mode_only_with_page_size_one() -> None:
@@ -34,6 +37,9 @@ def test_irrelevant_switches_take_the_canonical_value() -> None:
             assert not cell.preclaim
         if not (cell.is_spec and cell.overlap):
             assert cell.needs_cpu_seq_lens
+        if cell.rung_reserve:  # the proposal varies only what the reserve depends on
+            assert cell.spec_mode is SpecMode.V2_CHAIN and cell.page_size == 1
+            assert cell.needs_cpu_seq_lens and not cell.preclaim
 
 
 def test_get_cell_names_the_valid_cells_on_error() -> None:
@@ -48,14 +54,36 @@ def test_reserve_and_row_width_follow_the_digest(preset: object) -> None:
         cfg = ModelConfig(cell, preset)  # type: ignore[arg-type]
         a = max(cfg.spec_steps * cfg.topk, cfg.draft_tokens) if cell.is_spec else 1
         assert cfg.alloc_len_per_decode == a
-        # For a fixed shape the reserve is the digest's 2A under overlap, A without.
-        reserve = cfg.get_decode_reserve(cfg.get_shape())
         if cell.is_spec:
-            assert reserve == (cfg.draft_tokens if cell.overlap else 0) + a
-            assert reserve == 2 * a or cell.spec_mode is SpecMode.V2_TREE or not cell.overlap
+            # The release (#26354): 2A of the widest rung at every rung, with or without
+            # overlap. The rung reserve proposal: lag bound + A of the rung (2A at the
+            # widest rung under overlap, A without). B16: 2A of the rung.
+            for steps in range(1, cfg.spec_steps + 1):
+                shape = cfg.get_shape(steps)
+                reserve = cfg.get_decode_reserve(shape)
+                lag = cfg.draft_tokens if cell.overlap else 0
+                if cell.rung_reserve:
+                    assert reserve == lag + shape.alloc_len_per_decode
+                else:
+                    assert reserve == 2 * a >= lag + shape.alloc_len_per_decode
+                assert cfg.get_decode_reserve(shape, frozenset({"B16"})) == \
+                    2 * shape.alloc_len_per_decode
         assert cfg.row_width == cfg.preset.max_context_len + 4 + cfg.draft_tokens
         if cell.spec_mode is SpecMode.V2_CHAIN:
             assert cfg.draft_tokens == cfg.spec_steps + 1 and cfg.topk == 1
         # one request alone always fits: the retraction loop may keep one
         worst = cfg.preset.max_prompt_len + cfg.preset.max_new_tokens + 2 * a + cfg.page_size
         assert worst <= cfg.row_width and worst <= cfg.preset.kv_tokens
+
+
+def test_cells_switches_names_each_era_and_proposal(capsys: pytest.CaptureFixture[str]) -> None:
+    from overlap_spec.harness.cli import main
+
+    assert main(["cells", "--switches"]) == 0
+    rows = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()[1:-1]}
+    assert list(rows) == [c.name for c in enumerate_cells()]
+    for cell in enumerate_cells():
+        line = rows[cell.name]
+        assert ("PR 28754" in line) == cell.preclaim
+        assert ("task #486" in line) == cell.rung_reserve
+        assert line.endswith("release") == (not get_departures(cell))

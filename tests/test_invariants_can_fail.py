@@ -12,6 +12,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 from dataclasses import replace
+from types import SimpleNamespace
+from typing import Any, cast
 
 import pytest
 
@@ -24,6 +26,7 @@ from overlap_spec.harness.drive.script import (
     apply_op,
     get_factory,
 )
+from overlap_spec.reference.scheduler import Scheduler
 from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.happens_before import FORWARD, HOST, SCHEDULE, Access, Race
 from overlap_spec.spec.invariants import INVARIANT_IDS, InvariantViolation, get_invariant
@@ -133,6 +136,8 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
         replace(o.launch.relay_gathers[0], stashes_since_last_gather=0), *o.launch.relay_gathers[1:]))),
     "FM5": lambda o: replace(o, launch=replace(o.launch, relay_gathers=(
         replace(o.launch.relay_gathers[0], written_by_current_owner=False), *o.launch.relay_gathers[1:]))),
+    "FM6": lambda o: replace(o, resolve=replace(o.resolve, fresh_publish=False)),
+    "FM7": lambda o: replace(o, resolve=replace(o.resolve, regathered_rows=o.resolve.rows[:1])),
     "ST1": lambda o: replace(o, races=(_race("req_to_token", (SCHEDULE, "write"), (FORWARD, "read")),)),
     "ST2": lambda o: replace(o, races=(_race("req_to_token", (FORWARD, "read"), (SCHEDULE, "write")),)),
     "ST3": lambda o: replace(o, host_syncs=(*o.host_syncs, "stream:schedule", "stream:schedule")),
@@ -261,3 +266,34 @@ def test_sl10_catches_a_mistake_shared_with_the_function_the_implementation_call
     # No CPU mirror: the device seq_lens are the only place the +D_tok shows.
     outcome = run_script(Script("ov-p1-v2chain-nocpu-honest", "minimal", ops))
     assert outcome.violation is not None and outcome.violation.invariant_id == "SL10"
+
+
+def test_the_reference_relay_keeps_what_upstreams_ci_guards_keep() -> None:
+    """FM6 / FM7 from the reference's own bookkeeping, not from a perturbed view: a
+    resolve that no publish re-armed (a stale publish_ready) and that gathers a row it
+    gathered before (upstream's CI would read the -1 poison) is rejected by both."""
+    cell = "ov-p1-v2chain-nocpu-honest"
+    config, observations = _RUNS[cell]
+    sched = Scheduler(config, frozenset(), None)
+    fm = sched.future_map
+    req = sched.requests[sched.admit(2, 8)]
+    sched.run_iteration(IterationChoices(allow_prefill=True))  # the prefill publishes its row
+    assert req.req_pool_idx is not None
+    row = req.req_pool_idx
+    # Just what resolve_seq_lens_cpu reads and writes of a ScheduleBatch.
+    batch = cast(Any, SimpleNamespace(future_indices=[row], reqs=[req],
+                                      req_pool_indices_cpu=[row], seq_lens=None,
+                                      seq_lens_cpu=None, seq_lens_sum=None,
+                                      seq_len_cpu_ub=None))
+    first = fm.resolve_seq_lens_cpu(batch)
+    assert first is not None and first.fresh_publish is True and not first.regathered_rows
+    second = fm.resolve_seq_lens_cpu(batch)  # no publish in between
+    assert second is not None and second.fresh_publish is False
+    assert second.regathered_rows == (row,)
+    obs = next(o for o in observations if o.resolve is not None)
+    for invariant_id in ("FM6", "FM7"):
+        with pytest.raises(InvariantViolation, match=f"^{invariant_id} violated"):
+            get_invariant(invariant_id).check(config, replace(obs, resolve=second))
+    fm.publish([req], [row], [5])  # a publish re-arms both
+    third = fm.resolve_seq_lens_cpu(batch)
+    assert third is not None and third.fresh_publish is True and not third.regathered_rows

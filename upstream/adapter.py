@@ -70,6 +70,7 @@ from overlap_spec.spec.state import (
     PublishRecord,
     RelayGather,
     RequestView,
+    ResolveView,
     ResultView,
 )
 from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
@@ -134,6 +135,13 @@ class UpstreamScheduler:
         self.published_by: dict[int, tuple[RequestId, int]] = {}
         self.gathers: list[RelayGather] = []
         self.unseeded: list[tuple[RequestId, PoolRow]] = []
+        # What upstream's CI guards keep (#30471; overlap_utils.py, SGLANG_IS_IN_CI, off
+        # here): publish_ready re-armed since the last resolve, and the new_seq_lens_buf
+        # rows a resolve gathered with no publish since (FM6, FM7). Kept from the calls
+        # sglang makes, because the release resets _publish_fresh only in CI.
+        self.relay_fresh = False
+        self.relay_recorded = False
+        self.relay_consumed: set[int] = set()
         hooks.HOST.attach(self)
 
     # ------------------------------------------------------------------ interface
@@ -324,10 +332,26 @@ class UpstreamScheduler:
                 self.stashed_by[row] = owner
 
     def on_future_publish(self, indices: Any) -> None:
-        for row in (int(r) for r in indices.tolist()):
+        rows = [int(r) for r in indices.tolist()]
+        for row in rows:
             owner = self._get_row_owner(row)
             if owner is not None:
                 self.published_by[row] = owner
+        # FutureMap.publish returns before recording publish_ready on no rows (DP idle),
+        # and records it for speculative decoding only.
+        if rows and self.config.cell.is_spec:
+            self.relay_fresh = self.relay_recorded = True
+            self.relay_consumed.difference_update(rows)
+
+    def on_resolve(self, indices: Any) -> ResolveView:
+        """resolve_seq_lens_cpu gathered these rows: what it consumed (FM6, FM7). The
+        publish_ready coverage (FM2) needs CUDA events: none are listed."""
+        rows = tuple(PoolRow(int(r)) for r in indices.tolist())
+        fresh = self.relay_fresh if self.relay_recorded else None
+        self.relay_fresh = False
+        regathered = tuple(row for row in rows if row in self.relay_consumed)
+        self.relay_consumed.update(rows)
+        return ResolveView(rows, (), fresh, regathered)
 
     def on_relay_gather(self, batch: Any, rows: list[int]) -> None:
         """resolve_forward_inputs gathered these rows for the batch about to launch."""

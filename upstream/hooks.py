@@ -160,9 +160,11 @@ def install(scheduler_module: Any) -> None:
     @functools.wraps(resolve)
     def resolve_seq_lens_cpu(self: Any, batch: Any, *args: Any, **kwargs: Any) -> Any:
         value = resolve(self, batch, *args, **kwargs)
-        if batch.spec_info is not None and getattr(batch.spec_info, "future_indices",
-                                                   None) is not None:
-            HOST.observe(ObservationPoint.RESOLVE_SEQ_LENS_CPU, batch=batch)
+        indices = (None if batch.spec_info is None
+                   else getattr(batch.spec_info, "future_indices", None))
+        if indices is not None:
+            HOST.observe(ObservationPoint.RESOLVE_SEQ_LENS_CPU, batch=batch,
+                         resolve=HOST.on_resolve(indices))
         return value
 
     overlap_utils.FutureMap.resolve_seq_lens_cpu = resolve_seq_lens_cpu

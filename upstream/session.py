@@ -58,6 +58,9 @@ def is_drivable(config: ModelConfig) -> str | None:
     cell = config.cell
     if cell.preclaim:
         return "the bonus pre-claim is an earlier era (#28754 removed it); 0.5.23 has no such path"
+    if cell.rung_reserve:
+        return ("the rung reserve is a proposal (a fork's task #486); 0.5.23 reserves 2 * A "
+                "of the widest rung (#26354)")
     if cell.spec_mode is SpecMode.V2_TREE:
         return ("topk>1 trees: the stand-in worker does not build draft trees "
                 "(EagleDraftInput topk_p/topk_index, finalize_tree_path)")
