@@ -51,6 +51,7 @@ from overlap_spec.spec.transitions import (
     compute_committed_after_result,
     compute_fill_len,
     compute_pages_for_len,
+    compute_retraction_order,
     compute_run_len,
 )
 from overlap_spec.spec.units import RequestId, StepId, TokenCount
@@ -291,8 +292,8 @@ class Scheduler:
     def retract_decode(self, batch: ScheduleBatch, forced: int) -> None:
         """Retract until the next decode fits, plus ``forced`` more; keep at least one.
 
-        Spec and non-spec alike (#32023) sort by (len(output_ids), -len(origin))
-        descending and pop the last: fewest outputs, longest prompt.
+        Victims in ``transitions.compute_retraction_order``: the release's policy sort
+        (#32023), or from the back of the batch in the pre-claim era's spec cells.
         """
         seq_lens: list[int | None] = [None] * len(batch.reqs)
         if not self.config.cell.is_spec:
@@ -301,9 +302,9 @@ class Scheduler:
                  for req, s in zip(batch.reqs, seq_lens, strict=True)]
         if forced == 0 and sum(needs) <= get_available_pages(self.rt):
             return
-        order = list(range(len(batch.reqs)))
-        order.sort(key=lambda j: (len(batch.reqs[j].output_ids), -batch.reqs[j].prompt_len),
-                   reverse=True)
+        order = compute_retraction_order(self.config.cell,
+                                         [len(req.output_ids) for req in batch.reqs],
+                                         [req.prompt_len for req in batch.reqs])
         retracted: list[Req] = []
 
         def short_of_pages() -> bool:

@@ -764,8 +764,12 @@ class _Builder:
             return zs.Sum([zs.If(m, need[b], 0) for b, m in enumerate(of)])
 
         def before(c: int, b: int) -> Term:
-            """Request c is retracted before request b (when both are candidates)."""
+            """Request c is retracted before request b (when both are candidates):
+            ``transitions.compute_retraction_order``."""
             rc, rb = reqs[c], reqs[b]
+            if ctx.config.cell.is_spec and ctx.config.cell.preclaim:
+                # The pre-claim era, before #32023: spec retracts from the back.
+                return rc["running_order"] > rb["running_order"]
             # Spec and non-spec alike (#32023): fewest outputs, then longest prompt, first.
             lower = zs.Or(
                 rc["output_len"] < rb["output_len"],

@@ -52,6 +52,7 @@ from overlap_spec.spec.transitions import (
     compute_fill_len,
     compute_forward_write_width,
     compute_pages_for_len,
+    compute_retraction_order,
     compute_run_len,
 )
 from overlap_spec.spec.units import PoolRow, RequestId, StepId, TokenCount
@@ -297,18 +298,17 @@ class Scheduler:
     def retract_decode(self, batch: ScheduleBatch, forced: int) -> None:
         """Retract until the next decode fits, plus ``forced`` more; keep at least one.
 
-        Spec and non-spec alike (#32023: before it spec retracted from the back) sort by
-        (len(output_ids), -len(origin)) descending and pop the last: fewest outputs,
-        longest prompt (``_get_decode_retraction_order``).
+        Victims in ``transitions.compute_retraction_order``: the release's policy sort
+        (#32023), or from the back of the batch in the pre-claim era's spec cells.
         """
         everyone = set(range(len(batch.reqs)))
         fits = self._pages_needed_for(batch, everyone) <= get_available_pages(self.rt)
         if forced == 0 and fits:
             return
         retracted: list[Req] = []
-        order = list(range(len(batch.reqs)))
-        order.sort(key=lambda j: (len(batch.reqs[j].output_ids), -batch.reqs[j].prompt_len),
-                   reverse=True)
+        order = compute_retraction_order(self.config.cell,
+                                         [len(req.output_ids) for req in batch.reqs],
+                                         [req.prompt_len for req in batch.reqs])
         keep = set(order)
         while len(keep) > 1 and (
             forced > len(retracted)

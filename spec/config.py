@@ -13,7 +13,9 @@ decode reserve is ``2 * A`` of the widest rung, whatever the adaptive rung).
 
 Defaults are sglang 0.5.23's. Two switches name what the release does not do:
 
-- ``preclaim``: an era (2026-05, PR 23456 until PR 28754 removed it).
+- ``preclaim``: an era (2026-04 to 06, PR 23456 until PR 28754 removed it). Its spec
+  cells also retract from the back of the batch, as spec did before PR 32023
+  (2026-07-23); they keep the release's reserve (PR 26354 landed inside the era).
 - ``rung_reserve``: a proposal (the ``efschu/htsglang`` fork's task #486): reserve the
   lag bound plus ``A`` of the *current* rung instead of ``2 * A`` of the widest. It is
   at most the release's reserve, and the only setting where the reserve shrinks on an
@@ -237,7 +239,8 @@ def get_departures(cell: Cell) -> tuple[str, ...]:
     behaviour): each an era or a proposal, with where it comes from."""
     departures = []
     if cell.preclaim:
-        departures.append("era: the 2026-05 bonus pre-claim (PR 23456; PR 28754 removed it)")
+        departures.append("era: the 2026-04..06 bonus pre-claim (PR 23456; PR 28754 removed "
+                          "it), spec retracting from the back (before PR 32023)")
     if cell.rung_reserve:
         departures.append("proposal: the rung reserve, lag bound + A of the current rung "
                           "(the efschu/htsglang fork's task #486)")

@@ -105,6 +105,23 @@ def compute_draft_extend_seq_lens(seq_lens: tuple[int, ...], draft_tokens: int) 
 
 
 # --- result processing ---------------------------------------------------------
+def compute_retraction_order(cell: Cell, output_lens: list[int],
+                             prompt_lens: list[int]) -> list[int]:
+    """Batch positions in retraction order, the next victim last (``retract_decode`` pops).
+
+    The release (``_get_decode_retraction_order``, PR 32023, 2026-07-23), spec and
+    non-spec alike: sorted by (len(output_ids), -len(origin_input_ids)) descending, so
+    the fewest outputs, then the longest prompt, go first; ties keep batch order, the
+    later position first. The pre-claim era (PR 23456 to PR 28754, 2026-04 to 06)
+    predates PR 32023: there speculative decoding retracted from the back of the batch.
+    """
+    order = list(range(len(output_lens)))
+    if cell.is_spec and cell.preclaim:
+        return order
+    order.sort(key=lambda j: (output_lens[j], -prompt_lens[j]), reverse=True)
+    return order
+
+
 def compute_run_len(accept_len: int, remaining_budget: int, eos_at: int | None) -> int:
     """Tokens of the accepted run that are kept: cut at EOS and at max_new_tokens.
 

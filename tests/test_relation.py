@@ -267,3 +267,17 @@ def test_the_reference_request_cannot_be_written_around_the_relation() -> None:
     assert req.kv_committed_len == 4 and req.state.holds_kv
     with pytest.raises(GuardViolation):
         req.apply(relation.prepare_for_extend, PoolRow(2))
+
+
+def test_retraction_order_is_the_release_policy_or_the_pre_claim_eras_back() -> None:
+    """The next victim is last. The release (#32023), spec and non-spec: fewest outputs,
+    then longest prompt. The pre-claim era's spec cells: the back of the batch."""
+    from overlap_spec.spec.transitions import compute_retraction_order
+
+    outputs, prompts = [3, 1, 1, 5], [2, 4, 2, 1]
+    for release in ("ov-p1-v2chain-cpu-honest", "ov-p1-none", "nov-p4-none"):
+        assert compute_retraction_order(get_cell(release), outputs, prompts) == [3, 0, 2, 1]
+    for era in ("ov-p1-v2chain-cpu-preclaim", "nov-p1-v2tree-cpu-preclaim"):
+        assert compute_retraction_order(get_cell(era), outputs, prompts) == [0, 1, 2, 3]
+    # Ties keep batch order: the later position goes first.
+    assert compute_retraction_order(get_cell("ov-p1-none"), [1, 1], [2, 2]) == [0, 1]
