@@ -30,6 +30,9 @@ class Bug:
     # Cells where the trigger is reachable in a few steps; the default matrix must kill
     # the mutant in each. Empty: the first applicable cell of each speculative mode.
     representative_cells: tuple[str, ...] = ()
+    # Non-empty when sglang 0.5.23 still behaves this way (where, and the upstream issue or
+    # the upstream tier's finding): the mutant is then today's upstream, not history.
+    current_upstream: str = ""
 
 
 def _any(cell: Cell) -> bool:
@@ -89,7 +92,9 @@ BUGS: Final[tuple[Bug, ...]] = (
         ("RP1", "KV1", "KV5", "KV8", "KV9", "KV6", "RP3"), _overlap),
     Bug("B4", "global accept counters count stale rows", "#23456 review, #18848",
         "num_correct_drafts and the metrics batch size sum over every request of the copy",
-        "counters sum over all requests (today's upstream behaviour)", ("RP3",), _spec_overlap),
+        "counters sum over all requests (today's upstream behaviour)", ("RP3",), _spec_overlap,
+        current_upstream="every spec cell: batch_result_processor.py:785, :986 (#18848 closed "
+                         "unmerged; upstream tier finding U3)"),
     Bug("B5", "schedule side reads new_seq_lens without the publish_ready fence",
         "#25465, #25879",
         "resolve_seq_lens_cpu gathers / copies new_seq_lens_buf without waiting on publish_ready",
@@ -115,7 +120,10 @@ BUGS: Final[tuple[Bug, ...]] = (
     Bug("B11", "finishing-round overshoot cached", "#22897, #28682, M2",
         "the accepted run is committed uncut and the release caches kv_committed_len",
         "commit the full accept run; cache kv_committed_len, not the effective length",
-        ("KV9",), _finish_overshoot),
+        ("KV9",), _finish_overshoot,
+        current_upstream="overlap and spec cells: mem_cache/common.py:421 caches "
+                         "kv_committed_len (#24590 closed as a question, #35694 open; "
+                         "upstream tier findings U2, U4)"),
     Bug("B12", "v2 reserve without the max clamp", "#23336 (the clamp); rung reserve cells",
         "after an adaptive step down-switch committed + reserve < allocated (reachable only "
         "where the reserve shrinks with the rung: the rung reserve proposal)",
@@ -132,7 +140,10 @@ BUGS: Final[tuple[Bug, ...]] = (
     Bug("B14", "a released request launched again", "#28986, #28682",
         "overlap disabled for a batch processes the pending result between prepare and launch"
         " and a request it finished and released stays in the batch",
-        "no re-filter after the early result processing", ("RP1", "KV4"), _overlap),
+        "no re-filter after the early result processing", ("RP1", "KV4"), _overlap,
+        current_upstream="the need_grammar_sync path (host-draft or ngram with a grammar): "
+                         "event_loop_overlap processes early and launches without a re-filter "
+                         "(#32353; #28986 open)"),
     Bug("B15", "tensor lifetime across streams", "#11210, #36661",
         "tensors read by F_i are dropped before F_i completes and their memory reused",
         "the batch_record_buf ring has one slot", ("ST4",), _overlap, stream_level=True),

@@ -311,8 +311,8 @@ def check_sl10(config: ModelConfig, obs: Observation) -> int:
 
 
 def check_sl11(config: ModelConfig, obs: Observation) -> int:
-    """SL11: with no host mirror, seq_len_cpu_ub >= max(seq_lens) (overlap_utils.py,
-    PR 26128 no-D2H path)."""
+    """SL11: with no host mirror, seq_len_cpu_ub >= max(seq_lens) (the no-D2H path of
+    PR 26128; the field is the closed PR 27979's, which 0.5.23 does not have)."""
     batch = obs.batch
     if obs.point is not ObservationPoint.RESOLVE_SEQ_LENS_CPU or batch is None:
         return 0
@@ -825,7 +825,7 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
     Invariant("SL9", "run_batch isolation restores SB", "scheduler.py", _spec, check_sl9),
     Invariant("SL10", "draft-extend mutation stays on FB", "eagle_info_v2.py #26020", _spec,
               check_sl10),
-    Invariant("SL11", "seq_len_cpu_ub bounds seq_lens", "overlap_utils.py #26128",
+    Invariant("SL11", "seq_len_cpu_ub bounds seq_lens", "#27979 (closed; not in 0.5.23)",
               _spec_overlap_no_mirror, check_sl11),
     Invariant("KV1", "committed <= allocated <= width", "schedule_batch.py #23456", _always,
               check_kv1),

@@ -70,7 +70,13 @@ def test_the_readme_mutant_table_lists_the_catalogues_invariants() -> None:
     lists for that bug (a kill outside them is ``other-id`` and fails the matrix)."""
     from overlap_spec.spec.bugs import BUGS
 
-    rows = dict(re.findall(r"^\| (B\d+) \| .*? \| ([^|\n]*) \|$", README.read_text(), flags=re.M))
+    found = re.findall(r"^\| (B\d+) \| .*? \| ([^|\n]*) \| ([^|\n]*) \|$", README.read_text(),
+                       flags=re.M)
+    rows = {bug_id: invariants for bug_id, _, invariants in found}
     assert sorted(rows) == sorted(bug.id for bug in BUGS)
     for bug in BUGS:
         assert rows[bug.id].split(", ") == list(bug.invariants), bug.id
+    # The "in sglang 0.5.23" column marks exactly the catalogue's current-upstream bugs.
+    status = {bug_id: state for bug_id, state, _ in found}
+    for bug in BUGS:
+        assert ("current upstream" in status[bug.id]) == bool(bug.current_upstream), bug.id

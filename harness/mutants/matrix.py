@@ -315,7 +315,8 @@ def render_mutants(results: list[MutantResult]) -> str:
             f"{result.bug.id:<5} {result.checker:<11} {result.verdict:<9} "
             f"{result.invariant or '-':<{width}} {rep.ops if rep else '-':>5} "
             f"{rep.requests if rep else '-':>4} {f'{killed}/{ran}':>6} "
-            f"{result.seconds:8.2f}  {result.bug.title}")
+            f"{result.seconds:8.2f}  {result.bug.title}"
+            + (" (current upstream)" if result.bug.current_upstream else ""))
         if result.not_applicable:
             lines.append(f"      n/a: {result.not_applicable}")
         for cell in result.cells:
