@@ -767,7 +767,7 @@ class _Builder:
             """Request c is retracted before request b (when both are candidates):
             ``transitions.compute_retraction_order``."""
             rc, rb = reqs[c], reqs[b]
-            if ctx.config.cell.is_spec and ctx.config.cell.preclaim:
+            if ctx.config.cell.retracts_spec_from_back:
                 # The pre-claim era, before #32023: spec retracts from the back.
                 return rc["running_order"] > rb["running_order"]
             # Spec and non-spec alike (#32023): fewest outputs, then longest prompt, first.

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from overlap_spec.reference.req import Req
 from overlap_spec.reference.runtime import Runtime
 from overlap_spec.reference.schedule_batch import ScheduleBatch
-from overlap_spec.spec.happens_before import D2H, HOST, SCHEDULE
+from overlap_spec.spec.happens_before import D2H, HOST, SCHEDULE, RelayConsumption
 from overlap_spec.spec.state import RelayGather, ResolveView
 from overlap_spec.spec.units import PoolRow, RequestId
 
@@ -47,9 +47,7 @@ class FutureMap:
     stasher: dict[PoolRow, Owner] = field(default_factory=dict)
     row_owner: dict[PoolRow, Owner] = field(default_factory=dict)
     stashes_since_gather: dict[PoolRow, int] = field(default_factory=dict)
-    publish_fresh: bool = False  # publish_ready recorded since the last resolve consumed it
-    ever_published: bool = False  # publish_ready has been recorded at least once
-    consumed_rows: set[PoolRow] = field(default_factory=set)  # gathered, not re-published
+    consumption: RelayConsumption = field(default_factory=RelayConsumption)  # FM6, FM7
 
     def __post_init__(self) -> None:
         rows = self.rt.config.preset.max_running_requests + 1
@@ -72,11 +70,10 @@ class FutureMap:
         for req, row, value in zip(reqs, rows, values, strict=True):
             self.new_seq_lens_buf[row] = value
             self.publisher[row] = get_owner(req)
-            self.consumed_rows.discard(row)
             rt.hb.write(stream, ("new_seq_lens_buf", row), "FutureMap.publish")
         if rt.config.cell.is_spec and rows:
             rt.hb.record(PUBLISH_READY, stream)
-            self.publish_fresh = self.ever_published = True
+            self.consumption.publish(rows)
 
     def stash(self, reqs: list[Req], rows: list[PoolRow], tokens: list[int],
               stream: str | None = None) -> None:
@@ -111,10 +108,7 @@ class FutureMap:
         if rows is None:
             return None
         hb = rt.hb
-        fresh = self.publish_fresh if self.ever_published else None
-        self.publish_fresh = False
-        regathered = tuple(row for row in rows if row in self.consumed_rows)
-        self.consumed_rows.update(rows)
+        fresh, regathered = self.consumption.resolve(tuple(rows))
         if not rt.has_fault("B5"):
             hb.wait_event(SCHEDULE, PUBLISH_READY)
         uncovered: list[PoolRow] = []

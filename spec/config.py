@@ -64,6 +64,12 @@ class Cell:
         return self.spec_mode is not SpecMode.NONE
 
     @property
+    def retracts_spec_from_back(self) -> bool:
+        """Spec retraction from the back of the batch: the pre-claim era predates PR 32023,
+        which gave spec the non-spec policy sort."""
+        return self.is_spec and self.preclaim
+
+    @property
     def name(self) -> str:
         parts = [
             "ov" if self.overlap else "nov",

@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Final
 
+from overlap_spec.spec.units import PoolRow
+
 HOST: Final = "host"
 SCHEDULE: Final = "schedule"
 FORWARD: Final = "forward"
@@ -215,3 +217,29 @@ class HappensBefore:
 
     def get_last_write(self, key: BufferKey) -> Access | None:
         return self.last_write.get(key)
+
+
+@dataclass
+class RelayConsumption:
+    """What upstream's CI guards on the seq-lens relay keep (#30471, ``SGLANG_IS_IN_CI``):
+    whether publish_ready was re-armed by a publish since the last resolve consumed it
+    (``_publish_fresh``, FM6), and which new_seq_lens_buf rows a resolve gathered with no
+    publish of them since (upstream poisons gathered rows with -1, FM7). The reference
+    and the upstream adapter keep it from the publishes and resolves they see."""
+
+    fresh: bool = False  # a publish recorded publish_ready since the last resolve
+    recorded: bool = False  # publish_ready has been recorded at least once
+    consumed: set[PoolRow] = field(default_factory=set)  # rows gathered, not re-published
+
+    def publish(self, rows: list[PoolRow]) -> None:
+        """A publish that recorded publish_ready for ``rows`` (speculative, non-empty)."""
+        self.fresh = self.recorded = True
+        self.consumed.difference_update(rows)
+
+    def resolve(self, rows: tuple[PoolRow, ...]) -> tuple[bool | None, tuple[PoolRow, ...]]:
+        """(consumed a fresh publish, or None before any; the rows gathered again)."""
+        fresh = self.fresh if self.recorded else None
+        self.fresh = False
+        regathered = tuple(row for row in rows if row in self.consumed)
+        self.consumed.update(rows)
+        return fresh, regathered

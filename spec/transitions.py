@@ -116,7 +116,7 @@ def compute_retraction_order(cell: Cell, output_lens: list[int],
     predates PR 32023: there speculative decoding retracted from the back of the batch.
     """
     order = list(range(len(output_lens)))
-    if cell.is_spec and cell.preclaim:
+    if cell.retracts_spec_from_back:
         return order
     order.sort(key=lambda j: (output_lens[j], -prompt_lens[j]), reverse=True)
     return order

@@ -43,6 +43,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from overlap_spec.spec.config import ModelConfig
+from overlap_spec.spec.happens_before import RelayConsumption
 from overlap_spec.spec.interface import BatchState, ObservableState, Observer, RequestState
 from overlap_spec.spec.invariants import InvariantViolation
 from overlap_spec.spec.relation import (
@@ -135,13 +136,9 @@ class UpstreamScheduler:
         self.published_by: dict[int, tuple[RequestId, int]] = {}
         self.gathers: list[RelayGather] = []
         self.unseeded: list[tuple[RequestId, PoolRow]] = []
-        # What upstream's CI guards keep (#30471; overlap_utils.py, SGLANG_IS_IN_CI, off
-        # here): publish_ready re-armed since the last resolve, and the new_seq_lens_buf
-        # rows a resolve gathered with no publish since (FM6, FM7). Kept from the calls
-        # sglang makes, because the release resets _publish_fresh only in CI.
-        self.relay_fresh = False
-        self.relay_recorded = False
-        self.relay_consumed: set[int] = set()
+        # FM6, FM7 (spec/happens_before.RelayConsumption), kept from the calls sglang
+        # makes, because the release resets its own _publish_fresh only in CI.
+        self.relay = RelayConsumption()
         hooks.HOST.attach(self)
 
     # ------------------------------------------------------------------ interface
@@ -340,17 +337,13 @@ class UpstreamScheduler:
         # FutureMap.publish returns before recording publish_ready on no rows (DP idle),
         # and records it for speculative decoding only.
         if rows and self.config.cell.is_spec:
-            self.relay_fresh = self.relay_recorded = True
-            self.relay_consumed.difference_update(rows)
+            self.relay.publish([PoolRow(row) for row in rows])
 
     def on_resolve(self, indices: Any) -> ResolveView:
         """resolve_seq_lens_cpu gathered these rows: what it consumed (FM6, FM7). The
         publish_ready coverage (FM2) needs CUDA events: none are listed."""
         rows = tuple(PoolRow(int(r)) for r in indices.tolist())
-        fresh = self.relay_fresh if self.relay_recorded else None
-        self.relay_fresh = False
-        regathered = tuple(row for row in rows if row in self.relay_consumed)
-        self.relay_consumed.update(rows)
+        fresh, regathered = self.relay.resolve(rows)
         return ResolveView(rows, (), fresh, regathered)
 
     def on_relay_gather(self, batch: Any, rows: list[int]) -> None:
