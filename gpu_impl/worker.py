@@ -125,23 +125,30 @@ class ModelWorker:
 
     def _write_kv(self, fb: ForwardBatch, inputs: RequestInputs, starts: torch.Tensor,
                   lengths: torch.Tensor, max_width: int) -> torch.Tensor:
-        """Write KV for positions [starts, starts + lengths) per request; count bad writes."""
+        """Write KV for positions [starts, starts + lengths) per request; count bad writes.
+
+        A position is written when its request holds a pool row, it lies inside the row
+        and below ``kv_allocated_len``, its ``req_to_token`` entry is set and that slot's
+        page is the request's own; every other wanted position of a request with a row is
+        a fault, and a request without a row counts one. Few tensor ops on purpose: on
+        CPU each one is a launch the race detector follows (profiled: this function was
+        two fifths of a differential run's launches).
+        """
         rt = self.rt
         pool = rt.req_to_token_pool
         kv = rt.kv
-        device = rt.streams.device
-        offsets = torch.arange(max_width, dtype=torch.int64, device=device)
-        positions = starts[:, None] + offsets[None, :]
-        wanted = offsets[None, :] < lengths[:, None]
-        in_row = (positions >= 0) & (positions < pool.width)
+        offsets = torch.arange(max_width, dtype=torch.int64, device=rt.streams.device)
+        positions = starts[:, None] + offsets
         slots = pool.req_to_token[fb.req_pool_indices[:, None], positions.clamp(0, pool.width - 1)]
-        slots = torch.where(in_row, slots, -1)
-        owner = kv.page_owner[slots.clamp(min=0) // kv.page_size]
-        owned = (slots >= 0) & (owner == inputs.rid[:, None])
-        allocated = (positions >= 0) & (positions < inputs.kv_allocated_len[:, None])
-        live = wanted & inputs.holds_row[:, None]
-        good = live & allocated & owned
-        faults = (live & ~good).sum() + (~inputs.holds_row).sum()
+        # An unset entry (-1) reads page -1, any page: ``slots >= 0`` below masks it out.
+        owner = kv.page_owner[slots // kv.page_size]
+        # Past this offset a position is outside the row or the allocation (0: no row).
+        end = (torch.minimum(lengths, inputs.kv_allocated_len.clamp(max=pool.width) - starts)
+               * inputs.holds_row)
+        live = (offsets < lengths[:, None]) & inputs.holds_row[:, None]
+        good = ((offsets < end[:, None]) & (positions >= 0) & (slots >= 0)
+                & (owner == inputs.rid[:, None]))
+        faults = (live ^ good).sum() + (~inputs.holds_row).sum()  # good is a subset of live
         target = torch.where(good, slots, kv.trash_slot)
         kv.kv_cache.index_put_((target,), inputs.rid[:, None].expand_as(target))
         return faults

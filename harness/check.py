@@ -14,10 +14,14 @@ from pathlib import Path
 import torch
 
 from overlap_spec.harness.conformance.cli import (
+    CellServer,
+    UpstreamPlan,
     UsageError,
     get_upstream_python,
+    plan_upstream_check,
     render_report,
     run_upstream_check,
+    start_upstream_check,
     upstream_tier_error,
     upstream_tier_report,
 )
@@ -57,7 +61,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     started = time.perf_counter()
     tiers = (("hypothesis", _hypothesis_tier), ("differential", _differential_tier),
              ("proofs", _proofs_tier), ("upstream", _upstream_tier), ("mutants", _mutant_tier))
-    with catching_interrupts():
+    _start_upstream(run)
+    with catching_interrupts(), run:
         for name, tier in tiers:
             tier_started = time.perf_counter()
             try:
@@ -90,6 +95,20 @@ class _Run:
     faults: frozenset[str]
     configs: list[ModelConfig]
     report: CheckReport
+
+    # The upstream tier's plan and its cell server, started before the first tier so
+    # that sglang imports while the other tiers run (or why the plan failed).
+    upstream_plan: UpstreamPlan | None = None
+    upstream_server: CellServer | None = None
+    upstream_error: str | None = None
+
+    def __enter__(self) -> _Run:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.upstream_server is not None:  # unused (an interrupt, a skipped tier)
+            self.upstream_server.stop()
+            self.upstream_server = None
 
     @property
     def out(self) -> Path | None:
@@ -158,22 +177,44 @@ def _proofs_tier(run: _Run) -> None:
     run.report.add(proofs_tier_report(proofs))
 
 
+def _will_run_upstream(run: _Run) -> bool:
+    return not (run.args.no_upstream or run.faults) and get_upstream_python() is not None
+
+
+def _start_upstream(run: _Run) -> None:
+    """Plan the upstream tier and start its cell server, waiting: sglang's import (about
+    10 s on one core) then overlaps the tiers before it instead of idling a core."""
+    if not _will_run_upstream(run):
+        return
+    args = run.args
+    up_args = argparse.Namespace(
+        cells=",".join(c.cell.name for c in run.configs) if args.cells else None,
+        sglang_src=None, out=args.out, seed=args.seed, profile=run.profile.name,
+        preset="minimal" if args.preset == "all" else args.preset,
+        jobs=args.jobs, quiet=args.quiet)
+    try:
+        run.upstream_plan = plan_upstream_check(up_args)
+        if run.upstream_plan.runnable:
+            run.upstream_server = start_upstream_check(run.upstream_plan)
+    except UsageError as error:
+        run.upstream_error = str(error)
+
+
 def _upstream_tier(run: _Run) -> None:
     args = run.args
     if run.skips("upstream", "--no-upstream", args.no_upstream):
         upstream = run.report.tiers[-1]
-    elif get_upstream_python() is None:
+    elif not _will_run_upstream(run):
         upstream = run.report.add(TierReport.skipped(
             "upstream", "no upstream environment (build it with './dev upstream')"))
     else:
         print("\nupstream tier (sglang's own scheduler against the spec):")
-        up_args = argparse.Namespace(
-            cells=",".join(c.cell.name for c in run.configs) if args.cells else None,
-            sglang_src=None, out=args.out, seed=args.seed, profile=run.profile.name,
-            preset="minimal" if args.preset == "all" else args.preset,
-            jobs=args.jobs, quiet=args.quiet)
         try:
-            document = run_upstream_check(up_args, progress=not args.quiet)
+            if run.upstream_error is not None or run.upstream_plan is None:
+                raise UsageError(run.upstream_error or "the upstream tier was not planned")
+            server, run.upstream_server = run.upstream_server, None
+            document = run_upstream_check(run.upstream_plan.args, progress=not args.quiet,
+                                          plan=run.upstream_plan, server=server)
             print(render_report(document))
             upstream = run.report.add(upstream_tier_report(document))
         except UsageError as error:

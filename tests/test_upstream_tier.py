@@ -225,14 +225,15 @@ def test_upstreams_own_checker_runs_and_can_fail() -> None:
     assert result["after"] and "Leak" in (result["after"][-1] or "")
 
 
-def run_server(tmp_path: Path, cells: str, *extra: str) -> list[dict[str, object]]:
+def run_server(tmp_path: Path, cells: str, *extra: str,
+               stdin: str | None = None) -> list[dict[str, object]]:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join([p for p in [env.get("PYTHONPATH", ""), str(REPO)] if p])
     done = subprocess.run([sys.executable, "-W", "ignore", "-m",
                            "overlap_spec.harness.conformance.server", "--cells", cells,
                            "--out", str(tmp_path), "--profile", "quick", "--jobs", "2", *extra],
                           capture_output=True, text=True, env=env, timeout=600, check=False,
-                          cwd=REPO)
+                          cwd=REPO, input=stdin)
     assert done.returncode == 0, done.stderr
     return [json.loads(line) for line in done.stdout.splitlines()]
 
@@ -253,3 +254,20 @@ def test_cell_server_reports_every_cell_and_a_crash_as_a_crash(tmp_path: Path,
     assert done["ov-p1-none"]["exit"] == 0 and done["ov-p1-none"]["reason"] is None
     result = json.loads((tmp_path / "ov-p1-none.json").read_text())
     assert result["verdict"] == "pass" and result["runs"] > 0
+
+
+@needs_sglang
+@pytest.mark.parametrize("told", ["go\n", ""], ids=["go", "end-of-input"])
+def test_a_waiting_cell_server_runs_its_cells_only_when_told(tmp_path: Path, told: str) -> None:
+    # check starts the server before its first tier (--wait): it imports and probes a
+    # scheduler build, then runs the cells on "go"; without it (the driver is gone or
+    # stopped), nothing runs and it exits 0.
+    events = run_server(tmp_path, "ov-p1-none", "--wait", stdin=told)
+    assert events[0]["event"] == "sglang"
+    done = {e["cell"]: e for e in events if e["event"] == "done"}
+    if told:
+        assert done["ov-p1-none"]["exit"] == 0, done
+        assert json.loads((tmp_path / "ov-p1-none.json").read_text())["verdict"] == "pass"
+    else:
+        assert [e["event"] for e in events] == ["sglang"]
+        assert not (tmp_path / "ov-p1-none.json").exists()

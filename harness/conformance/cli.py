@@ -26,8 +26,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from overlap_spec.harness.drive.cells import (
     DEFAULT_SEED,
@@ -101,59 +102,94 @@ def _last_line(text: str) -> str:
     return lines[-1] if lines else "no output"
 
 
-def run_cell_server(python: str, cells: list[str], args: argparse.Namespace, out: Path,
-                    progress: bool) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
-    """sglang's version and source, and each cell's result, from one cell server
-    (:mod:`overlap_spec.harness.conformance.server`: sglang imported once, a forked process
-    per cell). sglang failing to import is a usage error (exit 2) before any cell runs; a
-    cell that crashes, times out or is lost with the server is a failing cell, never a pass.
-    """
+@dataclass
+class CellServer:
+    """A started cell server and the file its standard error goes to. Started with
+    ``wait``, it imports sglang (and what a scheduler build imports) at once but runs no
+    cell before :func:`collect_cell_server` tells it to: ``check`` starts it before its
+    first tier, so the import overlaps the tiers that run before the upstream one."""
+
+    process: subprocess.Popen[str]
+    errors: IO[str]
+    waiting: bool
+
+    def stop(self) -> None:
+        """Terminate it (and, through its SIGTERM handler, its cells) if still running."""
+        if self.process.poll() is None:
+            self.process.terminate()
+            self.process.wait()
+        self.errors.close()
+
+
+def start_cell_server(python: str, cells: list[str], args: argparse.Namespace, out: Path,
+                      wait: bool = False) -> CellServer:
+    """Start :mod:`overlap_spec.harness.conformance.server` for ``cells``; a usage error
+    if the interpreter cannot be run."""
     command = [python, "-W", "ignore", "-m", "overlap_spec.harness.conformance.server",
                "--cells", ",".join(cells), "--out", str(out), "--seed", str(args.seed),
                "--profile", args.profile, "--preset", args.preset, "--jobs", str(args.jobs),
                "--timeout", str(CELL_TIMEOUT_S)]
     if args.sglang_src:
         command += ["--sglang-src", str(args.sglang_src)]
+    if wait:
+        command.append("--wait")
+    errors = tempfile.TemporaryFile("w+")
+    try:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True,
+                                   stdin=subprocess.PIPE if wait else subprocess.DEVNULL,
+                                   env=_child_env())
+    except OSError as error:
+        errors.close()
+        raise UsageError(f"cannot run the upstream interpreter {python}: {error}") from None
+    return CellServer(process, errors, wait)
+
+
+def collect_cell_server(server: CellServer, python: str, cells: list[str], out: Path,
+                        progress: bool) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
+    """sglang's version and source, and each cell's result, from a started server (told
+    to go on if it waits). sglang failing to import is a usage error (exit 2) before any
+    cell runs; a cell that crashes, times out or is lost with the server is a failing
+    cell, never a pass."""
     results: dict[str, dict[str, Any]] = {}
     sglang: dict[str, str] | None = None
-    with tempfile.TemporaryFile("w+") as errors:
-        try:
-            server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=errors, text=True,
-                                      env=_child_env())
-        except OSError as error:
-            raise UsageError(f"cannot run the upstream interpreter {python}: {error}") from None
-        try:
-            assert server.stdout is not None
-            for line in server.stdout:
-                event = json.loads(line)
-                kind = event["event"]
-                if kind == "error":
-                    raise UsageError(event["message"])
-                if kind == "sglang":
-                    sglang = {"version": event["version"], "source": event["source"]}
-                elif kind == "start" and progress:
-                    print(f"  upstream {event['cell']} ...", file=sys.stderr, flush=True)
-                elif kind == "done":
-                    cell = event["cell"]
-                    result_path = out / f"{cell}.json"
-                    if event["exit"] != 0 or not result_path.exists():
-                        result = _failed_cell(
-                            f"the cell process failed (exit {event['exit']}): "
-                            f"{event.get('reason') or 'no result written'}")
-                    else:
-                        result = json.loads(result_path.read_text())
-                    result["wall_s"] = event["wall_s"]
-                    results[cell] = result
-                    if progress:
-                        print(f"  upstream {cell}: {result['verdict']} ({event['wall_s']}s)",
-                              file=sys.stderr, flush=True)
-            code = server.wait()
-        finally:
-            if server.poll() is None:
-                server.terminate()
-                server.wait()
-        errors.seek(0)
-        stderr = errors.read()
+    process = server.process
+    try:
+        if server.waiting:
+            assert process.stdin is not None
+            try:
+                process.stdin.write("go\n")
+                process.stdin.close()
+            except OSError:  # BrokenPipeError: it exited already (the reason follows)
+                pass
+        assert process.stdout is not None
+        for line in process.stdout:
+            event = json.loads(line)
+            kind = event["event"]
+            if kind == "error":
+                raise UsageError(event["message"])
+            if kind == "sglang":
+                sglang = {"version": event["version"], "source": event["source"]}
+            elif kind == "start" and progress:
+                print(f"  upstream {event['cell']} ...", file=sys.stderr, flush=True)
+            elif kind == "done":
+                cell = event["cell"]
+                result_path = out / f"{cell}.json"
+                if event["exit"] != 0 or not result_path.exists():
+                    result = _failed_cell(
+                        f"the cell process failed (exit {event['exit']}): "
+                        f"{event.get('reason') or 'no result written'}")
+                else:
+                    result = json.loads(result_path.read_text())
+                result["wall_s"] = event["wall_s"]
+                results[cell] = result
+                if progress:
+                    print(f"  upstream {cell}: {result['verdict']} ({event['wall_s']}s)",
+                          file=sys.stderr, flush=True)
+        code = process.wait()
+        server.errors.seek(0)
+        stderr = server.errors.read()
+    finally:
+        server.stop()
     if sglang is None:
         raise UsageError(f"{python} failed to import sglang (exit {code}): "
                          f"{_last_line(stderr)}")
@@ -256,8 +292,22 @@ def render_report(report: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def run_upstream_check(args: argparse.Namespace, progress: bool = True) -> dict[str, Any]:
-    """Validate, preflight, run every selected cell, and build the report."""
+@dataclass
+class UpstreamPlan:
+    """A validated ``upstream check``: the cells, those the tier can drive, the others'
+    n/a results, the interpreter and the output folder."""
+
+    args: argparse.Namespace
+    cells: list[str]
+    runnable: list[str]
+    results: dict[str, dict[str, Any]]
+    python: str
+    out: Path
+
+
+def plan_upstream_check(args: argparse.Namespace) -> UpstreamPlan:
+    """Validate the arguments and find the drivable cells; a :class:`UsageError` on bad
+    input, before anything runs."""
     from overlap_spec.upstream.bootstrap import UpstreamUnavailable, find_package_dir
     from overlap_spec.upstream.session import is_drivable
 
@@ -281,7 +331,6 @@ def run_upstream_check(args: argparse.Namespace, progress: bool = True) -> dict[
     python = _require_python()
     out = Path(args.out or os.environ.get("OVERLAP_SPEC_OUT", ".overlap-spec")) / "upstream"
     out.mkdir(parents=True, exist_ok=True)
-    started = time.perf_counter()
     results: dict[str, dict[str, Any]] = {}
     runnable = []
     for name in cells:
@@ -295,10 +344,27 @@ def run_upstream_check(args: argparse.Namespace, progress: bool = True) -> dict[
                              "findings": [], "differential": {"verdict": "n/a",
                                                               "reason": reason,
                                                               "divergences": []}}
-    sglang, ran = run_cell_server(python, runnable, args, out, progress)
-    results.update(ran)
-    ordered = {c: results[c] for c in cells}
-    return build_report(ordered, sglang, args, time.perf_counter() - started)
+    return UpstreamPlan(args, cells, runnable, results, python, out)
+
+
+def start_upstream_check(plan: UpstreamPlan) -> CellServer:
+    """The plan's cell server, started now and waiting: sglang imports while the caller
+    does other work; :func:`run_upstream_check` with ``server=`` then runs the cells."""
+    return start_cell_server(plan.python, plan.runnable, plan.args, plan.out, wait=True)
+
+
+def run_upstream_check(args: argparse.Namespace, progress: bool = True,
+                       plan: UpstreamPlan | None = None,
+                       server: CellServer | None = None) -> dict[str, Any]:
+    """Validate, preflight, run every selected cell, and build the report (with the
+    ``plan`` and the ``server`` started from it, when given)."""
+    plan = plan or plan_upstream_check(args)
+    started = time.perf_counter()
+    server = server or start_cell_server(plan.python, plan.runnable, plan.args, plan.out)
+    sglang, ran = collect_cell_server(server, plan.python, plan.runnable, plan.out, progress)
+    results = {**plan.results, **ran}
+    ordered = {c: results[c] for c in plan.cells}
+    return build_report(ordered, sglang, plan.args, time.perf_counter() - started)
 
 
 def cmd_upstream(args: argparse.Namespace) -> int:

@@ -10,7 +10,10 @@ Nothing has started a thread when it forks (:func:`main` checks), so the fork is
 Building a scheduler imports some 700 more modules (the model registry, kernels); the
 first cell's child reports them and the server imports them before it forks the next cell,
 so the others start with those loaded too. Should one of those imports start a thread, the
-remaining cells run in fresh interpreters instead (slower, never unsafe).
+remaining cells run in fresh interpreters instead (slower, never unsafe). With ``--wait``
+(how ``overlap-spec check`` starts it, before its first tier) all of that happens at once,
+a child probing the first cell's scheduler build, and the cells run only when a line
+``go`` arrives on standard input (end of input: exit 0, nothing run).
 
 Protocol: one JSON object per line on standard output, nothing else there:
 
@@ -25,7 +28,7 @@ Protocol: one JSON object per line on standard output, nothing else there:
 SIGINT is ignored here and in the children (the driving process decides); SIGTERM kills
 every child and exits. ``python -m overlap_spec.harness.conformance.server --cells A,B
 --out DIR [--seed N] [--profile P] [--preset P] [--sglang-src DIR] [--jobs N]
-[--timeout S] [--no-fork]``; ``--no-fork`` runs each cell in a fresh interpreter, as the
+[--timeout S] [--no-fork] [--wait]``; ``--no-fork`` runs each cell in a fresh interpreter, as the
 server does by itself once forking is unsafe.
 """
 
@@ -80,11 +83,12 @@ def _cell_argv(cell: str, args: argparse.Namespace) -> list[str]:
     return argv
 
 
-def run_child(cell: str, args: argparse.Namespace, report_modules: int | None) -> None:
+def run_child(cell: str, args: argparse.Namespace, report_modules: int | None,
+              probe_only: bool = False) -> None:
     """In the forked child: the cell, its output to ``OUT/<cell>.stderr``; exits, never
     returns to the server's loop. With ``report_modules`` (a pipe), the child first builds
     its scheduler and writes the names of the modules that took to import, so the server
-    can import them before it forks the other cells."""
+    can import them before it forks the other cells; ``probe_only``: then exits (0)."""
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     log = os.open(args.out / f"{cell}.stderr", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     os.dup2(log, 1)
@@ -103,6 +107,9 @@ def run_child(cell: str, args: argparse.Namespace, report_modules: int | None) -
             names = "\n".join(m for m in sys.modules if m not in before)
             with os.fdopen(report_modules, "w") as pipe:
                 pipe.write(names)
+            if probe_only:
+                code = 0
+                return
         from overlap_spec.harness.conformance.tier import main as run_tier_cell
 
         code = run_tier_cell(_cell_argv(cell, args))
@@ -137,11 +144,33 @@ def spawn(cell: str, args: argparse.Namespace) -> int:
     return child.pid
 
 
-def serve(cells: list[str], args: argparse.Namespace) -> None:
+def probe(cell: str, args: argparse.Namespace) -> bool:
+    """Before any cell runs (``--wait``): a child builds ``cell``'s scheduler and reports
+    the modules that imported, which the server imports too. Whether forking is still
+    safe afterwards (no import started a thread)."""
+    reader, writer = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        os.close(reader)
+        run_child(cell, args, writer, probe_only=True)
+    os.close(writer)
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        os.kill(pid, signal.SIGKILL)
+        os._exit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    import_reported(reader)
+    os.waitpid(pid, 0)
+    signal.signal(signal.SIGTERM, previous)
+    return threading.active_count() == 1
+
+
+def serve(cells: list[str], args: argparse.Namespace, probed: bool = False,
+          fork: bool = True) -> None:
     pending = list(cells)
     running: dict[int, tuple[str, float]] = {}
-    probed = False
-    fork = not args.no_fork
+    fork = fork and not args.no_fork
 
     def stop(signum: int, frame: FrameType | None) -> None:
         for pid in running:
@@ -205,6 +234,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900.0)
     parser.add_argument("--no-fork", action="store_true",
                         help="each cell in a fresh interpreter (no fork; slower)")
+    parser.add_argument("--wait", action="store_true",
+                        help="import (and probe a scheduler build) now, then run the cells "
+                        "only once a line 'go' arrives on standard input")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
@@ -226,8 +258,15 @@ def main(argv: list[str] | None = None) -> int:
     emit(event="sglang", version=source.version, source=source.source)
     args.out.mkdir(parents=True, exist_ok=True)
     cells = [c for c in args.cells.split(",") if c]
-    if cells:
+    if not cells:
+        return 0
+    if not args.wait:
         serve(cells, args)
+        return 0
+    fork = not args.no_fork and probe(cells[0], args)
+    if sys.stdin.readline().strip() != "go":
+        return 0  # the driver went away (or stopped) before the upstream tier
+    serve(cells, args, probed=True, fork=fork)
     return 0
 
 

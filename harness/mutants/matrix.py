@@ -8,6 +8,7 @@ from __future__ import annotations
 import sys
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -156,12 +157,24 @@ def run_gpu_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed
     elif result.failure is not None:
         kind = get_finding_kind(result.failure.outcome)
 
-        def still_fails(trial: Script) -> bool:
-            outcome = run_differential(trial, device=torch.device("cpu"))
-            return not outcome.ok and get_finding_kind(outcome) == kind
+        def get_still_fails(detect_races: bool) -> Callable[[Script], bool]:
+            def still_fails(trial: Script) -> bool:
+                outcome = run_differential(trial, device=torch.device("cpu"),
+                                           detect_races=detect_races)
+                return not outcome.ok and get_finding_kind(outcome) == kind
+            return still_fails
 
-        small = minimize_script(result.failure.script, kind, budget=100, still_fails=still_fails)
+        # A divergence is minimised without the race detector (a trial costs about a
+        # quarter), then confirmed with it; should a race come first on the small script,
+        # the minimisation is redone with the detector on. A race is minimised with it.
+        is_race = kind.startswith("race:")
+        small = minimize_script(result.failure.script, kind, budget=100,
+                                still_fails=get_still_fails(is_race))
         outcome = run_differential(small, device=torch.device("cpu"))
+        if not is_race and (outcome.ok or get_finding_kind(outcome) != kind):
+            small = minimize_script(result.failure.script, kind, budget=100,
+                                    still_fails=get_still_fails(True))
+            outcome = run_differential(small, device=torch.device("cpu"))
         name = "-".join([config.name.replace("@", "-"), bug.id, "gpu_impl"])
         path = save_script(small, save_dir / f"{name}.json")
         record_script_trace(small, get_trace_path(path))  # gpu_impl's own trace of the kill
