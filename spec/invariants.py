@@ -454,6 +454,17 @@ def check_kv7(config: ModelConfig, obs: Observation) -> int:
     """KV7: every KV page is free, in the tree cache or owned by one request, and every
     pool row is free or held by one request (invariant_checker._check_all_pools)."""
     alloc = obs.allocator
+    rows_held = [r.req_pool_idx for r in obs.requests if r.req_pool_idx is not None]
+    pages = [*alloc.free_pages, *alloc.tree_pages,
+             *(page for r in obs.requests for page in r.owned_pages)]
+    if (len(set(pages)) == len(pages) == alloc.total_pages
+            and len(set(rows_held)) == len(rows_held)
+            and len(set(alloc.free_pool_rows)) == len(alloc.free_pool_rows)
+            and len(rows_held) + len(alloc.free_pool_rows) == alloc.pool_rows
+            and not set(rows_held) & set(alloc.free_pool_rows)):
+        # Every page in exactly one place and every row too: the usual case, decided on
+        # whole collections. Otherwise the walk below names the first misplaced one.
+        return 1 if any(r.holds_kv for r in obs.requests) and alloc.tree_pages else 0
     seen: dict[int, str] = {}
 
     def place(page: int, where: str) -> None:

@@ -144,6 +144,13 @@ def require(ok: bool, name: str, record: object, field_name: str, detail: str) -
                              f"{field_name}={value!r}, {detail}")
 
 
+@functools.cache
+def _field_names(record_type: type) -> tuple[str, ...]:
+    """A record type's field names (``dataclasses.fields`` rebuilds them on every call,
+    and every transition call checks its frame)."""
+    return tuple(f.name for f in fields(record_type))
+
+
 def get_frame_violations(frame: frozenset[str], pre: Any, post: Any,
                          prefix: str = "") -> list[str]:
     """Fields outside ``frame`` whose value differs between ``pre`` and ``post``.
@@ -152,9 +159,9 @@ def get_frame_violations(frame: frozenset[str], pre: Any, post: Any,
     (``ghost``) frames all of it.
     """
     changed: list[str] = []
-    for f in fields(pre):
-        name = prefix + f.name
-        before, after = getattr(pre, f.name), getattr(post, f.name)
+    for attribute in _field_names(type(pre)):
+        name = prefix + attribute
+        before, after = getattr(pre, attribute), getattr(post, attribute)
         if name in frame or before == after:
             continue
         if any(entry.startswith(name + ".") for entry in frame):

@@ -297,3 +297,42 @@ def test_the_reference_relay_keeps_what_upstreams_ci_guards_keep() -> None:
     fm.publish([req], [row], [5])  # a publish re-arms both
     third = fm.resolve_seq_lens_cpu(batch)
     assert third is not None and third.fresh_publish is True and not third.regathered_rows
+
+
+def _held_row(o: Observation) -> int:
+    return next(r.req_pool_idx for r in o.requests if r.req_pool_idx is not None)
+
+
+# Each way a page or a pool row can be misplaced without changing how many there are:
+# KV7 decides the usual case on whole collections, so each of these must fall through
+# to the walk that names the culprit.
+KV7_MISPLACED: dict[str, Callable[[Observation], Observation]] = {
+    "a page both free and cached": lambda o: replace(o, allocator=replace(
+        o.allocator, tree_pages=(o.allocator.free_pages[0], *o.allocator.tree_pages[1:]))),
+    "a page owned twice": lambda o: _with_request(
+        o, lambda r: len(r.owned_pages) > 1,
+        owned_pages=(o.requests[_first_request(o, lambda r: len(r.owned_pages) > 1)]
+                     .owned_pages[0],) * 2),
+    "a row both free and held": lambda o: replace(o, allocator=replace(
+        o.allocator, free_pool_rows=(_held_row(o), *o.allocator.free_pool_rows[1:]))),
+    "a free row listed twice": lambda o: replace(o, allocator=replace(
+        o.allocator, free_pool_rows=(o.allocator.free_pool_rows[0],)
+        * len(o.allocator.free_pool_rows))),
+}
+
+
+@pytest.mark.parametrize("how", sorted(KV7_MISPLACED))
+def test_kv7_names_a_misplaced_page_or_row(how: str) -> None:
+    inv = get_invariant("KV7")
+    rejected = 0
+    for config, obs in _targets("KV7")[:25]:
+        try:
+            broken = KV7_MISPLACED[how](obs)
+        except (StopIteration, AttributeError, IndexError, TypeError, ValueError):
+            continue
+        if broken == obs:
+            continue  # nothing to duplicate here (one free row, say)
+        with pytest.raises(InvariantViolation, match="^KV7 violated for (page|pool row|the)"):
+            inv.check(config, broken)
+        rejected += 1
+    assert rejected, f"no observation could be broken as {how}"
