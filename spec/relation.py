@@ -144,11 +144,16 @@ def require(ok: bool, name: str, record: object, field_name: str, detail: str) -
                              f"{field_name}={value!r}, {detail}")
 
 
-@functools.cache
+_FIELD_NAMES: dict[type, tuple[str, ...]] = {}
+
+
 def _field_names(record_type: type) -> tuple[str, ...]:
-    """A record type's field names (``dataclasses.fields`` rebuilds them on every call,
-    and every transition call checks its frame)."""
-    return tuple(f.name for f in fields(record_type))
+    """A record type's field names, kept (``dataclasses.fields`` rebuilds them on every
+    call, and every transition call checks its frame)."""
+    names = _FIELD_NAMES.get(record_type)
+    if names is None:
+        names = _FIELD_NAMES[record_type] = tuple(f.name for f in fields(record_type))
+    return names
 
 
 def get_frame_violations(frame: frozenset[str], pre: Any, post: Any,
