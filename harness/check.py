@@ -30,7 +30,7 @@ from overlap_spec.harness.differential.tier import (
     render_differential,
     run_differential_tier,
 )
-from overlap_spec.harness.drive.cells import select_configs
+from overlap_spec.harness.drive.cells import CONFIG_WIDTH, select_configs
 from overlap_spec.harness.drive.stateful import (
     CellResult,
     CellTask,
@@ -255,5 +255,5 @@ class CellProgress:
         self.done += 1
         status = "ok" if result.ok else "FAIL " + ",".join(result.failed_ids or ("crash",))
         print(f"[{self.done:2d}/{self.total}] {self.tier} {self.profile:<8} "
-              f"{task.config.name:<40} {status} ({result.seconds:.2f}s)",
+              f"{task.config.name:<{CONFIG_WIDTH}} {status} ({result.seconds:.2f}s)",
               file=sys.stderr, flush=True)

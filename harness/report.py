@@ -9,6 +9,7 @@ import textwrap
 from pathlib import Path
 from typing import Any
 
+from overlap_spec.harness.drive.cells import CONFIG_WIDTH
 from overlap_spec.harness.drive.stateful import CellResult, describe_failure
 from overlap_spec.harness.verdict import TierReport, Verdict
 from overlap_spec.spec.invariants import INVARIANTS
@@ -46,7 +47,8 @@ def render_table(results: list[CellResult]) -> str:
     lines = ["cells:"]
     for k, result in enumerate(results, 1):
         status = "ok" if result.ok else "FAILED"
-        lines.append(f"  c{k:02d} {result.config.name:<40} {result.seconds:6.2f}s  {status}")
+        lines.append(f"  c{k:02d} {result.config.name:<{CONFIG_WIDTH}} "
+                     f"{result.seconds:6.2f}s  {status}")
     header = "ID    " + "".join(f"{k:>3d}" for k in range(1, len(results) + 1))
     lines += ["", "invariant x cell ('.' pass, 'X' fail, '-' n/a, '0' vacuous: no witness):",
               header]

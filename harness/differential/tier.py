@@ -22,7 +22,7 @@ from overlap_spec.harness.differential.compare import (
     get_default_device,
     get_differential_examples,
 )
-from overlap_spec.harness.drive.cells import UsageError, select_configs
+from overlap_spec.harness.drive.cells import CONFIG_WIDTH, UsageError, select_configs
 from overlap_spec.harness.drive.script import save_script
 from overlap_spec.harness.drive.stateful import (
     Profile,
@@ -82,7 +82,7 @@ def run_differential_tier(configs: list[ModelConfig], profile: Profile, seed: in
         if not quiet:
             status = "ok" if result.ok else "FAIL"
             print(f"[{finished:2d}/{len(tasks)}] differential {device.type:<4} "
-                  f"{task.config.name:<40} {status} ({result.examples} runs, "
+                  f"{task.config.name:<{CONFIG_WIDTH}} {status} ({result.examples} runs, "
                   f"{result.seconds:.2f}s)", file=sys.stderr, flush=True)
 
     return run_tasks(run_differential_task, tasks, jobs if device.type == "cpu" else 1, report)

@@ -26,6 +26,11 @@ DEFAULT_SEED = 20261122
 # imports Hypothesis, which the parser must not; a test checks that the two agree).
 PROFILE_NAMES: Final = ("quick", "ci", "dev", "thorough")
 
+# The widest cell name, bare and as a configuration (``CELL@preset``): progress lines and
+# tables pad to these, so a long name never pushes its row out of line.
+CELL_WIDTH: Final = max(len(cell.name) for cell in enumerate_cells())
+CONFIG_WIDTH: Final = CELL_WIDTH + 1 + max(map(len, PRESETS))
+
 
 class UsageError(ValueError):
     """Bad input to a command: ``overlap-spec`` prints this one line and exits 2."""

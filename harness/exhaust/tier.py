@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from overlap_spec.harness.drive.cells import UsageError, select_configs
+from overlap_spec.harness.drive.cells import CONFIG_WIDTH, UsageError, select_configs
 from overlap_spec.harness.drive.script import save_script
 from overlap_spec.harness.exhaust import NON_SPEC_DEPTH, SPEC_DEPTH
 from overlap_spec.harness.exhaust.alphabet import get_alphabet
@@ -204,7 +204,7 @@ def run_exhaust(configs: list[ModelConfig], depth: int | None, faults: frozenset
 
 
 # -- reports ---------------------------------------------------------------------------------
-HEADER: Final = (f"{'cell':<36} {'depth':>5} {'states':>8} {'transitions':>11} "
+HEADER: Final = (f"{'cell':<{CONFIG_WIDTH}} {'depth':>5} {'states':>8} {'transitions':>11} "
                  f"{'observations':>12} {'witnessed':>9} {'time':>8}  verdict")
 
 
@@ -217,7 +217,7 @@ def _word(report: CellReport) -> str:
 def render_cell_line(report: CellReport) -> str:
     witnessed = sum(1 for i in report.applicable if report.exercised.get(i))
     states = f"{report.states}" + ("" if report.complete else "+")
-    return (f"{report.cell:<36} {report.depth:>5} {states:>8} {report.transitions:>11} "
+    return (f"{report.cell:<{CONFIG_WIDTH}} {report.depth:>5} {states:>8} {report.transitions:>11} "
             f"{report.observations:>12} {f'{witnessed}/{len(report.applicable)}':>9} "
             f"{f'{report.wall_seconds:.1f}s':>8}  {_word(report)}")
 

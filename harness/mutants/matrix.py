@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from overlap_spec.harness.drive.cells import CONFIG_WIDTH
 from overlap_spec.harness.drive.minimize import minimize_script
 from overlap_spec.harness.drive.script import (
     Script,
@@ -350,7 +351,7 @@ def render_mutants(results: list[MutantResult]) -> str:
 
 def print_mutant_progress(bug: Bug, kill: CellKill) -> None:
     """One progress line per (bug, checker, cell) on stderr."""
-    print(f"  mutant {bug.id:<4} {kill.checker:<10} {kill.cell:<40} {kill.verdict:<9} "
+    print(f"  mutant {bug.id:<4} {kill.checker:<10} {kill.cell:<{CONFIG_WIDTH}} {kill.verdict:<9} "
           f"{kill.invariant or '-':<26} ({kill.seconds:.2f}s)", file=sys.stderr, flush=True)
 
 

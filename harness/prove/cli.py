@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Final
 
 from overlap_spec.harness.drive.cells import (
+    CELL_WIDTH,
     cell_patterns,
     int_in,
     output_file,
@@ -87,7 +88,7 @@ def cmd_prove(args: argparse.Namespace) -> int:
     def progress(name: str, rows: list[Obligation]) -> None:
         if not args.quiet:
             bad = sum(r.verdict != zs.PROVED for r in rows)
-            print(f"{name:<32} {len(rows) - bad}/{len(rows)} proved", file=sys.stderr)
+            print(f"{name:<{CELL_WIDTH}} {len(rows) - bad}/{len(rows)} proved", file=sys.stderr)
 
     job = ProveJob("", args.preset, args.batch_bound, args.timeout_ms,
                    None if args.no_bmc else (args.depth, args.requests), args.bmc_timeout_ms)

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from typing import Any, Final
 
+from overlap_spec.harness.drive.cells import CELL_WIDTH
 from overlap_spec.harness.pool import run_tasks
 from overlap_spec.harness.verdict import TierReport, Verdict
 from overlap_spec.proofs import bmc
@@ -173,7 +174,7 @@ def run_proofs_for_check(cell_names: list[str] | None, jobs: int = 1,
         nonlocal finished
         finished += 1
         counts = Counter(row.verdict for row in rows)
-        print(f"[{finished:2d}/{len(cells)}] proofs {cell:<40} "
+        print(f"[{finished:2d}/{len(cells)}] proofs {cell:<{CELL_WIDTH}} "
               + ", ".join(f"{verdict} {n}" for verdict, n in sorted(counts.items()))
               + f" ({sum(row.seconds for row in rows):.1f}s)", file=sys.stderr, flush=True)
 
