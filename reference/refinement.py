@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from overlap_spec.reference.runtime import Runtime
 from overlap_spec.spec.interface import Observer
+from overlap_spec.spec.relation import RequestRecord
 from overlap_spec.spec.state import (
     AllocatorView,
     BatchView,
@@ -22,7 +23,7 @@ from overlap_spec.spec.state import (
     ObservationPoint,
     RequestView,
 )
-from overlap_spec.spec.units import PoolRow, RequestId, SlotId, TokenCount
+from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, TokenCount
 
 if TYPE_CHECKING:
     from overlap_spec.reference.req import Req
@@ -44,15 +45,33 @@ class Refinement:
         self.observer = observer
         self.races_seen = 0
         self.checked_seen = 0
+        # Per request: the record, row and pages its last view was built from, and the view.
+        self._views: dict[RequestId, tuple[RequestRecord, tuple[SlotId, ...],
+                                           tuple[PageId, ...], RequestView]] = {}
 
     def get_request_view(self, req: Req) -> RequestView:
-        g = req.ghost
+        """The request's view; the previous one again when nothing it reads changed (the
+        record is immutable, so the same object is the same state; the row and the pages
+        are compared by value). This runs for every request at every observation point."""
+        state = req.state
         row: tuple[SlotId, ...] = ()
-        if req.req_pool_idx is not None and req.holds_kv:
-            values = self.rt.req_to_token.rows[req.req_pool_idx][: max(req.kv_allocated_len, 0)]
-            # SlotId is a NewType (the identity at run time): a cast, not a per-slot call,
-            # because this runs for every request at every observation point.
+        if state.req_pool_idx is not None and state.holds_kv:
+            values = self.rt.req_to_token.rows[state.req_pool_idx][
+                : max(state.kv_allocated_len, 0)]
+            # SlotId is a NewType (the identity at run time): a cast, not a per-slot call.
             row = cast("tuple[SlotId, ...]", tuple(values))
+        pages = tuple(req.pages)
+        previous = self._views.get(state.rid)
+        if (previous is not None and previous[0] is state and previous[1] == row
+                and previous[2] == pages):
+            return previous[3]
+        view = self._build_request_view(req, row, pages)
+        self._views[state.rid] = (state, row, pages, view)
+        return view
+
+    def _build_request_view(self, req: Req, row: tuple[SlotId, ...],
+                            pages: tuple[PageId, ...]) -> RequestView:
+        g = req.ghost
         return RequestView(
             rid=req.rid,
             prompt_len=req.prompt_len,
@@ -66,7 +85,7 @@ class Refinement:
             waiting=req.waiting,
             holds_kv=req.holds_kv,
             row_slots=row,
-            owned_pages=tuple(req.pages),
+            owned_pages=pages,
             release_count=req.release_count,
             cached_len=req.cached_len,
             committed_at_release=req.committed_at_release,
