@@ -9,6 +9,7 @@ the happens-before record found since the previous observation.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from overlap_spec.reference.runtime import Runtime
@@ -48,6 +49,18 @@ class Refinement:
         # Per request: the record, row and pages its last view was built from, and the view.
         self._views: dict[RequestId, tuple[RequestRecord, tuple[SlotId, ...],
                                            tuple[PageId, ...], RequestView]] = {}
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The view cache is not state: a copy (the exhaustive tier's pickled states, its
+        # state keys) starts without it, so equal states pickle equal whatever was viewed.
+        return {k: v for k, v in self.__dict__.items() if k != "_views"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # Names interned, as pickle's default restore does: a copy must pickle exactly as
+        # the original (shared strings are memoised), or equal states get different keys.
+        for name, value in state.items():
+            setattr(self, sys.intern(name), value)
+        self._views = {}
 
     def get_request_view(self, req: Req) -> RequestView:
         """The request's view; the previous one again when nothing it reads changed (the
