@@ -53,6 +53,7 @@ from overlap_spec.spec.transitions import (
     compute_pages_for_len,
     compute_retraction_order,
     compute_run_len,
+    is_next_output_finishing_by_length,
 )
 from overlap_spec.spec.units import RequestId, StepId, TokenCount
 
@@ -215,15 +216,17 @@ class Scheduler:
             last.filter_batch()
             if not last.is_empty():
                 self._merge_into_running(last)
+        running = self.running_batch
+        if not self.config.cell.overshoot and running is not None:
+            running.filter_batch()  # the release: at every step, before admission
         if choices.allow_prefill:
             new_batch = self.get_new_batch_prefill()
             if new_batch is not None:
                 return new_batch
-        running = self.running_batch
         if running is None or running.is_empty():
             return None
-        self.update_running_batch(running, choices.retract)
-        return None if running.is_empty() else running
+        decodes = self.update_running_batch(running, choices.retract)
+        return running if decodes and not running.is_empty() else None
 
     def _merge_into_running(self, batch: ScheduleBatch) -> None:
         if self.running_batch is None or self.running_batch.is_empty():
@@ -281,13 +284,33 @@ class Scheduler:
         chosen = self._choose_admissions(prebuilt=False)
         return ScheduleBatch.prepare_for_extend(self.rt, chosen) if chosen else None
 
-    def update_running_batch(self, batch: ScheduleBatch, forced_retracts: int) -> None:
-        batch.filter_batch()
+    def update_running_batch(self, batch: ScheduleBatch, forced_retracts: int) -> bool:
+        """False: no decode this step (only requests the queued result finishes by
+        length are short of KV, and that result frees theirs)."""
+        finishing = self._reqs_finishing_inflight(batch)
+        left_out = {id(req) for req in finishing}
+        batch.filter_batch([j for j, req in enumerate(batch.reqs)
+                            if not req.finished() and id(req) not in left_out])
         if batch.is_empty():
-            return
+            return False
+        if finishing and sum(self._decode_pages_needed(batch)) > get_available_pages(self.rt):
+            return False
         self.retract_decode(batch, forced_retracts)
-        if not batch.is_empty():
-            batch.prepare_for_decode()
+        if batch.is_empty():
+            return False
+        batch.prepare_for_decode()
+        return True
+
+    def _reqs_finishing_inflight(self, batch: ScheduleBatch) -> list[Req]:
+        """``Scheduler._reqs_finishing_inflight``: members of the queued result's batch
+        that one more output token finishes by length (overlap only)."""
+        if not self.config.cell.skips_finishing_decode or not self.result_queue:
+            return []
+        queued = self.result_queue[0].batch.reqs
+        return [req for req in batch.reqs
+                if any(req is other for other in queued) and not req.finished()
+                and is_next_output_finishing_by_length(len(req.output_ids),
+                                                       req.max_new_tokens)]
 
     def retract_decode(self, batch: ScheduleBatch, forced: int) -> None:
         """Retract until the next decode fits, plus ``forced`` more; keep at least one.
@@ -295,11 +318,7 @@ class Scheduler:
         Victims in ``transitions.compute_retraction_order``: the release's policy sort
         (#32023), or from the back of the batch in the pre-claim era's spec cells.
         """
-        seq_lens: list[int | None] = [None] * len(batch.reqs)
-        if not self.config.cell.is_spec:
-            seq_lens = list(batch.get_seq_lens_host())
-        needs = [get_decode_pages_needed(self.rt, req, s)
-                 for req, s in zip(batch.reqs, seq_lens, strict=True)]
+        needs = self._decode_pages_needed(batch)
         if forced == 0 and sum(needs) <= get_available_pages(self.rt):
             return
         order = compute_retraction_order(self.config.cell,
@@ -318,8 +337,15 @@ class Scheduler:
             raise ConfigurationError(
                 f"{self.config.name}: one request does not fit the KV pool; enlarge the preset")
         if retracted:
-            batch.filter_batch(keep_indices=sorted(order))
+            batch.filter_batch(keep_indices=order)  # in the policy's order
             self.waiting_queue.extend(retracted)
+
+    def _decode_pages_needed(self, batch: ScheduleBatch) -> list[int]:
+        seq_lens: list[int | None] = [None] * len(batch.reqs)
+        if not self.config.cell.is_spec:
+            seq_lens = list(batch.get_seq_lens_host())
+        return [get_decode_pages_needed(self.rt, req, s)
+                for req, s in zip(batch.reqs, seq_lens, strict=True)]
 
     def release_req(self, req: Req) -> None:
         release_kv_cache(self.rt, req, is_insert=False)

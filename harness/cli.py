@@ -238,8 +238,8 @@ def cmd_cells(args: argparse.Namespace) -> int:
     if args.switches:
         from overlap_spec.spec.config import get_departures
 
-        rows = [("cell", "overlap", "page", "spec", "host mirror", "claim", "reserve",
-                 "design")]
+        rows: list[tuple[str, ...]] = [("cell", "overlap", "page", "spec", "host mirror",
+                                        "claim", "reserve", "length finish", "design")]
         for cell in enumerate_cells():
             departures = get_departures(cell)
             rows.append((cell.name, "yes" if cell.overlap else "no", str(cell.page_size),
@@ -247,6 +247,7 @@ def cmd_cells(args: argparse.Namespace) -> int:
                          ("yes" if cell.needs_cpu_seq_lens else "no") if cell.is_spec else "-",
                          ("pre-claim" if cell.preclaim else "honest") if cell.is_spec else "-",
                          ("rung" if cell.rung_reserve else "2A(max)") if cell.is_spec else "-",
+                         ("overshoot" if cell.overshoot else "skip") if cell.overlap else "-",
                          "; ".join(departures) or "release"))
         _print_table(rows)
         print("release: sglang 0.5.23's design; the differences the model keeps from it are "

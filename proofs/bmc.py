@@ -553,13 +553,17 @@ class _Builder:
         self.snapshot()
         self.check_state(i, label)
 
-    def filter_running(self, when: Term) -> None:
-        """filter_batch on the running batch: drop finished; sum reset if anything left."""
-        removed = zs.Or(*[zs.And(when, r["in_running_batch"], r["finished"]) for r in self.reqs])
-        for r in self.reqs:
-            r["in_running_batch"] = zs.And(
-                r["in_running_batch"], zs.Not(zs.And(when, r["finished"]))
-            )
+    def filter_running(self, when: Term, leave_out: list[Term] | None = None) -> None:
+        """filter_batch on the running batch: drop finished (and ``leave_out``); sum reset
+        if anything left."""
+        drop = [
+            zs.And(when, zs.Or(r["finished"], leave_out[b]) if leave_out else r["finished"])
+            for b, r in enumerate(self.reqs)
+        ]
+        removed = zs.Or(*[zs.And(r["in_running_batch"], d) for r, d in zip(self.reqs, drop,
+                                                                            strict=True)])
+        for r, d in zip(self.reqs, drop, strict=True):
+            r["in_running_batch"] = zs.And(r["in_running_batch"], zs.Not(d))
         if not self.ctx.has("B1"):
             self.glob["running_sum_present"] = zs.And(
                 self.glob["running_sum_present"], zs.Not(removed)
@@ -637,6 +641,11 @@ class _Builder:
         )  # consumed
         self.snapshot()
         self.check_state(i, "merge_batch")
+        if not ctx.config.cell.overshoot:
+            # The release filters the running batch at every step, before admission.
+            self.filter_running(zs.BoolVal(True))
+            self.snapshot()
+            self.check_state(i, "filter_batch(every step)")
         # 2a. prefill first: FIFO admissions while the cap, a row and the pages fit.
         running = _count([r["in_running_batch"] for r in self.reqs])
         free_rows = self.rows - _count([r["holds_kv"] for r in self.reqs])
@@ -684,11 +693,34 @@ class _Builder:
         self.check_state(i, "prepare_for_extend")
         # 2b. otherwise the decode path: filter, retract, prepare_for_decode.
         decode = zs.And(zs.Not(prefill), zs.Or(*[r["in_running_batch"] for r in self.reqs]))
-        self.filter_running(decode)
+        finishing: list[Term] = []
+        if ctx.config.cell.skips_finishing_decode:
+            # _reqs_finishing_inflight: a member of the queued result's batch (a pending
+            # result) that one more output token finishes by length sits out the decode.
+            finishing = [
+                zs.And(
+                    decode,
+                    r["in_running_batch"],
+                    zs.Not(r["finished"]),
+                    pending[b],
+                    lift(tr.is_next_output_finishing_by_length, r["output_len"],
+                         r["max_new_tokens"]),
+                )
+                for b, r in enumerate(self.reqs)
+            ]
+        self.filter_running(decode, finishing)
         self.snapshot()
         self.check_state(i, "filter_batch")
         decode = zs.And(decode, zs.Or(*[r["in_running_batch"] for r in self.reqs]))
-        self.retract_decode(i, decode, forced, rung)
+        if finishing:
+            # Short of KV with such requests left out: no decode this step (their result
+            # frees KV at its end) instead of a retraction.
+            fits = zs.Sum(
+                [zs.If(r["in_running_batch"], self.decode_pages_needed(r, rung), 0)
+                 for r in self.reqs]
+            ) <= self.available_pages()
+            decode = zs.And(decode, zs.Not(zs.And(zs.Or(*finishing), zs.Not(fits))))
+        self.retract_decode(i, decode, forced, rung, now)
         for r in self.reqs:
             r["in_running_batch"] = zs.And(r["in_running_batch"], zs.Not(r["is_retracted"]))
         self.snapshot()
@@ -751,8 +783,10 @@ class _Builder:
             )
         )
 
-    def retract_decode(self, i: int, decode: Term, forced: Term, rung: Term) -> None:
-        """Victims in retract order until the rest fits, plus ``forced``; keep one."""
+    def retract_decode(self, i: int, decode: Term, forced: Term, rung: Term, now: Term) -> None:
+        """Victims in retract order until the rest fits, plus ``forced``; keep one; the
+        kept requests then stand in the policy's order (``filter_batch(keep_indices=
+        sorted_indices)``)."""
         ctx = self.ctx
         reqs = self.reqs
         n = len(reqs)
@@ -812,6 +846,14 @@ class _Builder:
                 waiting_order=self.glob["waiting_counter"] + position,
             )
             posts.append(_ite(victims[b], post, r))
+        # After a retraction the kept requests are renumbered in the policy's order: b's
+        # rank is the number of kept requests the policy prefers to it.
+        reorder = zs.Or(*victims)
+        for b, post in enumerate(posts):
+            rank = _count([zs.And(kept[c], before(b, c)) for c in range(n) if c != b])
+            post["running_order"] = zs.If(
+                zs.And(reorder, kept[b]), _ORDER_STRIDE * now + rank, post["running_order"]
+            )
         self.reqs = posts
         # The rest fits, else ConfigurationError in the reference: excluded, a preset
         # error (module header). Stated over the post records (a kept request's post is

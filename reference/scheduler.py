@@ -54,6 +54,7 @@ from overlap_spec.spec.transitions import (
     compute_pages_for_len,
     compute_retraction_order,
     compute_run_len,
+    is_next_output_finishing_by_length,
 )
 from overlap_spec.spec.units import PoolRow, RequestId, StepId, TokenCount
 
@@ -208,14 +209,21 @@ class Scheduler:
                 else:
                     self.running_batch.merge_batch(last)
                     self._observe_batch(ObservationPoint.MERGE_BATCH, self.running_batch)
+        running = self.running_batch
+        if not self.config.cell.overshoot and running is not None and running.reqs:
+            # The release filters at every step, before admission counts the batch.
+            before = len(running.reqs)
+            running.filter_batch()
+            if len(running.reqs) != before:
+                self._observe_batch(ObservationPoint.FILTER_BATCH, running)
         if choices.allow_prefill:
             new_batch = self.get_new_batch_prefill()
             if new_batch is not None:
                 return new_batch
-        if self.running_batch is not None and not self.running_batch.is_empty():
-            self.update_running_batch(self.running_batch, choices.retract)
-            if not self.running_batch.is_empty():
-                return self.running_batch
+        if running is not None and not running.is_empty():
+            decodes = self.update_running_batch(running, choices.retract)
+            if decodes and not running.is_empty():
+                return running
         return None
 
     def _choose_admissions(self, prebuilt: bool) -> list[Req]:
@@ -284,16 +292,36 @@ class Scheduler:
         self._observe_batch(ObservationPoint.PREPARE_FOR_EXTEND, batch)
         return batch
 
-    def update_running_batch(self, batch: ScheduleBatch, forced_retracts: int) -> None:
-        batch.filter_batch()
+    def update_running_batch(self, batch: ScheduleBatch, forced_retracts: int) -> bool:
+        """Filter, retract, prepare the decode; False: no decode this step (the release
+        returns None when only the requests left out below are short of KV)."""
+        finishing = self._reqs_finishing_inflight(batch)
+        batch.filter_batch([j for j, req in enumerate(batch.reqs)
+                            if not req.finished() and j not in finishing])
         self._observe_batch(ObservationPoint.FILTER_BATCH, batch)
         if batch.is_empty():
-            return
+            return False
+        if finishing and not self._fits(batch, set(range(len(batch.reqs)))):
+            return False  # their queued result frees KV at the end of this step
         self.retract_decode(batch, forced_retracts)
         if batch.is_empty():
-            return
+            return False
         batch.prepare_for_decode()
         self._observe_batch(ObservationPoint.PREPARE_FOR_DECODE, batch)
+        return True
+
+    def _reqs_finishing_inflight(self, batch: ScheduleBatch) -> set[int]:
+        """Positions of the requests the queued result finishes by length (overlap only:
+        ``next_output_finishes_by_length`` of a member of the last launched batch)."""
+        if not self.config.cell.skips_finishing_decode or not self.result_queue:
+            return set()
+        queued = {id(req) for req in self.result_queue[0].batch.reqs}
+        return {j for j, req in enumerate(batch.reqs)
+                if id(req) in queued and not req.finished()
+                and is_next_output_finishing_by_length(len(req.output_ids), req.max_new_tokens)}
+
+    def _fits(self, batch: ScheduleBatch, keep: set[int]) -> bool:
+        return self._pages_needed_for(batch, keep) <= get_available_pages(self.rt)
 
     def retract_decode(self, batch: ScheduleBatch, forced: int) -> None:
         """Retract until the next decode fits, plus ``forced`` more; keep at least one.
@@ -301,9 +329,7 @@ class Scheduler:
         Victims in ``transitions.compute_retraction_order``: the release's policy sort
         (#32023), or from the back of the batch in the pre-claim era's spec cells.
         """
-        everyone = set(range(len(batch.reqs)))
-        fits = self._pages_needed_for(batch, everyone) <= get_available_pages(self.rt)
-        if forced == 0 and fits:
+        if forced == 0 and self._fits(batch, set(range(len(batch.reqs)))):
             return
         retracted: list[Req] = []
         order = compute_retraction_order(self.config.cell,
@@ -312,19 +338,19 @@ class Scheduler:
         keep = set(order)
         while len(keep) > 1 and (
             forced > len(retracted)
-            or self._pages_needed_for(batch, keep) > get_available_pages(self.rt)
+            or not self._fits(batch, keep)
         ):
             victim = order.pop()
             keep.discard(victim)
             req = batch.reqs[victim]
             self.release_req(req)
             retracted.append(req)
-        if self._pages_needed_for(batch, keep) > get_available_pages(self.rt):
+        if not self._fits(batch, keep):
             raise ConfigurationError(
                 f"{self.config.name}: one request does not fit the KV pool; enlarge the preset")
         if not retracted:
             return
-        batch.filter_batch(keep_indices=sorted(keep))
+        batch.filter_batch(keep_indices=order)  # the policy's order, as the release keeps it
         self.waiting_queue.extend(retracted)
         self._observe_batch(ObservationPoint.RETRACT_DECODE, batch)
 

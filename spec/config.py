@@ -11,11 +11,21 @@ Upstream sources: ``scheduler.py`` (``enable_overlap``), ``eagle_info_v2.py``
 (bonus pre-claim on / off), PR 26866 (topk > 1 with page_size 1 only), PR 26354 (the
 decode reserve is ``2 * A`` of the widest rung, whatever the adaptive rung).
 
-Defaults are sglang 0.5.23's. Two switches name what the release does not do:
+Defaults are sglang 0.5.23's. Three switches name what the release does not do:
 
 - ``preclaim``: an era (2026-04 to 06, PR 23456 until PR 28754 removed it). Its spec
   cells also retract from the back of the batch, as spec did before PR 32023
-  (2026-07-23); they keep the release's reserve (PR 26354 landed inside the era).
+  (2026-07-23); they keep the release's reserve (PR 26354 landed inside the era). Its
+  overlap cells are also ``overshoot`` cells: the era decoded past a length finish
+  (#24590, reported 2026-05-07 against the then-latest code).
+- ``overshoot``: an era, the overlap loop before 0.5.23's ``enable_skip_finishing_decode``
+  (``scheduler.py:2063``, ``_reqs_finishing_inflight`` ``:4444``): the running batch is
+  filtered only when it decodes, and a request whose queued result finishes it by length
+  is decoded once more (the overshoot tick of #24590; #18301 proposed the skip). The
+  release filters the running batch at every step (``:3963``) and leaves such a request
+  out of the decode, skipping the decode instead of retracting when only those
+  requests' KV is missing. Besides the pre-claim era's overlap cells, one non-spec cell
+  (page 1) keeps it.
 - ``rung_reserve``: a proposal (the ``efschu/htsglang`` fork's task #486): reserve the
   lag bound plus ``A`` of the *current* rung instead of ``2 * A`` of the widest. It is
   at most the release's reserve, and the only setting where the reserve shrinks on an
@@ -58,6 +68,14 @@ class Cell:
     needs_cpu_seq_lens: bool
     preclaim: bool
     rung_reserve: bool = False  # the proposal: lag bound + A(current rung), not 2 * A(max)
+    overshoot: bool = False  # the era before the finishing-decode skip and every-step filter
+
+    @property
+    def skips_finishing_decode(self) -> bool:
+        """The release's overlap loop: a request whose queued result finishes it by length
+        is left out of the next decode. (Every cell but an ``overshoot`` one also filters
+        the running batch at every step, as the release's ``get_next_batch_to_run`` does.)"""
+        return self.overlap and not self.overshoot
 
     @property
     def is_spec(self) -> bool:
@@ -81,6 +99,8 @@ class Cell:
             parts.append("preclaim" if self.preclaim else "honest")
         if self.rung_reserve:
             parts.append("rungreserve")
+        if self.overshoot and not self.preclaim:  # the pre-claim era implies it
+            parts.append("overshoot")
         return "-".join(parts)
 
 
@@ -247,6 +267,10 @@ def get_departures(cell: Cell) -> tuple[str, ...]:
     if cell.preclaim:
         departures.append("era: the 2026-04..06 bonus pre-claim (PR 23456; PR 28754 removed "
                           "it), spec retracting from the back (before PR 32023)")
+    if cell.overshoot:
+        departures.append("era: the overshoot decode, a request its queued result finishes by "
+                          "length decoded once more, the running batch filtered only when it "
+                          "decodes (before 0.5.23's enable_skip_finishing_decode; #24590)")
     if cell.rung_reserve:
         departures.append("proposal: the rung reserve, lag bound + A of the current rung "
                           "(the efschu/htsglang fork's task #486)")
@@ -266,6 +290,9 @@ def is_valid_cell(cell: Cell) -> bool:
     if cell.rung_reserve and not (cell.spec_mode is SpecMode.V2_CHAIN and cell.page_size == 1
                                   and cell.needs_cpu_seq_lens and not cell.preclaim):
         return False  # the proposal's cells vary only what the reserve depends on
+    if cell.overshoot != (cell.overlap and (cell.preclaim or (
+            not cell.is_spec and cell.page_size == 1 and cell.overshoot))):
+        return False  # overlap only; every pre-claim overlap cell; else ov-p1-none alone
     return True
 
 
@@ -281,9 +308,11 @@ def enumerate_cells() -> tuple[Cell, ...]:
                 for needs_cpu in (True, False):
                     for preclaim in (False, True):
                         for rung_reserve in (False, True):
-                            cell = Cell(overlap, page, mode, needs_cpu, preclaim, rung_reserve)
-                            if is_valid_cell(cell):
-                                cells.append(cell)
+                            for overshoot in (False, True):
+                                cell = Cell(overlap, page, mode, needs_cpu, preclaim,
+                                            rung_reserve, overshoot)
+                                if is_valid_cell(cell):
+                                    cells.append(cell)
     return tuple(cells)
 
 

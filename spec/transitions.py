@@ -48,6 +48,17 @@ def compute_fill_len(prompt_len: int, output_len: int) -> TokenCount:
     return TokenCount(prompt_len + output_len)
 
 
+# --- update_running_batch ------------------------------------------------------
+def is_next_output_finishing_by_length(output_len: int, max_new_tokens: int) -> bool:
+    """``Req.next_output_finishes_by_length``: one more output token reaches the cap.
+
+    Under overlap (``Cell.skips_finishing_decode``) a member of the queued result's
+    batch for which this holds is left out of the next decode: that result commits at
+    least one token, so it finishes the request by length whatever it accepts.
+    """
+    return output_len + 1 >= max_new_tokens
+
+
 # --- prepare_for_decode --------------------------------------------------------
 def compute_decode_seq_len_ns(seq_len: int) -> int:
     """Non-spec decode: seq_lens' = seq_lens + 1; the pre-claimed slot is at column seq_lens."""

@@ -71,9 +71,16 @@ def _random_run(config: ModelConfig, rng: random.Random) -> Run:
             disable_overlap=config.cell.overlap and rng.random() < 0.15,
             spec_steps=rung,
             eos_offset=rng.randrange(config.max_accept_len)))
+    return _run_on_reference(config, admit_at, prompt_len, max_new, choices)
+
+
+def _run_on_reference(config: ModelConfig, admit_at: list[int], prompt_len: list[int],
+                      max_new: list[int], choices: list[IterationChoices]) -> Run:
+    preset = config.preset
     ops: list[Op] = []
-    for i in range(DEPTH):
-        ops += [Admit(prompt_len[b], max_new[b]) for b in range(REQUESTS) if admit_at[b] == i]
+    for i in range(len(choices)):
+        ops += [Admit(prompt_len[b], max_new[b]) for b in range(len(admit_at))
+                if admit_at[b] == i]
         ops.append(Iterate(choices[i]))
     script = Script(config.cell.name, preset.name, ops)
     model = Scheduler(config, frozenset(), None)
@@ -90,7 +97,8 @@ def _random_run(config: ModelConfig, rng: random.Random) -> Run:
 def _pin(unrolling: bmc.Unrolling, run: Run, config: ModelConfig) -> list[zs.Term]:
     """The run's admissions and choices as constraints on the unrolling."""
     pins: list[zs.Term] = []
-    for b in range(REQUESTS):
+    requests = len(run.admit_at)
+    for b in range(requests):
         pins += [unrolling.admit_at[b] == run.admit_at[b],
                  unrolling.prompt_len[b] == run.prompt_len[b],
                  unrolling.max_new_tokens[b] == run.max_new_tokens[b]]
@@ -99,10 +107,10 @@ def _pin(unrolling: bmc.Unrolling, run: Run, config: ModelConfig) -> list[zs.Ter
         pins += [it.allow_prefill == c.allow_prefill, it.retract == c.retract,
                  it.disable_overlap == c.disable_overlap, it.rung == c.spec_steps,
                  it.eos_offset == c.eos_offset]
-        for b in range(REQUESTS):
+        for b in range(requests):
             # Batch position: launched requests ordered by their order key.
             position = zs.Sum([zs.If(zs.And(it.launched[c2], it.order[c2] < it.order[b]), 1, 0)
-                               for c2 in range(REQUESTS) if c2 != b])
+                               for c2 in range(requests) if c2 != b])
             per_position = []
             for j in range(config.preset.max_running_requests):
                 accept = c.get_accept_len(j, 1 << 20)
@@ -127,7 +135,7 @@ def _compare(run: Run, unrolling: bmc.Unrolling, model: object) -> list[str]:
     differences = []
     for i, state in enumerate(run.states):
         rids = sorted(state)
-        admitted = [b for b in range(REQUESTS) if run.admit_at[b] <= i]
+        admitted = [b for b in range(len(run.admit_at)) if run.admit_at[b] <= i]
         assert len(rids) == len(admitted), (rids, admitted)
         for b, rid in zip(admitted, rids, strict=True):
             ref = state[rid]
@@ -174,6 +182,32 @@ def _disagreements(cell: str, faults: frozenset[str] = frozenset(),
                 problems.append("\n".join(differences[:10]) + "\n" + where)
             compared += sum(len(s) for s in run.states)
     return problems, compared
+
+
+def _check_pinned(run: Run, config: ModelConfig, faults: frozenset[str] = frozenset()
+                  ) -> list[str]:
+    unrolling = bmc.build_unrolling(Context(config, faults), len(run.choices),
+                                    len(run.admit_at))
+    solver = zs.Preprocessed(60_000)
+    solver.add(*unrolling.constraints)
+    outcome = solver.check(_pin(unrolling, run, config))
+    assert outcome.verdict == zs.SATISFIABLE, outcome.verdict
+    return _compare(run, unrolling, outcome.raw_model)
+
+
+def test_a_retraction_leaves_the_batch_in_the_policy_order() -> None:
+    """Three requests, prompts 3, 1, 5: a forced retraction takes r2 (longest prompt) and
+    leaves r1 before r0 (the release's filter_batch(keep_indices=sorted_indices)), so the
+    next iteration's EOS at position 0 finishes r1, in the BMC as in the reference."""
+    config = ModelConfig(get_cell("ov-p1-none"), PRESETS["minimal"])
+    plain = IterationChoices()
+    choices = [plain, IterationChoices(retract=1), plain,
+               IterationChoices(eos_positions=frozenset({0})), plain]
+    run = _run_on_reference(config, [0, 0, 0], [3, 1, 5], [8, 8, 8], choices)
+    final = run.states[-1]
+    assert [final[RequestId(b)].status for b in range(3)] == ["running", "finished",
+                                                              "running"]
+    assert not _check_pinned(run, config)
 
 
 @pytest.mark.parametrize("cell", CELLS)

@@ -17,7 +17,7 @@ from overlap_spec.spec.config import (
 def test_every_cell_is_valid_named_once_and_covers_each_switch() -> None:
     cells = enumerate_cells()
     names = [c.name for c in cells]
-    assert len(names) == len(set(names)) == 24
+    assert len(names) == len(set(names)) == 25
     assert {c.spec_mode for c in cells} == set(SpecMode)
     assert {c.overlap for c in cells} == {True, False}
     assert {c.page_size for c in cells} == {1, 4}
@@ -25,6 +25,9 @@ def test_every_cell_is_valid_named_once_and_covers_each_switch() -> None:
     assert any(c.preclaim for c in cells)
     assert [c.name for c in cells if c.rung_reserve] == [
         "ov-p1-v2chain-cpu-honest-rungreserve", "nov-p1-v2chain-cpu-honest-rungreserve"]
+    # the overshoot era: every pre-claim overlap cell, and one non-spec cell by name
+    assert [c.name for c in cells if c.overshoot and not c.preclaim] == ["ov-p1-none-overshoot"]
+    assert all(c.overshoot == c.overlap for c in cells if c.preclaim)
 
 
 def test_tree_mode_only_with_page_size_one() -> None:
@@ -40,6 +43,8 @@ def test_irrelevant_switches_take_the_canonical_value() -> None:
         if cell.rung_reserve:  # the proposal varies only what the reserve depends on
             assert cell.spec_mode is SpecMode.V2_CHAIN and cell.page_size == 1
             assert cell.needs_cpu_seq_lens and not cell.preclaim
+        if cell.overshoot:  # an overlap era
+            assert cell.overlap and not cell.skips_finishing_decode
 
 
 def test_get_cell_names_the_valid_cells_on_error() -> None:
@@ -86,4 +91,5 @@ def test_cells_switches_names_each_era_and_proposal(capsys: pytest.CaptureFixtur
         line = rows[cell.name]
         assert ("PR 28754" in line) == cell.preclaim
         assert ("task #486" in line) == cell.rung_reserve
+        assert ("enable_skip_finishing_decode" in line) == cell.overshoot
         assert line.endswith("release") == (not get_departures(cell))

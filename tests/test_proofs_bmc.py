@@ -128,11 +128,10 @@ def test_z3_column_kills_every_bug_with_a_replaying_script(tmp_path: Path) -> No
     assert {bug for bug, _ in gpu_missed} <= {"B1", "B7"}, gpu_missed
 
 
-def test_counterexample_decodes_to_the_script_it_describes() -> None:
-    """A handmade bounded query (B11 in ov-p1-none, one request admitted before iteration
-    0 with prompt 2 and budget 1, default choices) decodes into exactly those operations,
-    and the model's verdict is the reference's."""
-    ctx = Context(ModelConfig(get_cell("ov-p1-none"), MINIMAL), frozenset({"B11"}))
+def _solve_one_request_budget_one(cell: str) -> tuple[bmc.Unrolling, zs.Outcome]:
+    """B11, one request admitted before iteration 0 with prompt 2 and budget 1, default
+    choices, two iterations."""
+    ctx = Context(ModelConfig(get_cell(cell), MINIMAL), frozenset({"B11"}))
     unrolling = bmc.build_unrolling(ctx, 2, 1)
     pins = [
         unrolling.admit_at[0] == 0,
@@ -152,8 +151,16 @@ def test_counterexample_decodes_to_the_script_it_describes() -> None:
     solver.add(*unrolling.constraints)
     outcome = solver.check(pins)
     assert outcome.verdict == zs.SATISFIABLE
+    return unrolling, outcome
+
+
+def test_counterexample_decodes_to_the_script_it_describes() -> None:
+    """A handmade bounded query (B11 in the overshoot era's ov-p1-none-overshoot) decodes
+    into exactly those operations, and the model's verdict is the reference's."""
+    cell = "ov-p1-none-overshoot"
+    unrolling, outcome = _solve_one_request_budget_one(cell)
     result = bmc.BmcResult(
-        "ov-p1-none",
+        cell,
         2,
         1,
         zs.COUNTEREXAMPLE,
@@ -162,22 +169,35 @@ def test_counterexample_decodes_to_the_script_it_describes() -> None:
         raw_model=outcome.raw_model,
     )
     script = decode_counterexample(result, ("B11",))
-    assert script.cell == "ov-p1-none" and script.faults == ("B11",)
+    assert script.cell == cell and script.faults == ("B11",)
     assert isinstance(script.ops[0], Admit) and script.ops[0] == Admit(2, 1)
     iterations = [op for op in script.ops if isinstance(op, Iterate)]
     assert len(iterations) == 2
     first = iterations[0].choices
     assert first.allow_prefill and first.retract == 0 and first.accept_lens == (1,)
     assert not first.eos_positions and not first.disable_overlap
-    # The decoded run is the one the model describes: the overlap loop prepares a decode
-    # (the overshoot tick) before the prefill's result finishes the request, so with B11
-    # the model violates KV9 at the finish release, and so does the reference.
+    # The decoded run is the one the model describes: the era's overlap loop prepares a
+    # decode (the overshoot tick) before the prefill's result finishes the request, so
+    # with B11 the model violates KV9 at the finish release, and so does the reference.
     fired = {
         v.invariant for v in unrolling.violations if zs.evaluate(outcome.raw_model, v.term) is True
     }
     assert "KV9" in fired, fired
     replays, found, message = replay_counterexample(script, get_bug("B11").invariants)
     assert replays and found == "KV9", message
+
+
+def test_the_release_skips_the_decode_its_queued_result_finishes() -> None:
+    """The same run in ov-p1-none (the release: enable_skip_finishing_decode): the queued
+    prefill result finishes the request by length, so iteration 1 launches nothing, no
+    overshoot slot is committed and B11 has nothing to cache."""
+    unrolling, outcome = _solve_one_request_budget_one("ov-p1-none")
+    launched = [zs.evaluate(outcome.raw_model, term) for term in unrolling.iterations[1].launched]
+    assert launched == [False]
+    fired = {
+        v.invariant for v in unrolling.violations if zs.evaluate(outcome.raw_model, v.term) is True
+    }
+    assert not fired, fired
 
 
 def test_unknown_is_not_a_pass() -> None:

@@ -58,6 +58,9 @@ def is_drivable(config: ModelConfig) -> str | None:
     cell = config.cell
     if cell.preclaim:
         return "the bonus pre-claim is an earlier era (#28754 removed it); 0.5.23 has no such path"
+    if cell.overshoot:
+        return ("the overshoot decode is an earlier era: 0.5.23's overlap loop sets "
+                "enable_skip_finishing_decode (scheduler.py:2063)")
     if cell.rung_reserve:
         return ("the rung reserve is a proposal (a fork's task #486); 0.5.23 reserves 2 * A "
                 "of the widest rung (#26354)")

@@ -138,15 +138,13 @@ def get_known_finding(finding_id: str) -> KnownFinding:
 @dataclass(frozen=True)
 class DivergenceContext:
     """What an allow-list predicate may look at: both states after the operation, and
-    which requests each side retracted during it (a retraction is the one event the
+    which requests the release retracted during it (a retraction is the one event the
     states alone cannot tell apart from a request not yet admitted)."""
 
     reference: ObservableState
     upstream: ObservableState
-    reference_retracted: frozenset[int]
     upstream_retracted: frozenset[int]
     is_spec: bool
-    reference_before: ObservableState | None = None  # the reference before the operation
 
 
 @dataclass(frozen=True)
@@ -172,32 +170,6 @@ def _requests(state: ObservableState) -> dict[int, RequestState]:
     return {int(r.rid): r for r in state.requests}
 
 
-def _overshoot_skipped(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
-    """Some request the release finished got one more decode in the reference: it sits in
-    the reference's launched batch (spec) or committed one more slot (non-spec), or the
-    reference retracted it for that decode."""
-    ref_reqs = _requests(ctx.reference)
-    ref_launched = set(ctx.reference.last_batch.rids) if ctx.reference.last_batch else set()
-    up_launched = set(ctx.upstream.last_batch.rids) if ctx.upstream.last_batch else set()
-    for rid, u in _requests(ctx.upstream).items():
-        r = ref_reqs[rid]
-        if u.status != "finished":
-            continue
-        if r.kv_committed_len == u.kv_committed_len + 1:
-            return True
-        if rid in ref_launched and rid not in up_launched:
-            return True
-        if rid in ctx.reference_retracted and u.output_ids[:len(r.output_ids)] == r.output_ids:
-            return True
-    # The reference reserved decode room for requests whose queued result finished them
-    # (the release skipped them) and so retracted another request the release kept.
-    before = _requests(ctx.reference_before) if ctx.reference_before is not None else {}
-    finished_now = any(u.status == "finished" and before.get(rid) is not None
-                       and before[rid].status == "running"
-                       for rid, u in _requests(ctx.upstream).items())
-    return finished_now and bool(ctx.reference_retracted - ctx.upstream_retracted)
-
-
 def _admission_held_back(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
     """The release left a request waiting (not retracted by this operation) that the
     reference admitted or re-admitted."""
@@ -205,21 +177,6 @@ def _admission_held_back(path: str, ref: Any, up: Any, ctx: DivergenceContext) -
     return any(u.status == "waiting" and ref_reqs[rid].status != "waiting"
                and rid not in ctx.upstream_retracted
                for rid, u in _requests(ctx.upstream).items())
-
-
-def _admitted_past_stale_rows(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
-    """The release admitted a request the reference held back while finished requests
-    still sat in the reference's running batch (counted against max_running_requests)."""
-    before = ctx.reference_before
-    if before is None or before.running is None:
-        return False
-    ref_reqs = _requests(ctx.reference)
-    up_reqs = _requests(ctx.upstream)
-    before_reqs = _requests(before)
-    stale = any(before_reqs[int(rid)].status == "finished" for rid in before.running.rids)
-    admitted = any(r.status == "waiting" and up_reqs[rid].status != "waiting"
-                   for rid, r in ref_reqs.items())
-    return stale and admitted
 
 
 def _stale_rows_counted(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
@@ -233,30 +190,6 @@ def _finish_keeps_more(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> 
     return both_finished and isinstance(up, int) and isinstance(ref, int) and up > ref
 
 
-def _stale_batch_members(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
-    """The reference's batch still lists requests that finished; without them it is the
-    release's (which filters the running batch at every step)."""
-    name = path.split(".")[0]
-    ref_batch, up_batch = getattr(ctx.reference, name), getattr(ctx.upstream, name)
-    finished = {int(r.rid) for r in ctx.reference.requests if r.status == "finished"}
-    finished &= {int(r.rid) for r in ctx.upstream.requests if r.status == "finished"}
-    ref_rids = set() if ref_batch is None else {int(rid) for rid in ref_batch.rids}
-    up_rids = set() if up_batch is None else {int(rid) for rid in up_batch.rids}
-    return ref_rids != up_rids and ref_rids - finished == up_rids - finished
-
-
-def is_launch_order_different(reference: ObservableState, upstream: ObservableState) -> bool:
-    """Both launched the same requests in a different order (A11)."""
-    ref_batch, up_batch = reference.last_batch, upstream.last_batch
-    if ref_batch is None or up_batch is None:
-        return False
-    return set(ref_batch.rids) == set(up_batch.rids) and ref_batch.rids != up_batch.rids
-
-
-def _launch_order(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
-    return is_launch_order_different(ctx.reference, ctx.upstream)
-
-
 def _sum_not_backfilled(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
     return up is None and ref is not None
 
@@ -264,15 +197,11 @@ def _sum_not_backfilled(path: str, ref: Any, up: Any, ctx: DivergenceContext) ->
 # Retired (the reference now does what the release does; ids are not reused): A1, a
 # release sets kv_allocated_len to 0 (ReqKvInfo.mark_kv_released); A3, a result that feeds
 # no spec metrics reports (0, 0) accept counters; A6, spec retracts by the same policy
-# sort as non-spec (#32023).
+# sort as non-spec (#32023); A2, under overlap a request whose queued result finishes it by
+# length is left out of the next decode (enable_skip_finishing_decode); A7 and A10, the
+# running batch is filtered at every step, before admission counts it; A11, after a
+# retraction the batch stands in the retraction policy's order.
 ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
-    AllowedDivergence(
-        "A2", OPERATION_WIDE,
-        "python/sglang/srt/managers/scheduler.py:4444 (_reqs_finishing_inflight), 2063 "
-        "(event_loop_overlap sets enable_skip_finishing_decode)",
-        "under overlap the release does not decode a request whose queued result finishes it "
-        "by length; the reference models that overshoot decode (D2)",
-        True, _overshoot_skipped),
     AllowedDivergence(
         "A4", r"(running|last_batch)\.seq_lens_sum",
         "python/sglang/srt/model_executor/forward_batch_info.py ForwardBatch.init_new "
@@ -291,14 +220,6 @@ ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
         "reference admits while a row and the prompt's pages are free",
         True, _admission_held_back),
     AllowedDivergence(
-        "A7", OPERATION_WIDE,
-        "python/sglang/srt/managers/scheduler.py:3963 (get_next_batch_to_run filters the "
-        "running batch at every step, before get_new_batch_prefill)",
-        "the release drops finished requests from the running batch before it admits; the "
-        "reference filters only in update_running_batch, so finished requests still count "
-        "against max_running_requests for one more iteration and hold a prefill back",
-        True, _admitted_past_stale_rows),
-    AllowedDivergence(
         "A8", r"accept_counters",
         "python/sglang/srt/managers/scheduler_components/batch_result_processor.py:785, :986",
         "finding U3 seen by the differential: the release's accept counters count the rows "
@@ -313,29 +234,12 @@ ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
         "committed (spec: the whole accepted run) and caches more than the reference, which "
         "cuts the run before committing and caches prompt + output - 1",
         True, _finish_keeps_more),
-    AllowedDivergence(
-        "A10", r"running(\..*)?",
-        "python/sglang/srt/managers/scheduler.py:3963 (get_next_batch_to_run: "
-        "running_batch.filter_batch() at every step)",
-        "the release filters finished requests out of the running batch at every step; the "
-        "reference's batch still lists them until its next update_running_batch (a launched "
-        "batch that differs is A2: the reference decoded them)",
-        True, _stale_batch_members),
-    AllowedDivergence(
-        "A11", OPERATION_WIDE,
-        "python/sglang/srt/managers/schedule_batch.py:3453 (retract_decode keeps the "
-        "policy's order: filter_batch(keep_indices=sorted_indices))",
-        "after a retraction the release's batch is in the retraction policy's order, the "
-        "reference's in batch order: the environment's per-position choices (accept "
-        "lengths, EOS) then land on different requests, so the example ends where the "
-        "launched orders part",
-        True, _launch_order),
 )
 
 
 def get_allowed(path: str, reference_value: Any, upstream_value: Any,
                 ctx: DivergenceContext) -> AllowedDivergence | None:
-    # Entries about one field first; the ones that explain a whole operation (A2, A5, A7, A11:
+    # Entries about one field first; the ones that explain a whole operation (A5:
     # a mechanism whose consequences reach any field) only for what no field entry names.
     ordered = sorted(ALLOWED_DIVERGENCES, key=lambda e: e.field == OPERATION_WIDE)
     for entry in ordered:

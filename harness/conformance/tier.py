@@ -41,7 +41,6 @@ from overlap_spec.harness.conformance.findings import (
     DivergenceContext,
     KnownFinding,
     get_allowed,
-    is_launch_order_different,
     match_finding,
 )
 from overlap_spec.harness.drive.checker import InvariantChecker
@@ -54,7 +53,7 @@ from overlap_spec.harness.drive.stateful import (
     make_machine,
 )
 from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
-from overlap_spec.spec.interface import BatchState, ObservableState
+from overlap_spec.spec.interface import ObservableState
 from overlap_spec.spec.invariants import INVARIANTS, InvariantViolation
 from overlap_spec.spec.state import Observation
 from overlap_spec.spec.units import RequestId
@@ -177,13 +176,13 @@ class _Unexplained(Exception):
 
 
 def normalize_slots(state: ObservableState, page_size: int) -> ObservableState:
-    """Rows with pages renumbered by first appearance (request order), offsets kept, and
-    batches in request-id order.
+    """Rows with pages renumbered by first appearance (request order), offsets kept.
 
     Which free page an allocator hands out is its own business (upstream keeps page 0 as
     padding and sorts its free list on merge); what both must agree on is the layout:
     how many pages each row spans, which positions share a page, and that no two requests
-    share one.
+    share one. Batches are compared as they are, member order included (the reference
+    keeps the retraction policy's order after a retraction, as the release does).
     """
     labels: dict[int, int] = {}
     requests = []
@@ -193,25 +192,7 @@ def normalize_slots(state: ObservableState, page_size: int) -> ObservableState:
             page = labels.setdefault(slot // page_size, len(labels))
             row.append(page * page_size + slot % page_size)
         requests.append(replace(req, req_to_token=tuple(row)))
-    return replace(state, requests=tuple(requests), running=_by_rid(state.running),
-                   last_batch=_by_rid(state.last_batch))
-
-
-def _by_rid(batch: BatchState | None) -> BatchState | None:
-    """A batch with its members in request-id order: the release's retract_decode keeps the
-    retraction policy's order (filter_batch(keep_indices=sorted_indices)), the reference
-    the batch order; which row a request occupies is not a claim either makes."""
-    if batch is None:
-        return None
-    order = sorted(range(len(batch.rids)), key=lambda j: batch.rids[j])
-
-    def pick(values: tuple[int, ...] | None) -> tuple[int, ...] | None:
-        if values is None or len(values) != len(batch.rids):
-            return values
-        return tuple(values[j] for j in order)
-
-    return BatchState(tuple(batch.rids[j] for j in order), pick(batch.seq_lens) or (),
-                      pick(batch.seq_lens_cpu), batch.seq_lens_sum)
+    return replace(state, requests=tuple(requests))
 
 
 def get_differences(reference: ObservableState, upstream: ObservableState, page_size: int = 1
@@ -284,7 +265,6 @@ class UpstreamPair:
         self.upstream = make_upstream(config, frozenset(), None)
         self.ref_admitted: list[RequestId] = []
         self.up_admitted: list[RequestId] = []
-        self.ref_before = self.reference.get_observable_state()
         self.steps = 0
 
     def apply(self, op: Op) -> tuple[list[str], tuple[str, Any, Any] | None, bool]:
@@ -298,18 +278,11 @@ class UpstreamPair:
         apply_op(self.upstream, op, self.up_admitted)
         ref_state = self.reference.get_observable_state()
         up_state = self.upstream.get_observable_state()
-        ref_before, self.ref_before = self.ref_before, ref_state
-        before = {int(r.rid): r.status for r in ref_before.requests}
-        ref_retracted = frozenset(int(r.rid) for r in ref_state.requests
-                                  if r.status == "waiting" and before.get(int(r.rid)) == "running")
-        if is_launch_order_different(ref_state, up_state):
-            return ["A11"], None, True
         differences = get_differences(ref_state, up_state, self.config.page_size)
         if not differences:
             return [], None, False
-        ctx = DivergenceContext(ref_state, up_state, ref_retracted,
-                                self.upstream.retracted_in_operation,
-                                self.config.cell.is_spec, ref_before)
+        ctx = DivergenceContext(ref_state, up_state, self.upstream.retracted_in_operation,
+                                self.config.cell.is_spec)
         used, unexplained = explain(differences, ctx)
         # A field-level difference (a value the two report differently) leaves the runs in
         # step; an operation-wide one means they did different things: comparing further

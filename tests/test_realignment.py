@@ -1,0 +1,115 @@
+"""The release's loop around a length finish and a retraction (issue 12: A2, A7, A10, A11).
+
+sglang 0.5.23's ``event_loop_overlap`` sets ``enable_skip_finishing_decode``: a member of
+the queued result's batch that one more output token finishes by length sits out the
+next decode (``_reqs_finishing_inflight``), and a decode short of KV only because of
+them is skipped rather than retracted; ``get_next_batch_to_run`` filters the running
+batch at every step; ``retract_decode`` leaves the kept requests in the retraction
+policy's order. The ``overshoot`` era cells keep the earlier loop. Each behaviour is
+pinned here in the reference, and gpu_impl must agree op by op.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from overlap_spec.harness.differential.compare import run_differential
+from overlap_spec.harness.drive.script import Admit, AdmitPrebuilt, Iterate, Script
+from overlap_spec.reference.scheduler import Scheduler
+from overlap_spec.spec.config import MINIMAL, ModelConfig, get_cell
+from overlap_spec.spec.state import IterationChoices
+
+
+def _run(cell: str, admissions: list[tuple[int, int]], iterations: int) -> Scheduler:
+    scheduler = Scheduler(ModelConfig(get_cell(cell), MINIMAL))
+    for prompt_len, max_new_tokens in admissions:
+        scheduler.admit(prompt_len, max_new_tokens)
+    for _ in range(iterations):
+        scheduler.run_iteration(IterationChoices())
+    return scheduler
+
+
+@pytest.mark.parametrize(("cell", "launches", "committed"), [
+    ("ov-p1-none", 2, 3),  # prefill, one decode; the queued decode result finishes it
+    ("ov-p1-none-overshoot", 3, 4),  # the era decodes it once more (#24590)
+    ("ov-p1-v2chain-cpu-honest", 2, 3),
+    ("ov-p1-v2chain-cpu-preclaim", 3, 3),  # the pre-claim era is an overshoot era
+    ("nov-p1-none", 2, 3),  # without overlap nothing is in flight at scheduling
+])
+def test_a_length_finish_is_decoded_once_more_only_in_the_overshoot_era(
+        cell: str, launches: int, committed: int) -> None:
+    scheduler = Scheduler(ModelConfig(get_cell(cell), MINIMAL))
+    scheduler.admit(2, 2)
+    launched = 0
+    for _ in range(5):
+        scheduler.run_iteration(IterationChoices())
+        launched += scheduler.last_batch is not None
+    request = scheduler.get_observable_state().requests[0]
+    assert (request.status, len(request.output_ids)) == ("finished", 2)
+    assert launched == launches
+    assert request.kv_committed_len == committed
+    assert request.cached_len == 3  # prompt + output - 1 either way
+
+
+# Three requests fill the page-4 pool; at iteration 5 r0's queued result finishes it by
+# length, and r1 and r2 each need a new page with one free.
+SHORT_OF_KV = [Admit(5, 5), Admit(4, 7), AdmitPrebuilt(4, 7)] + [
+    Iterate(IterationChoices()) for _ in range(8)]
+
+
+def test_a_decode_short_of_only_the_finishing_requests_kv_is_skipped_not_retracted() -> None:
+    scheduler = Scheduler(ModelConfig(get_cell("ov-p4-none"), MINIMAL))
+    for op in SHORT_OF_KV[:3]:
+        if isinstance(op, AdmitPrebuilt):
+            scheduler.admit_prebuilt(op.prompt_len, op.max_new_tokens)
+        else:
+            scheduler.admit(op.prompt_len, op.max_new_tokens)
+    launched: list[tuple[int, ...] | None] = []
+    for _ in range(8):
+        scheduler.run_iteration(IterationChoices())
+        assert not scheduler.waiting_queue  # nothing is ever retracted
+        batch = scheduler.last_batch
+        launched.append(None if batch is None else tuple(int(r.rid) for r in batch.reqs))
+    assert launched[4] == (2, 0, 1) and launched[5] is None and launched[6] == (2, 1)
+    states = {int(r.rid): r for r in scheduler.get_observable_state().requests}
+    assert states[0].status == "finished" and len(states[0].output_ids) == 5
+    assert states[1].status == states[2].status == "running"
+
+
+@pytest.mark.parametrize("cell", ["ov-p4-none", "ov-p1-none", "ov-p1-none-overshoot"])
+def test_gpu_impl_agrees_around_a_length_finish(cell: str) -> None:
+    outcome = run_differential(Script(cell, "minimal", list(SHORT_OF_KV)))
+    assert outcome.ok, outcome
+
+
+def test_the_running_batch_is_filtered_at_every_step() -> None:
+    """Without overlap, r0 finishes in iteration 1; iteration 2 prefills r1, and the
+    running batch no longer lists r0 (the release filters before admission)."""
+    scheduler = _run("nov-p1-none", [(2, 2)], 2)
+    assert scheduler.requests[0].finished()  # type: ignore[index]
+    scheduler.admit(1, 3)
+    scheduler.run_iteration(IterationChoices())
+    assert scheduler.last_batch is not None and scheduler.last_batch.forward_mode == "extend"
+    state = scheduler.get_observable_state()
+    assert state.running is None, state.running
+
+
+# Prompts 3, 1, 5: a forced retraction takes r2 and leaves r1 before r0 (the release's
+# filter_batch(keep_indices=sorted_indices)), so the EOS at position 0 two iterations
+# later finishes r1, not r0 (A11, realigned).
+POLICY_ORDER = [Admit(3, 8), Admit(1, 8), Admit(5, 8), Iterate(IterationChoices()),
+                Iterate(IterationChoices(retract=1)), Iterate(IterationChoices()),
+                Iterate(IterationChoices(eos_positions=frozenset({0}))),
+                Iterate(IterationChoices())]
+
+
+@pytest.mark.parametrize("cell", ["ov-p1-none", "nov-p4-none", "ov-p1-v2chain-cpu-honest"])
+def test_a_retraction_leaves_the_kept_requests_in_the_policy_order(cell: str) -> None:
+    scheduler = Scheduler(ModelConfig(get_cell(cell), MINIMAL))
+    for op in POLICY_ORDER[:3]:
+        scheduler.admit(op.prompt_len, op.max_new_tokens)  # type: ignore[union-attr]
+    scheduler.run_iteration(IterationChoices())
+    scheduler.run_iteration(IterationChoices(retract=1))
+    assert scheduler.running_batch is not None
+    assert [int(r.rid) for r in scheduler.running_batch.reqs] == [1, 0]
+    assert run_differential(Script(cell, "minimal", list(POLICY_ORDER))).ok
