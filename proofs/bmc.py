@@ -26,11 +26,11 @@ decoder).
 Checked at every sub-step: the state claims of :mod:`proofs.claims` (the spec IDs
 and the strengthening conjuncts IND1..IND7), the point claims at their transitions,
 and the batch claims SL1 (init_new), SL3 (lazy sum), SL10 (draft extend), RP3
-(counters) and KV7 (pool conservation). ``MODEL`` flags a transition fired by the
-loop outside :mod:`proofs.model`'s guard: the two encodings disagree, which the
-clean model must also rule out. At each iteration's end also ``LOOP``: the loop's
-own bookkeeping facts (``_Builder.check_loop``), which make the inductive step and
-the windows of :func:`check_bounded` possible.
+(counters), RP4 (at a launch, outside the overshoot era) and KV7 (pool conservation).
+``MODEL`` flags a transition fired by the loop outside :mod:`proofs.model`'s guard: the
+two encodings disagree, which the clean model must also rule out. At each iteration's
+end also ``LOOP``: the loop's own bookkeeping facts (``_Builder.check_loop``), which make
+the inductive step and the windows of :func:`check_bounded` possible.
 
 Modelling compromises, stated once:
 - Aborts and PD-prebuilt admissions are not among the BMC's choices (stream bugs get
@@ -932,6 +932,18 @@ class _Builder:
             zs.And(anything, cpu, zs.Not(zs.And(fb_present, fb_value == mirror_sum))),
             zs.And(anything, cpu),
         )
+        if not cfg.cell.overshoot:
+            # RP4: no launch of a request its results in flight already finish by length
+            # (prepare_for_extend folds the prefill's launch in: it is counted already).
+            for b, r in enumerate(self.reqs):
+                before = r["launched_steps"] - zs.If(prefill, 1, 0)
+                self.violate(
+                    "RP4",
+                    i,
+                    f"launch r{b}",
+                    zs.And(launched[b], r["output_len"] + before >= r["max_new_tokens"]),
+                    launched[b],
+                )
         if not ctx.is_spec:  # the backfill stays on the ScheduleBatch (no isolation)
             g["running_sum_present"] = zs.If(
                 zs.And(decode, backfill), True, g["running_sum_present"]

@@ -803,6 +803,25 @@ def check_rp3(config: ModelConfig, obs: Observation) -> int:
     return len(result.entries)
 
 
+def check_rp4(config: ModelConfig, obs: Observation) -> int:
+    """RP4: a launch carries no request that its results in flight already finish by
+    length: processed output tokens + results in flight < max_new_tokens (every result
+    commits at least one token). The release leaves such a request out of the decode;
+    the overshoot era decoded it once more (#24590), so the claim is n/a in its cells
+    (scheduler.py ``_reqs_finishing_inflight``, ``enable_skip_finishing_decode``)."""
+    launch = obs.launch
+    if obs.point is not ObservationPoint.LAUNCH or launch is None:
+        return 0
+    for m in launch.members:
+        r = obs.get_request(m.rid)
+        in_flight = r.ghost.inflight_steps - 1  # the launched step itself is counted
+        if r.output_len + in_flight >= r.max_new_tokens:
+            raise fail("RP4", obs, f"for request r{r.rid}: launched with {r.output_len} "
+                       f"output tokens and {in_flight} result(s) in flight, which already "
+                       f"reach max_new_tokens={r.max_new_tokens}")
+    return len(launch.members)
+
+
 def _spec_overlap(cell: Cell) -> bool:
     return cell.is_spec and cell.overlap
 
@@ -817,6 +836,10 @@ def _preclaim(cell: Cell) -> bool:
 
 def _overlap(cell: Cell) -> bool:
     return cell.overlap
+
+
+def _no_overshoot(cell: Cell) -> bool:
+    return not cell.overshoot
 
 
 INVARIANTS: Final[tuple[Invariant, ...]] = (
@@ -878,6 +901,8 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
               _always, check_rp2),
     Invariant("RP3", "metrics count live requests only", "#18848 / #23456 review", _spec,
               check_rp3),
+    Invariant("RP4", "no launch past a length finish in flight",
+              "scheduler.py _reqs_finishing_inflight", _no_overshoot, check_rp4),
 )
 
 INVARIANT_IDS: Final = tuple(inv.id for inv in INVARIANTS)

@@ -148,6 +148,8 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
     "RP2": lambda o: replace(o, result=replace(o.result, entries=(
         replace(o.result.entries[0], accept_len=o.result.entries[0].stride + 1), *o.result.entries[1:]))),
     "RP3": lambda o: replace(o, result=replace(o.result, num_correct_drafts=o.result.num_correct_drafts + 1)),
+    "RP4": lambda o: _with_request(o, lambda r: r.rid == o.launch.members[0].rid,
+                                   output_len=o.get_request(o.launch.members[0].rid).max_new_tokens),
 }
 
 

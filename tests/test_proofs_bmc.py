@@ -343,3 +343,17 @@ def test_witness_rows_map_vacuity_to_a_failing_verdict(monkeypatch: pytest.Monke
     assert rows["KV1"].verdict == zs.PROVED
     assert rows["RP3"].verdict == zs.COUNTEREXAMPLE and "vacuous" in rows["RP3"].detail
     assert rows["SL3"].verdict == zs.UNKNOWN
+
+
+@pytest.mark.parametrize("cell", ["ov-p1-none", "ov-p1-v2chain-cpu-honest"])
+def test_rp4_in_the_bmc_catches_a_loop_that_decodes_past_a_length_finish(
+        cell: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The BMC's RP4 check can fail: with the finishing-decode skip taken out of the model
+    (the overshoot era's loop, RP4 still asked) a two-iteration run decodes a request its
+    queued prefill result finishes by length."""
+    from overlap_spec.spec.config import Cell
+
+    assert _check(cell, 3, 1, invariants=("RP4",)).verdict == zs.PROVED
+    monkeypatch.setattr(Cell, "skips_finishing_decode", property(lambda self: False))
+    result = _check(cell, 3, 1, invariants=("RP4",))
+    assert result.verdict == zs.COUNTEREXAMPLE and result.invariant == "RP4", result

@@ -113,3 +113,37 @@ def test_a_retraction_leaves_the_kept_requests_in_the_policy_order(cell: str) ->
     assert scheduler.running_batch is not None
     assert [int(r.rid) for r in scheduler.running_batch.reqs] == [1, 0]
     assert run_differential(Script(cell, "minimal", list(POLICY_ORDER))).ok
+
+
+@pytest.mark.parametrize(("cell", "fails"), [("ov-p1-none-overshoot", True),
+                                             ("ov-p1-v2chain-cpu-preclaim", True),
+                                             ("ov-p1-none", False),
+                                             ("ov-p1-v2chain-cpu-honest", False)])
+def test_rp4_fails_on_the_overshoot_decode_and_holds_in_the_release(cell: str,
+                                                                      fails: bool) -> None:
+    """RP4 is n/a in the overshoot era's cells; applied there anyway, it names the decode
+    the release skips (the request its queued result finishes by length)."""
+    from overlap_spec.spec.invariants import InvariantViolation, check_rp4, get_invariant
+
+    config = ModelConfig(get_cell(cell), MINIMAL)
+    assert get_invariant("RP4").applies(config.cell) is not fails
+    seen: list[str] = []
+    witnesses = 0
+
+    def observe(obs: object) -> None:
+        nonlocal witnesses
+        try:
+            witnesses += check_rp4(config, obs)  # type: ignore[arg-type]
+        except InvariantViolation as violation:
+            seen.append(str(violation))
+
+    scheduler = Scheduler(config, observer=observe)
+    scheduler.admit(2, 3)
+    scheduler.admit(1, 2)
+    for _ in range(6):
+        scheduler.run_iteration(IterationChoices())
+    assert witnesses > 0
+    assert bool(seen) is fails, seen
+    if fails:
+        assert seen[0].startswith("RP4 violated for request r1: launched with 1 output tokens"
+                                  " and 1 result(s) in flight"), seen[0]
