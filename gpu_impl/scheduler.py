@@ -306,9 +306,9 @@ class Scheduler:
         that one more output token finishes by length (overlap only)."""
         if not self.config.cell.skips_finishing_decode or not self.result_queue:
             return []
-        queued = self.result_queue[0].batch.reqs
+        queued = {id(req) for req in self.result_queue[0].batch.reqs}
         return [req for req in batch.reqs
-                if any(req is other for other in queued) and not req.finished()
+                if id(req) in queued and not req.finished()
                 and is_next_output_finishing_by_length(len(req.output_ids),
                                                        req.max_new_tokens)]
 

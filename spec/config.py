@@ -290,9 +290,12 @@ def is_valid_cell(cell: Cell) -> bool:
     if cell.rung_reserve and not (cell.spec_mode is SpecMode.V2_CHAIN and cell.page_size == 1
                                   and cell.needs_cpu_seq_lens and not cell.preclaim):
         return False  # the proposal's cells vary only what the reserve depends on
-    if cell.overshoot != (cell.overlap and (cell.preclaim or (
-            not cell.is_spec and cell.page_size == 1 and cell.overshoot))):
-        return False  # overlap only; every pre-claim overlap cell; else ov-p1-none alone
+    if cell.overshoot and not cell.overlap:
+        return False  # an era of the overlap loop
+    if cell.overlap and cell.preclaim and not cell.overshoot:
+        return False  # the pre-claim era decoded past a length finish too
+    if cell.overshoot and not cell.preclaim and (cell.is_spec or cell.page_size != 1):
+        return False  # outside the pre-claim era, ov-p1-none-overshoot alone
     return True
 
 
