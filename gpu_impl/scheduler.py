@@ -190,7 +190,8 @@ class Scheduler:
                 row = tuple(cells[start:start + min(req.kv_allocated_len, width)])
             requests.append(RequestState(req.rid, status, tuple(req.output_ids),
                                          req.kv_committed_len, req.kv_allocated_len, row,
-                                         req.cached_len))
+                                         req.cached_len, req.finished_reason,
+                                         req.spec_verify_ct, req.spec_num_correct_drafts))
         return ObservableState(
             requests=tuple(requests),
             running=self._get_batch_state(self.running_batch),

@@ -104,6 +104,9 @@ class Refinement:
             committed_at_release=req.committed_at_release,
             inflight_at_release=g.inflight_at_release,
             claimed_at_release=g.claimed_at_release,
+            finish_reason=req.finished_reason,
+            spec_verify_ct=req.spec_verify_ct,
+            spec_num_correct_drafts=req.spec_num_correct_drafts,
             ghost=GhostView(
                 epoch=g.epoch,
                 kv_len_true=TokenCount(g.kv_len_true),
@@ -112,6 +115,9 @@ class Refinement:
                 extend_inflight=g.extend_inflight,
                 output_len_true=TokenCount(g.output_len_true),
                 finished=g.finished,
+                finish_reason=g.finish_reason,
+                verify_ct=g.verify_ct,
+                correct_drafts=g.correct_drafts,
             ),
         )
 

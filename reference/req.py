@@ -69,6 +69,14 @@ class Req:
         return self.state.finished_reason
 
     @property
+    def spec_verify_ct(self) -> int:
+        return self.state.spec_verify_ct
+
+    @property
+    def spec_num_correct_drafts(self) -> int:
+        return self.state.spec_num_correct_drafts
+
+    @property
     def is_retracted(self) -> bool:
         return self.state.is_retracted
 

@@ -178,7 +178,8 @@ class Scheduler:
                 row = tuple(rt.req_to_token.rows[req.req_pool_idx][:width])
             requests.append(RequestState(req.rid, status, tuple(req.output_ids),
                                          req.kv_committed_len, req.kv_allocated_len, row,
-                                         req.cached_len))
+                                         req.cached_len, req.finished_reason,
+                                         req.spec_verify_ct, req.spec_num_correct_drafts))
         return ObservableState(
             requests=tuple(requests),
             running=self._get_batch_state(self.running_batch),

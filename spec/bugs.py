@@ -86,10 +86,11 @@ BUGS: Final[tuple[Bug, ...]] = (
         "init_new skips the backfill", ("SL1",), _lazy_sum),
     Bug("B3", "accept_lens applied to finished or retracted requests", "#23456, #18848",
         "a late result of an overshoot tick or of a retracted request is processed as live",
-        # RP3 too: the stale rows also inflate the accept counters (the digest's
-        # "spec_verify_ct, accepted-token counts ... inflated").
+        # RP3 and RP6 too: the stale rows also inflate the accept counters and the
+        # request's own (the digest's "spec_verify_ct, accepted-token counts ...
+        # inflated"); RP5: a stale row re-labels a finished request's reason.
         "result processing drops the stale-request skip",
-        ("RP1", "KV1", "KV5", "KV8", "KV9", "KV6", "RP3"), _overlap),
+        ("RP1", "KV1", "KV5", "KV8", "KV9", "KV6", "RP3", "RP6", "RP5"), _overlap),
     Bug("B4", "global accept counters count stale rows", "#23456 review, #18848",
         "num_correct_drafts and the metrics batch size sum over every request of the copy",
         "counters sum over all requests (today's upstream behaviour)", ("RP3",), _spec_overlap,

@@ -28,6 +28,9 @@ class RequestState:
     kv_allocated_len: int
     req_to_token: tuple[int, ...]  # the request's row, columns [0, kv_allocated_len)
     cached_len: int | None  # what the release handed the tree cache (KV9)
+    finish_reason: str | None  # "stop" | "length" | "abort" (RP5), None while unfinished
+    spec_verify_ct: int  # the request's verify count (RP6)
+    spec_num_correct_drafts: int  # its accepted drafts (RP6)
 
 
 @dataclass(frozen=True)

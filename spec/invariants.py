@@ -822,6 +822,36 @@ def check_rp4(config: ModelConfig, obs: Observation) -> int:
     return len(launch.members)
 
 
+def check_rp5(config: ModelConfig, obs: Observation) -> int:
+    """RP5: a finished request ended for the environment's reason, with its output: abort
+    if one was requested before the result that ended it, else stop if the stop token
+    falls inside the kept run (one past the cap is a length finish), else length; and its
+    visible output is what the environment emitted (schedule_batch.py
+    ``Req.update_finish_state``, ``_cap_finished_len_at_max_new_tokens``)."""
+    finished = [r for r in obs.requests if r.finished or r.finish_reason is not None]
+    for r in finished:
+        truth = (r.ghost.finish_reason, r.ghost.output_len_true) if r.finished else (None, "-")
+        if (r.finish_reason, r.output_len if r.finished else "-") != truth:
+            raise fail("RP5", obs, f"for request r{r.rid}: finished ({r.finish_reason}) with "
+                       f"{r.output_len} visible output tokens, the environment ended it "
+                       f"({truth[0]}) with {truth[1]}")
+    return len(finished)
+
+
+def check_rp6(config: ModelConfig, obs: Observation) -> int:
+    """RP6: a request's spec_verify_ct and spec_num_correct_drafts count only the verify
+    results processed while it was live (their number, and their accept_len - 1): a stale
+    row adds nothing (batch_result_processor.py ``_resolve_spec_v2_tokens``)."""
+    for r in obs.requests:
+        if (r.spec_verify_ct, r.spec_num_correct_drafts) != (r.ghost.verify_ct,
+                                                               r.ghost.correct_drafts):
+            raise fail("RP6", obs, f"for request r{r.rid}: spec_verify_ct={r.spec_verify_ct}"
+                       f", spec_num_correct_drafts={r.spec_num_correct_drafts}; its live "
+                       f"verifies were {r.ghost.verify_ct} with {r.ghost.correct_drafts} "
+                       "accepted drafts")
+    return sum(1 for r in obs.requests if r.ghost.verify_ct)
+
+
 def _spec_overlap(cell: Cell) -> bool:
     return cell.is_spec and cell.overlap
 
@@ -903,6 +933,10 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
               check_rp3),
     Invariant("RP4", "no launch past a length finish in flight",
               "scheduler.py _reqs_finishing_inflight", _no_overshoot, check_rp4),
+    Invariant("RP5", "finish reason and output are the environment's",
+              "schedule_batch.py update_finish_state", _always, check_rp5),
+    Invariant("RP6", "per-request spec metrics count live verifies only",
+              "batch_result_processor.py", _spec, check_rp6),
 )
 
 INVARIANT_IDS: Final = tuple(inv.id for inv in INVARIANTS)

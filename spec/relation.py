@@ -88,7 +88,13 @@ class Ghost:
     extend_inflight: bool = False
     output_len_true: int = 0
     finished: bool = False
+    # Why the environment ended the output: "abort" (requested before the result that
+    # ended it), "stop" (EOS inside the kept run), "length" (max_new_tokens reached).
+    finish_reason: str | None = None
     abort_requested: bool = False
+    # Verify results processed while live, and their accepted drafts (accept_len - 1).
+    verify_ct: int = 0
+    correct_drafts: int = 0
     inflight_at_release: int = 0  # launched, unprocessed steps at the finish release
     claimed_at_release: int = 0  # the same plus a prepared, never-launched step
     steps: Mapping[StepId, GhostStep] = field(default_factory=dict)
@@ -215,7 +221,7 @@ def admit(rid: RequestId, prompt_len: TokenCount, max_new_tokens: TokenCount,
 
 
 @transition("waiting", "is_retracted", "finished_reason", "to_finish",
-            "ghost.abort_requested", "ghost.finished")
+            "ghost.abort_requested", "ghost.finished", "ghost.finish_reason")
 def abort(req: RequestRecord) -> RequestRecord:
     """``Scheduler.abort_request``: a waiting request leaves finished; a running one is
     marked ``to_finish`` and finishes at its next result (update_finish_state)."""
@@ -322,7 +328,8 @@ def is_stale(req: RequestRecord) -> bool:
 
 @transition("output_ids", "kv_committed_len", "finished_reason", "spec_verify_ct",
             "spec_num_correct_drafts", "ghost.inflight_steps", "ghost.extend_inflight",
-            "ghost.steps", "ghost.settled_len", "ghost.output_len_true", "ghost.finished")
+            "ghost.steps", "ghost.settled_len", "ghost.output_len_true", "ghost.finished",
+            "ghost.finish_reason", "ghost.verify_ct", "ghost.correct_drafts")
 def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: str,
                    accept_len: int, eos_at: int | None, tokens: tuple[int, ...],
                    faults: frozenset[str] = NO_FAULTS) -> RequestRecord:
@@ -339,7 +346,8 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
     """
     name = "process_result"
     require(accept_len >= 1, name, req, "output_ids", f"accept_len={accept_len} < 1")
-    ghost = ghost_result(req.ghost, step, req.max_new_tokens, accept_len, eos_at)
+    verified = cell.is_spec and forward_mode == "decode"
+    ghost = ghost_result(req.ghost, step, req.max_new_tokens, accept_len, eos_at, verified)
     finished_before = req.is_finished()
     stale = is_stale(req) and "B3" not in faults
     run_len = compute_run_len(accept_len, req.max_new_tokens - req.output_len, eos_at)
@@ -358,7 +366,6 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
         committed = compute_committed_after_result(cell, committed, settled, False, False)
         if "B10" in faults and not cell.is_spec:
             committed += 1  # settle at result time
-    verified = cell.is_spec and decode
     grown = replace(req, output_ids=req.output_ids + tokens[:run_len],
                     kv_committed_len=committed, ghost=ghost,
                     spec_verify_ct=req.spec_verify_ct + (1 if verified else 0),
@@ -466,13 +473,18 @@ def ghost_forward_decode(ghost: Ghost, step: StepId, advanced_by: int) -> Ghost:
 
 
 @transition("inflight_steps", "extend_inflight", "steps", "settled_len", "output_len_true",
-            "finished")
+            "finished", "finish_reason", "verify_ct", "correct_drafts")
 def ghost_result(ghost: Ghost, step: StepId, max_new_tokens: int, accept_len: int,
-                 eos_at: int | None) -> Ghost:
+                 eos_at: int | None, verified: bool) -> Ghost:
     """Settle a step by the environment's own cut: EOS and max_new_tokens end the visible
     output. Written out here rather than with compute_run_len, so that a wrong cut in the
     scheduler cannot hide in the truth it is checked against. A result of an older epoch
-    (launched before a retraction) settles nothing."""
+    (launched before a retraction) settles nothing. ``verified``: a speculative verify
+    result, which feeds the request's verify count and accepted drafts when it is live.
+
+    The finish reason is upstream's precedence (``Req.update_finish_state``): a requested
+    abort, then a stop token inside the kept run (one past the cap is a length finish,
+    ``_cap_finished_len_at_max_new_tokens``), then the length cap."""
     launched = ghost.steps.get(step)
     steps = {k: v for k, v in ghost.steps.items() if k != step}
     if launched is None or launched.epoch != ghost.epoch:
@@ -486,9 +498,13 @@ def ghost_result(ghost: Ghost, step: StepId, max_new_tokens: int, accept_len: in
         run_len = eos_at + 1
     output_len = ghost.output_len_true + run_len
     hit_eos = eos_at is not None and eos_at < run_len
+    reason = ("abort" if ghost.abort_requested else "stop" if hit_eos
+              else "length" if output_len >= max_new_tokens else None)
     return replace(settled, output_len_true=output_len,
                    settled_len=ghost.settled_len if launched.kv_len is None else launched.kv_len,
-                   finished=hit_eos or ghost.abort_requested or output_len >= max_new_tokens)
+                   finished=reason is not None, finish_reason=reason,
+                   verify_ct=ghost.verify_ct + (1 if verified else 0),
+                   correct_drafts=ghost.correct_drafts + (accept_len - 1 if verified else 0))
 
 
 @transition("kv_len_true", "settled_len", "output_len_true", "extend_inflight")
@@ -497,10 +513,12 @@ def ghost_prebuilt(ghost: Ghost, prompt_len: int) -> Ghost:
                    extend_inflight=False)
 
 
-@transition("abort_requested", "finished")
+@transition("abort_requested", "finished", "finish_reason")
 def ghost_abort(ghost: Ghost, waiting: bool) -> Ghost:
     """An abort is requested; a waiting request is finished at once."""
-    return replace(ghost, abort_requested=True, finished=ghost.finished or waiting)
+    if ghost.finished or not waiting:
+        return replace(ghost, abort_requested=True)
+    return replace(ghost, abort_requested=True, finished=True, finish_reason="abort")
 
 
 @transition("inflight_at_release", "claimed_at_release")

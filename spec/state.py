@@ -63,6 +63,9 @@ class GhostView:
     extend_inflight: bool  # the prefill of this epoch is launched, its result not processed
     output_len_true: TokenCount  # output tokens the environment emitted to live processing
     finished: bool  # the environment's own view: EOS emitted or max_new_tokens reached
+    finish_reason: str | None  # "abort" | "stop" | "length", by upstream's precedence
+    verify_ct: int  # speculative verify results processed while the request was live
+    correct_drafts: int  # their accepted drafts (accept_len - 1 each)
 
 
 @dataclass(frozen=True)
@@ -85,6 +88,9 @@ class RequestView:
     committed_at_release: int | None
     inflight_at_release: int  # launched, unprocessed steps when the finish release ran
     claimed_at_release: int  # the same plus a prepared step that was never launched
+    finish_reason: str | None  # Req.finished_reason: "abort" | "stop" | "length" | None
+    spec_verify_ct: int  # Req.spec_verify_ct
+    spec_num_correct_drafts: int  # Req.spec_num_correct_drafts
     ghost: GhostView
 
     @property

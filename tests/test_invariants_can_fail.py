@@ -150,6 +150,14 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
     "RP3": lambda o: replace(o, result=replace(o.result, num_correct_drafts=o.result.num_correct_drafts + 1)),
     "RP4": lambda o: _with_request(o, lambda r: r.rid == o.launch.members[0].rid,
                                    output_len=o.get_request(o.launch.members[0].rid).max_new_tokens),
+    # A stop reported as a length finish (and the other way round).
+    "RP5": lambda o: _with_request(o, lambda r: r.finished, finish_reason={
+        "stop": "length", "length": "stop", "abort": "length"}[next(
+            r.finish_reason for r in o.requests if r.finished)]),
+    # One verify too many: a stale row counted.
+    "RP6": lambda o: _with_request(o, lambda r: r.ghost.verify_ct > 0,
+                                   spec_verify_ct=next(r.spec_verify_ct for r in o.requests
+                                                       if r.ghost.verify_ct > 0) + 1),
 }
 
 

@@ -23,8 +23,10 @@ ALLOWED = {
 }
 PROJECT = set(ALLOWED)
 # Spec code lines (docstrings, comments and blank lines not counted): raised deliberately
-# when the transition relation moved in, so the model still reads in one sitting.
-SPEC_CODE_LINE_CAP = 1800
+# when the transition relation moved in, and to 1850 for RP5 and RP6 (finish reason and
+# output, per-request spec metrics), so the model still reads in one sitting (GUIDE: well
+# under 2,000).
+SPEC_CODE_LINE_CAP = 1850
 
 
 def _module_name(path: Path) -> str:

@@ -65,7 +65,7 @@ VALID_CALLS: list[tuple[str, Any, tuple[Any, ...]]] = [
     ("ghost_launch", Ghost(), (S0,)),
     ("ghost_forward_extend", launched_ghost(), (S0, 4)),
     ("ghost_forward_decode", launched_ghost(), (S0, 2)),
-    ("ghost_result", launched_ghost(), (S0, 3, 1, None)),
+    ("ghost_result", launched_ghost(), (S0, 3, 1, None, False)),
     ("ghost_prebuilt", Ghost(), (4,)),
     ("ghost_abort", Ghost(), (False,)),
     ("ghost_release", launched_ghost(), ()),

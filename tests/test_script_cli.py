@@ -36,12 +36,13 @@ from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells
 from overlap_spec.spec.invariants import INVARIANT_IDS
 from overlap_spec.spec.state import IterationChoices
 
-# The digest's IDs, plus FM6 and FM7 (upstream's CI relay guards, #30471) and RP4 (the
-# release's finishing-decode skip).
+# The digest's IDs, plus FM6 and FM7 (upstream's CI relay guards, #30471), RP4 (the
+# release's finishing-decode skip), RP5 and RP6 (finish reason and output, per-request
+# spec metrics).
 DIGEST_IDS = (
     [f"SL{i}" for i in range(1, 12)] + [f"KV{i}" for i in range(1, 11)]
     + [f"FM{i}" for i in range(1, 8)] + [f"ST{i}" for i in range(1, 6)]
-    + [f"RP{i}" for i in range(1, 5)]
+    + [f"RP{i}" for i in range(1, 7)]
 )
 
 

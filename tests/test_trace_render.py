@@ -59,7 +59,7 @@ def synthetic_race_trace(before: int, between: int, after: int,
     Filler events are single-stream writes of distinct rows: they never race. Returns the
     text and the ids of the earlier and the racing access."""
     events: list[dict[str, Any]] = [{
-        "id": 0, "event": "header", "schema": "overlap-spec-trace", "version": 1,
+        "id": 0, "event": "header", "schema": "overlap-spec-trace", "version": 2,
         "cell": "ov-p1-none", "preset": "minimal", "faults": [], "seed": None,
         "implementation": "synthetic", "snapshots": False}]
 

@@ -172,7 +172,7 @@ def test_call_trace_verdict_is_the_full_traces_or_not_judged(script_path: Path,
 
 
 def _call_line(request: dict[str, Any]) -> str:
-    header = {"id": 0, "event": "header", "schema": "overlap-spec-trace", "version": 1,
+    header = {"id": 0, "event": "header", "schema": "overlap-spec-trace", "version": 2,
               "cell": "ov-p1-none", "preset": "minimal", "faults": [], "seed": None,
               "implementation": "sglang-shim", "snapshots": False}
     call = {"id": 1, "event": "call", "step": -1, "method": "Scheduler.run_batch",
@@ -187,7 +187,8 @@ def _request(**fields: Any) -> dict[str, Any]:
             "finished": False, "is_retracted": False, "waiting": False, "holds_kv": True,
             "row_slots": [1, 2, 3, 4], "owned_pages": [1, 2, 3, 4], "release_count": 0,
             "cached_len": None, "committed_at_release": None, "inflight_at_release": 0,
-            "claimed_at_release": 0, "ghost": None}
+            "claimed_at_release": 0, "finish_reason": None, "spec_verify_ct": 0,
+            "spec_num_correct_drafts": 0, "ghost": None}
     return {**view, **fields}
 
 

@@ -148,7 +148,8 @@ def _state(requests: tuple[RequestState, ...], running: BatchState | None = None
 def _request(rid: int, status: str, committed: int, allocated: int,
              output: tuple[int, ...] = (5,)) -> RequestState:
     return RequestState(RequestId(rid), status, output, committed, allocated,
-                        tuple(range(1, allocated + 1)) if status != "finished" else (), 1)
+                        tuple(range(1, allocated + 1)) if status != "finished" else (), 1,
+                        "length" if status == "finished" else None, 0, 0)
 
 
 def _context(ref: ObservableState, up: ObservableState, up_retracted: set[int] | None = None,
@@ -187,10 +188,10 @@ def test_allowed_divergences_explain_only_what_they_name() -> None:
 
 
 def test_slot_numbering_is_not_a_divergence_but_layout_is() -> None:
-    a = _state((RequestState(RequestId(0), "running", (), 2, 2, (4, 5), None),))
-    b = _state((RequestState(RequestId(0), "running", (), 2, 2, (9, 10), None),))
+    a = _state((RequestState(RequestId(0), "running", (), 2, 2, (4, 5), None, None, 0, 0),))
+    b = _state((RequestState(RequestId(0), "running", (), 2, 2, (9, 10), None, None, 0, 0),))
     assert get_differences(a, b, page_size=1) == []
-    shared = _state((RequestState(RequestId(0), "running", (), 2, 2, (4, 4), None),))
+    shared = _state((RequestState(RequestId(0), "running", (), 2, 2, (4, 4), None, None, 0, 0),))
     assert get_differences(a, shared, page_size=1)
 
 

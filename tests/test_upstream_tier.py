@@ -85,6 +85,22 @@ BREAKAGES = {
         "            self.future_map.stash(future_indices, payload)\n"
         "        self.beam_coordinator.maybe_select_and_relay(\n",
         "ov-p1-none", {"FM4", "FM5"}),
+    # A stale verify row (its request finished or retracted while it flew) is counted in
+    # the request's own spec metrics.
+    "stale-row-counts-a-verify": (
+        "srt/managers/scheduler_components/batch_result_processor.py",
+        "                # kv_committed_len already holds the committed prefix.\n"
+        "                pass\n",
+        "                # kv_committed_len already holds the committed prefix.\n"
+        "                req.spec_verify_ct += 1\n",
+        "ov-p1-v2chain-cpu-honest", {"RP6"}),
+    # A stop token accepted past max_new_tokens is no longer demoted to a length finish.
+    # RP2 sees the long output as U5 (listed); RP5 sees the wrong reason.
+    "stop-past-the-cap-kept": (
+        "srt/managers/schedule_batch.py",
+        "        if self.finished_len is not None and self.finished_len > max_new_tokens:\n",
+        "        if False:\n",
+        "ov-p1-v2chain-cpu-honest", {"RP5"}),
 }
 
 
@@ -109,6 +125,7 @@ def test_release_passes_with_listed_findings(tmp_path: Path) -> None:
     listed = {f["id"] for f in report["findings"] if f["listed"]}
     assert {"U1", "U2", "U3", "U4"} <= listed
     assert all(f["listed"] for f in report["findings"])
+    assert "U6" in listed  # RP5: an abort's last verify shows tokens past the cap
     # Every finding carries a minimised script that reproduces it on the release.
     spec_finding = next(f for f in report["findings"] if f["id"] == "U3")
     replay = run_cli("replay", spec_finding["script"])
@@ -137,6 +154,30 @@ def test_broken_copy_fails_with_the_right_invariant(tmp_path: Path, name: str) -
     assert replay.returncode == 1 and new_finding["invariant"] in replay.stdout, replay.stdout
     release = run_cli("replay", new_finding["script"])
     assert release.returncode == 0, release.stdout + release.stderr
+
+
+@needs_sglang
+def test_an_abort_in_the_verify_that_holds_a_stop_shows_tokens_past_the_stop(
+        tmp_path: Path) -> None:
+    """U6 without the cap: the stop token ends the run at 3 tokens, the abort promoted by
+    the same result leaves finished_len unset, and the client sees all 5 (RP2 cannot see
+    it: 5 is within max_new_tokens=8). The reference shows the environment's 3."""
+    def iterate(**changes: object) -> dict[str, object]:
+        return {"op": "iterate", "allow_prefill": False, "retract": 0, "accept_lens": [4, 4, 4],
+                "eos_positions": [], "disable_overlap": False, "spec_steps": 0,
+                "eos_offset": 0, **changes}
+    ops = [{"op": "admit", "prompt_len": 1, "max_new_tokens": 8},
+           iterate(allow_prefill=True), iterate(eos_positions=[0], eos_offset=2),
+           {"op": "abort", "request": 0}, iterate()]
+    script = tmp_path / "u6.json"
+    script.write_text(json.dumps({"version": 1, "cell": "ov-p1-v2chain-cpu-honest",
+                                  "preset": "minimal", "faults": [], "seed": None,
+                                  "implementation": "upstream", "ops": ops}))
+    replay = run_cli("replay", str(script))
+    assert replay.returncode == 0, replay.stdout + replay.stderr
+    assert ("listed finding U6 (RP5)" in replay.stdout
+            and "finished (abort) with 5 visible output tokens, the environment ended it "
+            "(abort) with 3" in replay.stdout), replay.stdout
 
 
 @needs_sglang

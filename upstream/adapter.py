@@ -44,7 +44,12 @@ from typing import Any
 
 from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.happens_before import RelayConsumption
-from overlap_spec.spec.interface import BatchState, ObservableState, Observer, RequestState
+from overlap_spec.spec.interface import (
+    BatchState,
+    ObservableState,
+    Observer,
+    RequestState,
+)
 from overlap_spec.spec.invariants import InvariantViolation
 from overlap_spec.spec.relation import (
     Ghost,
@@ -76,6 +81,7 @@ from overlap_spec.spec.state import (
 )
 from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
 from overlap_spec.upstream import hooks
+from overlap_spec.upstream.finish import get_finish_reason_name
 from overlap_spec.upstream.session import Session, UpstreamCrash, get_session
 from overlap_spec.upstream.worker import EOS_TOKEN, StepRecord
 
@@ -220,7 +226,10 @@ class UpstreamScheduler:
             requests.append(RequestState(track.rid, status,
                                          tuple(int(t) for t in req.output_ids_through_stop),
                                          int(req.kv.kv_committed_len),
-                                         int(req.kv.kv_allocated_len), row, track.cached_len))
+                                         int(req.kv.kv_allocated_len), row, track.cached_len,
+                                         self._get_finish_reason(track),
+                                         int(req.spec_verify_ct),
+                                         int(req.spec_num_correct_drafts)))
         sched = self.scheduler
         return ObservableState(
             requests=tuple(requests),
@@ -409,6 +418,8 @@ class UpstreamScheduler:
     def before_result(self, batch: Any, result: Any) -> Any:
         record = self.result_steps.pop(StepId(-1 - id(result)), None)
         self.spec_metrics = None
+        mode = batch.forward_mode
+        verified = self.config.cell.is_spec and mode is not None and mode.is_decode()
         before = []
         for j, req in enumerate(batch.reqs):
             track = self.by_req[id(req)]
@@ -418,7 +429,7 @@ class UpstreamScheduler:
                 eos = record.eos_at[j]
                 track.ghost = ghost_result(track.ghost, record.step,
                                            int(req.sampling_params.max_new_tokens),
-                                           record.accept_lens[j], eos)
+                                           record.accept_lens[j], eos, verified)
         return record, before
 
     def after_result(self, batch: Any, result: Any, token: Any) -> None:
@@ -479,6 +490,11 @@ class UpstreamScheduler:
             pending, self.pending = self.pending, None
             raise pending
 
+    @staticmethod
+    def _get_finish_reason(track: _Track) -> str | None:
+        # Aborted while waiting, it left with no finished_reason (abort_request).
+        return "abort" if track.left else get_finish_reason_name(track.req.finished_reason)
+
     def get_request_view(self, track: _Track) -> RequestView:
         req, g = track.req, track.ghost
         slots = self._row_slots(req)
@@ -503,12 +519,17 @@ class UpstreamScheduler:
             committed_at_release=track.committed_at_release,
             inflight_at_release=g.inflight_at_release,
             claimed_at_release=g.claimed_at_release,
+            finish_reason=self._get_finish_reason(track),
+            spec_verify_ct=int(req.spec_verify_ct),
+            spec_num_correct_drafts=int(req.spec_num_correct_drafts),
             ghost=GhostView(
                 epoch=g.epoch, kv_len_true=TokenCount(g.kv_len_true),
                 settled_len=TokenCount(g.settled_len),
                 inflight_steps=g.inflight_steps + g.prepared_steps,
                 extend_inflight=g.extend_inflight,
-                output_len_true=TokenCount(g.output_len_true), finished=g.finished),
+                output_len_true=TokenCount(g.output_len_true), finished=g.finished,
+                finish_reason=g.finish_reason, verify_ct=g.verify_ct,
+                correct_drafts=g.correct_drafts),
         )
 
     def get_batch_view(self, batch: Any) -> BatchView:

@@ -118,6 +118,18 @@ KNOWN_FINDINGS: Final[tuple[KnownFinding, ...]] = (
         "the request with finished_len=None, so the whole accepted run is visible output",
         "visible output never exceeds max_new_tokens",
         "digest D4; observed in sglang 0.5.23 on CPU"),
+    KnownFinding(
+        "U6", "RP5", r"finished \(abort\) with \d+ visible output tokens, the environment "
+        r"ended it \(abort\) with \d+", _spec,
+        "python/sglang/srt/managers/schedule_batch.py:2011 (Req.update_finish_state returns "
+        "on to_finish before the stop-token and length checks that set finished_len)",
+        "U5's mechanism as RP5 sees it, and with a stop token too: an abort promoted by the "
+        "verify result that crosses max_new_tokens or holds a stop token leaves "
+        "finished_len=None, so the client sees the whole accepted run, tokens past the "
+        "stop or the cap included",
+        "an aborted request's visible output is the environment's, cut at the stop and "
+        "the cap",
+        "found by RP5 in sglang 0.5.23 on CPU"),
 )
 
 

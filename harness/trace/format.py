@@ -1,4 +1,4 @@
-"""The trace format (schema ``overlap-spec-trace`` version 1, ``docs/trace-format.md``):
+"""The trace format (schema ``overlap-spec-trace`` version 2, ``docs/trace-format.md``):
 its constants, the header, and the parser that turns newline-delimited JSON into
 events and spec observations. A malformed trace is a :class:`TraceFormatError`
 naming its line; nothing here judges a trace.
@@ -36,7 +36,7 @@ from overlap_spec.spec.state import (
 from overlap_spec.spec.units import TokenCount
 
 SCHEMA = "overlap-spec-trace"
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 EVENT_KINDS = ("header", "op", "stream", "observe", "call", "end")
 # Invariants whose predicates read only the ScheduleBatch or the races: what a ``call``
 # event of the live-process shim (harness/trace_shim.py) lets the spec check.
@@ -98,7 +98,7 @@ NO_GHOST = cast(GhostView, _Unrecorded("ghost"))
 NO_ALLOCATOR = cast(AllocatorView, _Unrecorded("allocator"))
 # Stands in while a ghost-less request view is decoded; replaced by NO_GHOST.
 _ZERO_GHOST = encode_value(GhostView(0, TokenCount(0), TokenCount(0), 0, False,
-                                     TokenCount(0), False))
+                                     TokenCount(0), False, None, 0, 0))
 _CALL_POINTS = {"process_batch_result": ObservationPoint.PROCESS_RESULT}
 
 

@@ -67,6 +67,7 @@ from overlap_spec.spec.state import (
     ResultView,
 )
 from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
+from overlap_spec.upstream.finish import get_finish_reason_name
 
 BATCH_METHODS = ("prepare_for_extend", "prepare_for_decode", "filter_batch", "merge_batch",
                  "retract_decode")
@@ -290,7 +291,13 @@ class TraceShim:
             release_count=track.release_count, cached_len=track.cached_len,
             committed_at_release=track.committed_at_release,
             inflight_at_release=track.inflight_at_release,
-            claimed_at_release=track.claimed_at_release, ghost=_NO_GHOST)
+            claimed_at_release=track.claimed_at_release,
+            finish_reason="abort" if left else get_finish_reason_name(req.finished_reason),
+            # A release before these counters existed reports 0; the checks that compare
+            # them read the ghost, which a call event does not carry.
+            spec_verify_ct=int(getattr(req, "spec_verify_ct", 0)),
+            spec_num_correct_drafts=int(getattr(req, "spec_num_correct_drafts", 0)),
+            ghost=_NO_GHOST)
 
     def _encode_request(self, track: _Track) -> dict[str, Any]:
         encoded: dict[str, Any] = encode_value(self.get_request_view(track))
