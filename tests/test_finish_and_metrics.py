@@ -126,3 +126,22 @@ def test_rp6_is_not_applicable_without_speculation() -> None:
     _, checker = _final([Admit(1, 3), _iterate(prefill=True), *[_iterate()] * 4],
                         cell="ov-p1-none")
     assert "RP6" not in checker.exercised and checker.exercised["RP5"] > 0
+
+
+def test_the_differential_catches_a_gpu_impl_that_checks_the_cap_first(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from overlap_spec.gpu_impl.req import Req
+
+    def length_first(self: Req, hit_eos: bool) -> None:
+        if self.to_finish is None and len(self.output_ids) >= self.max_new_tokens:
+            self.finished_reason = "length"
+        else:
+            original(self, hit_eos)
+
+    original = Req.update_finish_state
+    monkeypatch.setattr(Req, "update_finish_state", length_first)
+    ops: list[Op] = [Admit(1, 3), _iterate(prefill=True), _iterate(eos=True, eos_offset=2),
+                     _iterate(), _iterate()]
+    outcome = run_differential(Script(CELL, "minimal", ops, ()))
+    assert outcome.divergence is not None
+    assert outcome.divergence.field.endswith("finish_reason"), outcome.describe()
