@@ -297,6 +297,10 @@ class RaceDetector(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.serial = 0  # tensors tracked so far
         self._freeing: _TensorInfo | None = None  # the tensor being freed, for its report
         self.host_mode = 0  # > 0 while Streams runs host-thread work (host_tensor, host_write)
+        # Device-to-host reads outside Streams: int(), bool(), float() or .item() of a
+        # device tensor (aten::_local_scalar_dense), each a hidden host sync on a GPU that
+        # the sync contract would not count. Where they happened, in gpu_impl.
+        self.hidden_host_reads: list[str] = []
 
     # ------------------------------------------------------------------ stream events
     def set_current_stream(self, stream: str) -> None:
@@ -462,6 +466,8 @@ class RaceDetector(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 if pointer and pointer not in inputs:
                     handler.dataptrs_written.add(pointer)
                     handler.outputs.add(pointer)
+        if operator.name == "aten::_local_scalar_dense" and not host_only:
+            self.hidden_host_reads.append(_caller())
         touched = handler.dataptrs_read | handler.dataptrs_written
         if not touched:
             return outputs  # a view or a metadata-only op: no kernel

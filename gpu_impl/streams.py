@@ -15,7 +15,8 @@ Every stream operation goes through :class:`Streams`, for two reasons:
 - the sync contract (README) counts host-blocking synchronisations and device-to-host
   copies per iteration, and only calls made here are counted. A raw ``.item()``,
   ``.tolist()`` or ``.cpu()`` on a device tensor elsewhere in gpu_impl is a defect
-  (``tests/test_gpu_impl.py`` asserts there is none).
+  (``tests/test_gpu_impl.py`` asserts there is none), and so is an ``int()`` or ``bool()``
+  of one, which the race detector reports as a hidden host read.
 
 On CUDA the same calls drive real ``torch.cuda.Stream`` / ``torch.cuda.Event`` objects,
 and torch's own CUDA sanitizer (``TORCH_CUDA_SANITIZER=1``) watches them.

@@ -18,6 +18,7 @@ from overlap_spec.harness.cli import main
 from overlap_spec.harness.differential.compare import (
     check_cell_differential,
     compare_states,
+    get_finding_kind,
     run_differential,
 )
 from overlap_spec.harness.drive.script import Admit, Iterate, Script, load_script, save_script
@@ -114,6 +115,34 @@ def test_no_raw_host_sync_outside_streams_py() -> None:
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute):
                 assert node.func.attr not in forbidden, (
                     f"{path.name}:{node.lineno} calls .{node.func.attr}() directly")
+
+
+def test_a_hidden_host_read_fails_the_differential_and_counts_as_a_host_sync(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """int() of a device tensor (aten::_local_scalar_dense) outside streams.py: the AST
+    rule above cannot see it, the race detector's dispatch hook does. The differential
+    fails on it (ST3) and the sync contract counts it."""
+    from overlap_spec.gpu_impl.schedule_batch import ScheduleBatch
+
+    original = ScheduleBatch.prepare_for_decode
+
+    def peeking(self: ScheduleBatch) -> None:
+        original(self)
+        if len(self.seq_lens):
+            int(self.seq_lens[0])  # a blocking device read a GPU would sync on
+
+    cell = get_cell("ov-p1-none")
+    clean = measure_steady_state(cell)
+    monkeypatch.setattr(ScheduleBatch, "prepare_for_decode", peeking)
+    script = Script(cell.name, "minimal", [Admit(3, 4)] + [Iterate(IterationChoices())] * 3)
+    outcome = run_differential(script)
+    assert not outcome.ok and outcome.hidden_host_reads, outcome.describe()
+    assert get_finding_kind(outcome) == "hidden-sync:ST3"
+    assert "hidden host sync at step 2" in outcome.describe()
+    assert "peeking" in outcome.hidden_host_reads[0]
+    counted = measure_steady_state(cell)
+    hidden = [s for s in counted.host_syncs if s.startswith("hidden:")]
+    assert len(hidden) == 1 and len(counted.host_syncs) == len(clean.host_syncs) + 1
 
 
 def test_gpu_impl_supports_every_fault_id_the_reference_does() -> None:

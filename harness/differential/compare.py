@@ -55,16 +55,24 @@ class DifferentialOutcome:
     races: list[RaceReport] = field(default_factory=list)
     race_step: int | None = None
     races_checked: bool = True  # False: real CUDA streams with no detector watching them
+    # int() / bool() / .item() of a device tensor outside gpu_impl/streams.py: a host sync
+    # the sync contract cannot count (ST3), with where it happened.
+    hidden_host_reads: list[str] = field(default_factory=list)
+    hidden_step: int | None = None
 
     @property
     def ok(self) -> bool:
-        return self.divergence is None and not self.races
+        return self.divergence is None and not self.races and not self.hidden_host_reads
 
     def describe(self) -> str:
         if self.divergence is not None:
             return self.divergence.describe()
         if self.races:
             return f"race at step {self.race_step}: {self.races[0].describe()}"
+        if self.hidden_host_reads:
+            return (f"hidden host sync at step {self.hidden_step}: a device tensor read on "
+                    f"the host in {self.hidden_host_reads[0]}, outside gpu_impl/streams.py, "
+                    "so the sync contract does not count it (ST3)")
         races = "no race" if self.races_checked else "races not checked"
         return f"reference and gpu_impl agree on all {self.ops} ops; {races}"
 
@@ -101,6 +109,8 @@ def get_finding_kind(outcome: DifferentialOutcome) -> str:
     """"race:<ID>" (the spec's classify_race) or "diff:<field>": a gpu_impl kill's label."""
     if outcome.races:
         return "race:" + outcome.races[0].get_invariant()
+    if outcome.hidden_host_reads:
+        return "hidden-sync:ST3"
     if outcome.divergence is not None:
         field_path = outcome.divergence.field
         if field_path.startswith("request "):  # "request r3.kv_committed_len": any request
@@ -184,6 +194,7 @@ class DifferentialPair:
         except Exception as error:  # noqa: BLE001 - compared below, never swallowed
             ref_error = error
         races_before = len(self.detector.races) if self.detector is not None else 0
+        reads_before = len(self.detector.hidden_host_reads) if self.detector is not None else 0
         try:
             with self._watching():
                 apply_op(self.gpu, op, self.gpu_admitted)
@@ -192,6 +203,10 @@ class DifferentialPair:
         if self.detector is not None and len(self.detector.races) > races_before:
             self.outcome.races = list(self.detector.races[races_before:])
             self.outcome.race_step = step
+            return self.outcome
+        if self.detector is not None and len(self.detector.hidden_host_reads) > reads_before:
+            self.outcome.hidden_host_reads = self.detector.hidden_host_reads[reads_before:]
+            self.outcome.hidden_step = step
             return self.outcome
         if ref_error is not None or gpu_error is not None:
             ref_kind = None if ref_error is None else type(ref_error).__name__

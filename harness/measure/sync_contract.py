@@ -102,6 +102,7 @@ def measure_steady_state(cell: Cell, batch_size: int = 4, device: torch.device |
             streams.counters.reset()
             if detector is not None:
                 detector.launches.clear()
+                detector.hidden_host_reads.clear()
             if counter is not None:
                 counter.launches.clear()
             if device.type == "cuda":
@@ -111,7 +112,11 @@ def measure_steady_state(cell: Cell, batch_size: int = 4, device: torch.device |
             seconds.append(time.perf_counter() - started)
     launches = dict(detector.launches if detector is not None
                     else counter.launches if counter is not None else {})
-    return IterationCounts(cell.name, batch_size, tuple(streams.counters.host_syncs),
+    # A device read outside Streams (int(), .item()) is a host sync too; the race detector
+    # sees it on CPU, where it is counted as "hidden:<where>".
+    hidden = tuple(f"hidden:{where}" for where in
+                   (detector.hidden_host_reads if detector is not None else ()))
+    return IterationCounts(cell.name, batch_size, tuple(streams.counters.host_syncs) + hidden,
                            tuple(streams.counters.d2h_copies), launches, seconds)
 
 
