@@ -59,36 +59,78 @@ def render_table(results: list[CellResult]) -> str:
     return "\n".join(lines + ([""] + failures.splitlines() if failures else []))
 
 
+def _shape(head: str, text: str) -> str:
+    text = re.sub(r"\s*\((op|step) \d+, cell [^)]*\)", "", text)
+    return f"{head}: {re.sub(r'[0-9]+', 'N', text)}"
+
+
 def get_failure_signature(result: CellResult) -> str:
     """What makes two cells' failures the same failure: the first invariant's message
     (or the crash's type and message) with its numbers blanked and the position (op,
-    cell) left out; the other invariants the same state broke do not count."""
+    cell) left out; the other invariants the same state broke do not count here."""
     if result.violation is not None:
         head, text = result.violation.invariant_id, result.violation.message
     else:
         head, text = f"crash {type(result.error).__name__}", str(result.error)
-    text = re.sub(r"\s*\((op|step) \d+, cell [^)]*\)", "", (text.splitlines() or [""])[0])
-    return f"{head}: {re.sub(r'[0-9]+', 'N', text)}"
+    return _shape(head, (text.splitlines() or [""])[0])
+
+
+def get_all_signatures(result: CellResult) -> set[str]:
+    """The signature of every invariant the failing state broke, the first and each
+    "also" line, in the same form as :func:`get_failure_signature`."""
+    found = {get_failure_signature(result)}
+    if result.violation is not None:
+        for line in result.violation.message.splitlines()[1:]:
+            also = re.match(r"\s*also (\w+) violated (.*)$", line)
+            if also is not None:
+                found.add(_shape(also.group(1), also.group(2)))
+    return found
+
+
+def group_failures(results: list[CellResult]) -> list[list[CellResult]]:
+    """One group per distinct failure. A failure whose state also broke the first
+    invariant of a larger group, in the same words, joins that group: one bug met
+    first through different invariants in different cells reads as one block (the
+    block names the other first invariants). Otherwise by :func:`get_failure_signature`."""
+    by_head: dict[str, list[CellResult]] = {}
+    for result in results:
+        if not result.ok:
+            by_head.setdefault(get_failure_signature(result), []).append(result)
+    groups: dict[str, list[CellResult]] = {}
+    for head, members in by_head.items():
+        for result in members:
+            shared = [h for h in by_head if h in get_all_signatures(result)]
+            target = max(shared, key=lambda h: (len(by_head[h]), h == head))
+            groups.setdefault(target, []).append(result)
+    order = {id(result): index for index, result in enumerate(results)}
+    return [sorted(members, key=lambda r: order[id(r)]) for members in groups.values()]
 
 
 def render_failures(results: list[CellResult]) -> str:
-    """One block per distinct failure, listing the cells it occurred in; the block shows
-    the smallest counterexample among them (fewest requests, then ops)."""
-    groups: dict[str, list[CellResult]] = {}
-    for result in results:
-        if not result.ok:
-            groups.setdefault(get_failure_signature(result), []).append(result)
+    """One block per distinct failure (:func:`group_failures`), listing the cells it
+    occurred in; the block shows the smallest counterexample among the cells whose
+    first invariant is the group's (fewest requests, then ops)."""
+    groups = group_failures(results)
     if not groups:
         return ""
-    count = sum(len(g) for g in groups.values())
+    count = sum(len(g) for g in groups)
     lines = [f"failures: {len(groups)} distinct, in {count} cell{'s' * (count != 1)}"]
-    for number, members in enumerate(groups.values(), 1):
-        shown = min(members, key=lambda r: (r.script.count_requests(), len(r.script.ops))
+    for number, members in enumerate(groups, 1):
+        head = max({get_failure_signature(r) for r in members},
+                   key=lambda h: sum(get_failure_signature(r) == h for r in members))
+        leading = [r for r in members if get_failure_signature(r) == head]
+        shown = min(leading, key=lambda r: (r.script.count_requests(), len(r.script.ops))
                     if r.script is not None else (1 << 30, 1 << 30))
         names = [r.config.name for r in members]
         lines += textwrap.wrap(f"[{number}] in {len(names)} cell{'s' * (len(names) != 1)}: "
                                + ", ".join(names), width=100, subsequent_indent="    ",
                                break_on_hyphens=False)
+        others = sorted({r.failed_ids[0] for r in members if r not in leading and r.failed_ids})
+        if others:
+            lines += textwrap.wrap(
+                f"    (in {len(members) - len(leading)} of them the same state failed "
+                f"{', '.join(others)} first: replay their scripts for those)", width=100,
+                subsequent_indent="    ")
         lines += ["    " + line for line in describe_failure(shown).splitlines()]
     return "\n".join(lines)
 

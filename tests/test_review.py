@@ -71,6 +71,27 @@ def test_failures_are_grouped_by_invariant_and_message_shape_not_by_numbers() ->
     assert "[1] in 2 cells: ov-p1-none@minimal, ov-p4-none@minimal" in text
 
 
+def test_a_failure_that_also_breaks_a_larger_groups_first_invariant_joins_it() -> None:
+    rp1 = "for stale request r1: output 0->1, kv_committed_len 0->0, expected unchanged at " \
+          "process_result"
+    first_a = _result("ov-p1-none", "RP1", rp1 + " (op 3, cell ov-p1-none@minimal)")
+    first_b = _result("ov-p4-none", "RP1", rp1 + " (op 5, cell ov-p4-none@minimal)")
+    also = _result("ov-p1-v2tree-cpu-honest", "KV5",
+                   "for retracted request r0: kv_committed_len=1, kv_allocated_len=0, "
+                   "expected 0 and 0 at process_result (op 5, cell x)\n  also RP1 violated "
+                   "for stale request r0: output 1->2, kv_committed_len 0->1, expected "
+                   "unchanged at process_result")
+    unrelated = _result("nov-p1-none", "KV7", "for page 3: free and owned at filter_batch"
+                        "\n  also KV1 violated for request r0: kv_committed_len=2 > "
+                        "kv_allocated_len=1 at filter_batch")
+    text = render_failures([first_a, also, first_b, unrelated])
+    assert text.splitlines()[0] == "failures: 2 distinct, in 4 cells", text
+    assert ("[1] in 3 cells: ov-p1-none@minimal, ov-p1-v2tree-cpu-honest@minimal, "
+            "ov-p4-none@minimal") in text
+    assert "(in 1 of them the same state failed KV5 first" in text
+    assert "[2] in 1 cell: nov-p1-none@minimal" in text
+
+
 def test_review_of_an_sglang_tree_that_is_not_one_is_a_usage_error(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     code = main(["review", "--sglang-src", str(tmp_path / "missing")])

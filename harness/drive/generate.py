@@ -45,17 +45,20 @@ def get_strategies(config: ModelConfig, upstream: bool = False) -> OpStrategies:
     max_accept = config.max_accept_len
     max_steps = preset.chain_steps if config.cell.spec_mode is SpecMode.V2_CHAIN else 0
     # Full acceptance and the extreme rungs are where the reserve arithmetic is tight, so
-    # they are drawn more often than a uniform draw would (shrinking still goes to 1 / 0).
-    accept_len = st.one_of(st.integers(1, max_accept), st.just(max_accept))
-    spec_steps = st.just(0) if upstream else st.one_of(
-        st.just(0), st.sampled_from(sorted({1, max_steps})), st.integers(0, max_steps))
+    # they are drawn more often than a uniform draw would: about half the time. Each is
+    # one sampled_from (one choice for Hypothesis, not a one_of and its branch), ordered
+    # so that shrinking still goes to accept length 1, rung 0 and no EOS.
+    accept_len = st.sampled_from([*range(1, max_accept + 1), *[max_accept] * max_accept])
+    spec_steps = st.just(0) if upstream else st.sampled_from(
+        [0, *range(0, max_steps + 1), *sorted({1, max_steps})] if max_steps else [0])
     return OpStrategies(
         prompt_len=st.integers(1, preset.max_prompt_len),
         max_new_tokens=st.integers(1, preset.max_new_tokens),
         prebuilt_max_new_tokens=st.integers(2, preset.max_new_tokens),
-        accept_lens=st.lists(accept_len, min_size=width, max_size=width),
-        eos_positions=st.one_of(st.just(frozenset()), st.frozensets(
-            st.integers(0, width - 1), min_size=1, max_size=1)),
+        accept_lens=(st.just((1,) * width) if max_accept == 1
+                     else st.tuples(*[accept_len] * width)),
+        eos_positions=st.sampled_from([*[frozenset()] * width,
+                                       *[frozenset({j}) for j in range(width)]]),
         # Early result processing removes the lag that overlap bugs need; keep it occasional.
         rarely=st.sampled_from([False, False, False, True]),
         spec_steps=spec_steps,
