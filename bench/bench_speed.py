@@ -50,6 +50,17 @@ def run(name: str, extra: list[str], scratch: Path) -> dict[str, Any]:
     return entry
 
 
+def measure_calibration_loop() -> float:
+    """CPU seconds of a fixed 20-million-iteration pure-Python loop: this machine's speed
+    at the moment (it varied 3x on one machine kind), so figures taken at different times
+    can be compared. The README's timings quote it."""
+    started = time.process_time()
+    total = 0
+    for i in range(20_000_000):
+        total += i * i % 7
+    return round(time.process_time() - started, 2)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -64,13 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     if unknown:
         parser.error(f"unknown --only entries {sorted(unknown)}; choose from {list(COMMANDS)}")
     results: dict[str, Any] = {"machine": f"{platform.machine()}, {os.cpu_count()} CPUs",
-                               "python": platform.python_version(), "runs": {}}
+                               "python": platform.python_version(),
+                               "calibration_loop_s": {"before": measure_calibration_loop()},
+                               "runs": {}}
     with tempfile.TemporaryDirectory() as scratch:
         for name in names:
             extra = args.test_args.split() if name == "test" else []
             results["runs"][name] = run(name, extra, Path(scratch))
             print(f"{name}: {results['runs'][name]['seconds']} s, exit "
                   f"{results['runs'][name]['exit']}: {results['runs'][name]['last_line']}")
+    results["calibration_loop_s"]["after"] = measure_calibration_loop()
+    print(f"calibration loop: {results['calibration_loop_s']['before']} s before, "
+          f"{results['calibration_loop_s']['after']} s after")
     if args.out:
         path = Path(args.out) / f"speed-{time.strftime('%Y%m%d')}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
