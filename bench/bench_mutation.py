@@ -11,6 +11,11 @@ quick). A mutant the command fails on is killed; one it passes is a survivor. A 
 inside a type annotation is equivalent by construction (every module has ``from
 __future__ import annotations``: annotations are never evaluated) and is not run.
 
+``--survivors-from FILE --command ... --checker NAME`` runs only the survivors a previous
+result file lists, with a stronger command (for example the upstream tier, which compares
+the reference with sglang 0.5.23): those it kills get ``"killed_by": NAME`` there and the
+file is rewritten; the rest stay as they were.
+
 ``--sample N`` runs N mutants drawn with ``--seed`` (the rest are reported as not run),
 ``--budget-s`` stops starting new ones after that many seconds: the result file says
 which were run, so a partial run is never read as a whole one. The result is
@@ -113,6 +118,50 @@ def run_one(cosmic_ray: str, clone: Path, mutation: dict[str, Any], command: str
     return result
 
 
+def rerun_survivors(args: argparse.Namespace) -> int:
+    """The unclassified survivors of a result file, with a stronger command."""
+    cosmic_ray = find_cosmic_ray()
+    document = json.loads(args.survivors_from.read_text())
+    with tempfile.TemporaryDirectory() as scratch_dir:
+        scratch = Path(scratch_dir)
+        clone = scratch / "tree"
+        subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+        subprocess.run(["git", "checkout", "-q", document["commit"]], cwd=clone, check=True)
+        command = args.command.format(python=sys.executable, jobs=args.jobs,
+                                      scratch=scratch / "out")
+        list_mutations(cosmic_ray, clone, sorted({m for layer in document["layers"].values()
+                                                   for m in layer["modules"]}))
+        # The stronger command must pass on the unmutated tree, or its failures say nothing.
+        clean = subprocess.run(command, shell=True, cwd=clone, capture_output=True, text=True,
+                               check=False)
+        if clean.returncode != 0:
+            raise SystemExit(f"bench_mutation: the command fails on the unmutated tree "
+                             f"(exit {clean.returncode}): {(clean.stdout + clean.stderr)[-300:]}")
+        for layer in document["layers"].values():
+            for survivor in layer["survivors"]:
+                if survivor.get("status") != "unclassified":
+                    continue
+                path, operator, occurrence = survivor["id"].rsplit(":", 2)
+                mutation = {"module_path": path, "operator_name": operator,
+                            "occurrence": int(occurrence)}
+                outcome = run_one(cosmic_ray, clone, mutation, command, args.timeout_s)
+                status = outcome.get("test_outcome")
+                # A kill is a failed check, not a usage error or a crash of the command.
+                if status == "killed" and "FAILED" not in outcome.get("output", ""):
+                    status = "not judged"
+                print(f"{status:<11} {survivor['where']} {operator}", flush=True)
+                if status == "killed":
+                    survivor.pop("status")
+                    survivor["killed_by"] = args.checker
+            layer["killed_later"] = sum(1 for s in layer["survivors"] if "killed_by" in s)
+    document.setdefault("later_commands", []).append(
+        {"checker": args.checker,
+         "command": args.command.format(python="python", jobs=args.jobs, scratch="TMP")})
+    args.survivors_from.write_text(json.dumps(document, indent=1) + "\n")
+    print(f"rewritten: {args.survivors_from}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -126,7 +175,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--budget-s", type=float, default=None)
     parser.add_argument("--timeout-s", type=float, default=300.0)
     parser.add_argument("--out", metavar="DIR")
+    parser.add_argument("--survivors-from", type=Path, metavar="FILE",
+                        help="re-run this result file's unclassified survivors with --command")
+    parser.add_argument("--checker", default=None,
+                        help="with --survivors-from: the name recorded as killed_by")
     args = parser.parse_args(argv)
+    if args.survivors_from is not None:
+        if args.checker is None or args.command == DEFAULT_COMMAND:
+            parser.error("--survivors-from needs --command (a stronger check) and --checker")
+        return rerun_survivors(args)
     if args.sample is not None and args.sample < 1:
         parser.error("--sample must be at least 1")
     cosmic_ray = find_cosmic_ray()
