@@ -93,3 +93,25 @@ def test_cells_switches_names_each_era_and_proposal(capsys: pytest.CaptureFixtur
         assert ("task #486" in line) == cell.rung_reserve
         assert ("enable_skip_finishing_decode" in line) == cell.overshoot
         assert line.endswith("release") == (not get_departures(cell))
+
+
+# KV3's expected write width, pinned with numbers written out here rather than derived
+# (bench/results/mutation-20261125.json: 30 mutants of compute_forward_write_width
+# survived every checker, because at the presets' shapes topk * steps never exceeds D_tok
+# and no other check reads the width). A shape where it does tells the operands apart.
+@pytest.mark.parametrize(("steps", "topk", "draft_tokens", "mode", "width"), [
+    (0, 1, 1, "decode", 1),  # no speculation: the token being processed
+    (3, 1, 4, "decode", 4),  # the minimal chain: D_tok
+    (2, 2, 4, "decode", 4),  # the minimal tree: topk * steps == D_tok
+    (3, 4, 8, "decode", 12),  # topk * steps > D_tok: the draft writes more
+    (3, 4, 8, "extend", 0),  # a prefill writes nothing from seq_lens on
+    (0, 1, 1, "extend", 0),
+])
+def test_the_forward_write_width_is_the_digests(steps: int, topk: int, draft_tokens: int,
+                                               mode: str, width: int) -> None:
+    from overlap_spec.spec.config import SpecShape
+    from overlap_spec.spec.transitions import compute_forward_write_width
+    from overlap_spec.spec.units import TokenCount
+
+    shape = SpecShape(steps, topk, draft_tokens, TokenCount(max(steps * topk, draft_tokens)))
+    assert compute_forward_write_width(shape, mode) == width
