@@ -102,6 +102,7 @@ def test_cells_switches_names_each_era_and_proposal(capsys: pytest.CaptureFixtur
 @pytest.mark.parametrize(("steps", "topk", "draft_tokens", "mode", "width"), [
     (0, 1, 1, "decode", 1),  # no speculation: the token being processed
     (3, 1, 4, "decode", 4),  # the minimal chain: D_tok
+    (1, 1, 2, "decode", 2),  # the chain at rung 1 (the adaptive controller's lowest)
     (2, 2, 4, "decode", 4),  # the minimal tree: topk * steps == D_tok
     (3, 4, 8, "decode", 12),  # topk * steps > D_tok: the draft writes more
     (3, 4, 8, "extend", 0),  # a prefill writes nothing from seq_lens on
