@@ -116,3 +116,15 @@ def test_the_forward_write_width_is_the_digests(steps: int, topk: int, draft_tok
 
     shape = SpecShape(steps, topk, draft_tokens, TokenCount(max(steps * topk, draft_tokens)))
     assert compute_forward_write_width(shape, mode) == width
+
+
+# The non-spec decode's page need, written out (the last spec mutant standing in
+# bench/results/mutation-20261125.json was `seq_len & page_size == 0`): a decode needs a
+# new page exactly when its new column starts one.
+@pytest.mark.parametrize(("seq_len", "page_size", "pages"), [
+    (1, 1, 1), (3, 1, 1), (4, 4, 1), (5, 4, 0), (6, 4, 0), (7, 4, 0), (8, 4, 1), (12, 4, 1)])
+def test_a_non_spec_decode_needs_a_page_when_its_column_starts_one(
+        seq_len: int, page_size: int, pages: int) -> None:
+    from overlap_spec.spec.transitions import compute_ns_decode_pages_needed
+
+    assert compute_ns_decode_pages_needed(seq_len, page_size) == pages
