@@ -128,12 +128,16 @@ def rerun_survivors(args: argparse.Namespace) -> int:
         subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
         # The stronger check may be newer than the run (a test written for a survivor):
         # it runs at HEAD, provided the mutated modules are byte for byte the run's.
-        modules = sorted({m for layer in document["layers"].values() for m in layer["modules"]})
-        changed = subprocess.run(["git", "diff", "--quiet", document["commit"], "HEAD", "--",
-                                  *modules], cwd=clone, check=False)
-        if changed.returncode != 0:
-            raise SystemExit("bench_mutation: the mutated modules changed since "
-                             f"{document['commit']}; run the campaign again")
+        layers = {name: layer for name, layer in document["layers"].items()
+                  if args.layer is None or name in args.layer}
+        modules = sorted({m for layer in layers.values() for m in layer["modules"]})
+        for name, layer in layers.items():
+            commit = layer.get("commit", document.get("commit"))
+            changed = subprocess.run(["git", "diff", "--quiet", commit, "HEAD", "--",
+                                      *layer["modules"]], cwd=clone, check=False)
+            if changed.returncode != 0:
+                raise SystemExit(f"bench_mutation: the {name} layer's modules changed since "
+                                 f"{commit}; run its campaign again")
         command = args.command.format(python=sys.executable, jobs=args.jobs,
                                       scratch=scratch / "out")
         list_mutations(cosmic_ray, clone, modules)
@@ -143,7 +147,7 @@ def rerun_survivors(args: argparse.Namespace) -> int:
         if clean.returncode != 0:
             raise SystemExit(f"bench_mutation: the command fails on the unmutated tree "
                              f"(exit {clean.returncode}): {(clean.stdout + clean.stderr)[-300:]}")
-        for layer in document["layers"].values():
+        for layer in layers.values():
             for survivor in layer["survivors"]:
                 if survivor.get("status") != "unclassified":
                     continue
@@ -161,7 +165,7 @@ def rerun_survivors(args: argparse.Namespace) -> int:
                     survivor["killed_by"] = args.checker
             layer["killed_later"] = sum(1 for s in layer["survivors"] if "killed_by" in s)
     document.setdefault("later_commands", []).append(
-        {"checker": args.checker,
+        {"checker": args.checker, "layers": sorted(layers),
          "command": args.command.format(python="python", jobs=args.jobs, scratch="TMP")})
     args.survivors_from.write_text(json.dumps(document, indent=1) + "\n")
     print(f"rewritten: {args.survivors_from}")
@@ -171,7 +175,9 @@ def rerun_survivors(args: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--layer", choices=sorted(LAYERS), action="append", required=True)
+    parser.add_argument("--layer", choices=sorted(LAYERS), action="append",
+                        help="the layer to mutate (repeatable); with --survivors-from, "
+                             "only that layer's survivors are re-run")
     parser.add_argument("--command", default=DEFAULT_COMMAND,
                         help="test command; {python}, {jobs} and {scratch} are filled in "
                              "(default: overlap-spec review, the Hypothesis tier)")
@@ -190,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
         if args.checker is None or args.command == DEFAULT_COMMAND:
             parser.error("--survivors-from needs --command (a stronger check) and --checker")
         return rerun_survivors(args)
+    if not args.layer:
+        parser.error("--layer is required")
     if args.sample is not None and args.sample < 1:
         parser.error("--sample must be at least 1")
     cosmic_ray = find_cosmic_ray()
@@ -206,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         result["commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=clone, check=True,
                                           capture_output=True, text=True).stdout.strip()
         for layer in args.layer:
+            layer_started = time.perf_counter()
             mutations = list_mutations(cosmic_ray, clone, LAYERS[layer])
             spans = {m: get_annotation_spans(clone / m) for m in LAYERS[layer]}
             equivalent = [m for m in mutations if is_in_annotation(m, spans[m["module_path"]])]
@@ -237,6 +246,9 @@ def main(argv: list[str] | None = None) -> int:
                                       "status": f"not judged: {status}",
                                       "output": outcome.get("output", "")[-300:]})
             result["layers"][layer] = {
+                "command": result["command"], "commit": result["commit"],
+                "seconds": round(time.perf_counter() - layer_started, 1),
+                "sample_seed": args.seed if args.sample is not None else None,
                 "modules": LAYERS[layer], "mutants": len(mutations),
                 "equivalent_annotations": len(equivalent), "run": killed + len(survivors),
                 "not_run": not_run, "killed": killed,
@@ -248,6 +260,14 @@ def main(argv: list[str] | None = None) -> int:
     if args.out:
         path = Path(args.out) / f"mutation-{time.strftime('%Y%m%d')}.json"
         path.parent.mkdir(parents=True, exist_ok=True)
+        if path.exists():  # one file per day: the layers run today join the earlier ones
+            earlier = json.loads(path.read_text())
+            for name, layer in earlier["layers"].items():
+                layer.setdefault("command", earlier.get("command"))
+                layer.setdefault("commit", earlier.get("commit"))
+            earlier["layers"].update(result["layers"])
+            earlier["seconds"] = round(earlier.get("seconds", 0) + result["seconds"], 1)
+            result = {**earlier, "tool": result["tool"]}
         path.write_text(json.dumps(result, indent=1) + "\n")
         print(f"written: {path}")
     return 0
