@@ -14,7 +14,8 @@ __future__ import annotations``: annotations are never evaluated) and is not run
 ``--survivors-from FILE --command ... --checker NAME`` runs only the survivors a previous
 result file lists, with a stronger command (for example the upstream tier, which compares
 the reference with sglang 0.5.23): those it kills get ``"killed_by": NAME`` there and the
-file is rewritten; the rest stay as they were.
+file is rewritten; the rest stay as they were. It runs at HEAD while the mutated modules
+are those of the campaign's commit, else at that commit (with its checkers).
 
 ``--sample N`` runs N mutants drawn with ``--seed`` (the rest are reported as not run),
 ``--budget-s`` stops starting new ones after that many seconds: the result file says
@@ -131,13 +132,20 @@ def rerun_survivors(args: argparse.Namespace) -> int:
         layers = {name: layer for name, layer in document["layers"].items()
                   if args.layer is None or name in args.layer}
         modules = sorted({m for layer in layers.values() for m in layer["modules"]})
-        for name, layer in layers.items():
-            commit = layer.get("commit", document.get("commit"))
-            changed = subprocess.run(["git", "diff", "--quiet", commit, "HEAD", "--",
-                                      *layer["modules"]], cwd=clone, check=False)
-            if changed.returncode != 0:
-                raise SystemExit(f"bench_mutation: the {name} layer's modules changed since "
-                                 f"{commit}; run its campaign again")
+        commits = {layer.get("commit", document.get("commit")) for layer in layers.values()}
+        changed = [name for name, layer in layers.items() if subprocess.run(
+            ["git", "diff", "--quiet", layer.get("commit", document.get("commit")), "HEAD",
+             "--", *layer["modules"]], cwd=clone, check=False).returncode != 0]
+        if changed:
+            # The modules moved on since the campaign: judge its mutants where they were
+            # made, with the checkers of that commit.
+            if len(commits) != 1:
+                raise SystemExit(f"bench_mutation: {', '.join(changed)} changed since their "
+                                 "campaigns, which ran at different commits; pass --layer")
+            (commit,) = commits
+            subprocess.run(["git", "checkout", "-q", commit], cwd=clone, check=True)
+            print(f"re-running at the campaign's commit {commit[:12]}: "
+                  f"{', '.join(changed)} changed since", flush=True)
         command = args.command.format(python=sys.executable, jobs=args.jobs,
                                       scratch=scratch / "out")
         list_mutations(cosmic_ray, clone, modules)
@@ -164,10 +172,13 @@ def rerun_survivors(args: argparse.Namespace) -> int:
                     survivor.pop("status")
                     survivor["killed_by"] = args.checker
             layer["killed_later"] = sum(1 for s in layer["survivors"] if "killed_by" in s)
-    document.setdefault("later_commands", []).append(
+    # Another run may have written other layers meanwhile: replace only the ones re-run.
+    current = json.loads(args.survivors_from.read_text())
+    current["layers"].update(layers)
+    current.setdefault("later_commands", []).append(
         {"checker": args.checker, "layers": sorted(layers),
          "command": args.command.format(python="python", jobs=args.jobs, scratch="TMP")})
-    args.survivors_from.write_text(json.dumps(document, indent=1) + "\n")
+    args.survivors_from.write_text(json.dumps(current, indent=1) + "\n")
     print(f"rewritten: {args.survivors_from}")
     return 0
 
@@ -262,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         path.parent.mkdir(parents=True, exist_ok=True)
         if path.exists():  # one file per day: the layers run today join the earlier ones
             earlier = json.loads(path.read_text())
-            for name, layer in earlier["layers"].items():
+            for layer in earlier["layers"].values():
                 layer.setdefault("command", earlier.get("command"))
                 layer.setdefault("commit", earlier.get("commit"))
             earlier["layers"].update(result["layers"])

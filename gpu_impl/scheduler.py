@@ -48,8 +48,10 @@ from overlap_spec.spec.happens_before import COPY, FORWARD, SCHEDULE
 from overlap_spec.spec.interface import BatchState, ObservableState, Observer, RequestState
 from overlap_spec.spec.state import IterationChoices
 from overlap_spec.spec.transitions import (
+    compute_admission,
     compute_committed_after_result,
     compute_fill_len,
+    compute_output_budget,
     compute_pages_for_len,
     compute_retraction_order,
     compute_run_len,
@@ -114,19 +116,26 @@ class Scheduler:
         self.metrics_batch_size = 0
 
     # ------------------------------------------------------------------ interface
-    def admit(self, prompt_len: int, max_new_tokens: int) -> RequestId:
+    def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False) -> RequestId:
+        """Capped as ``init_req_max_new_tokens`` caps it; a prompt ``validate_input_length``
+        refuses is queued as one token with an abort its first result promotes."""
         rid = RequestId(self.next_rid)
         self.next_rid += 1
-        req = Req(rid, TokenCount(prompt_len), TokenCount(max_new_tokens))
+        cfg = self.config
+        capped, refused = compute_admission(prompt_len, max_new_tokens,
+                                            cfg.preset.max_context_len, cfg.preset.kv_tokens,
+                                            cfg.page_size)
+        if prebuilt:  # a PD-decode request needs room for one token past its first
+            capped = max(capped, 2)
+        req = Req(rid, TokenCount(1 if refused else prompt_len), TokenCount(capped),
+                  prebuilt=prebuilt, to_finish="abort" if refused else None)
         self.requests[rid] = req
         self.waiting_queue.append(req)
         return rid
 
     def admit_prebuilt(self, prompt_len: int, max_new_tokens: int) -> RequestId:
         """A PD-decode request whose prefill ran elsewhere: KV and first token arrive ready."""
-        rid = self.admit(prompt_len, max(max_new_tokens, 2))
-        self.requests[rid].prebuilt = True
-        return rid
+        return self.admit(prompt_len, max_new_tokens, prebuilt=True)
 
     def abort(self, rid: RequestId) -> None:
         """Waiting: leave the queue finished. Running: deferred until its next result."""
@@ -472,7 +481,9 @@ class Scheduler:
             accept, eos_at = accept_lens[j], result.eos_at[j]
             was_finished = req.finished()
             stale = (was_finished or req.is_retracted) and not rt.has_fault("B3")
-            run_len = compute_run_len(accept, req.max_new_tokens - len(req.output_ids), eos_at)
+            run_len = compute_run_len(accept, compute_output_budget(req.max_new_tokens,
+                                                                    len(req.output_ids)),
+                                      eos_at)
             if rt.has_fault("B4") or not stale:
                 counted[0] += accept - 1
                 counted[1] += 1

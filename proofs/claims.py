@@ -187,7 +187,12 @@ def ind_output(ctx: Context, r: Record) -> Term:
 
 
 def ind_reserve(ctx: Context, r: Record) -> Term:
-    covered = zs.Implies(r["holds_kv"], r["kv_allocated_len"] >= r["kv_len_true"])
+    # Allocations are whole pages (or a prefill's fill length, shorter): the row's tail
+    # past its last whole page (the p>1 headroom's page - 1) is never allocated.
+    page = ctx.config.page_size
+    covered = zs.Implies(r["holds_kv"], zs.And(
+        r["kv_allocated_len"] >= r["kv_len_true"],
+        r["kv_allocated_len"] <= ctx.config.row_width // page * page))
     if not ctx.is_spec:
         return zs.And(covered, zs.Implies(r["holds_kv"], r["seq_len"] == r["kv_committed_len"]))
     return zs.And(
@@ -258,8 +263,9 @@ STATE_INVARIANTS: Final[tuple[StateInvariant, ...]] = (
     ),
     StateInvariant(
         "IND6",
-        "the allocation covers the true length, and a prepared spec step's "
-        "reservation its writes from it (non-spec: seq_lens == committed)",
+        "the allocation covers the true length within the row's whole pages, and a "
+        "prepared spec step's reservation its writes from it (non-spec: seq_lens == "
+        "committed)",
         ind_reserve,
         _always,
     ),

@@ -24,8 +24,8 @@ P = ParamSpec("P")
 
 class Req:
     def __init__(self, rid: RequestId, prompt_len: TokenCount, max_new_tokens: TokenCount,
-                 prebuilt: bool = False) -> None:
-        self.state = admit(rid, prompt_len, max_new_tokens, prebuilt)
+                 prebuilt: bool = False, refused: bool = False) -> None:
+        self.state = admit(rid, prompt_len, max_new_tokens, prebuilt, refused)
         self.pages: list[PageId] = []  # page k holds columns [k*p, (k+1)*p)
 
     def apply(self, transition: Callable[Concatenate[RequestRecord, P], RequestRecord],

@@ -49,8 +49,10 @@ from overlap_spec.spec.state import (
     ResultView,
 )
 from overlap_spec.spec.transitions import (
+    compute_admission,
     compute_fill_len,
     compute_forward_write_width,
+    compute_output_budget,
     compute_pages_for_len,
     compute_retraction_order,
     compute_run_len,
@@ -106,7 +108,11 @@ class Scheduler:
     def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False) -> RequestId:
         rid = RequestId(self.next_rid)
         self.next_rid += 1
-        req = Req(rid, TokenCount(prompt_len), TokenCount(max_new_tokens), prebuilt)
+        cfg = self.config
+        capped, refused = compute_admission(prompt_len, max_new_tokens,
+                                            cfg.preset.max_context_len, cfg.preset.kv_tokens,
+                                            cfg.page_size)
+        req = Req(rid, TokenCount(prompt_len), TokenCount(capped), prebuilt, refused)
         self.requests[rid] = req
         self.waiting_queue.append(req)
         return rid
@@ -567,7 +573,8 @@ class Scheduler:
             stale = was_stale and not rt.has_fault("B3")
             finished_before = req.finished()
             out_before, committed_before = len(req.output_ids), req.kv_committed_len
-            run_len = compute_run_len(accept, req.max_new_tokens - out_before, eos_at)
+            run_len = compute_run_len(accept, compute_output_budget(req.max_new_tokens,
+                                                                    out_before), eos_at)
             start = j * result.stride
             tokens = tuple(result.next_token_ids[start:start + result.stride])
             req.apply(relation.process_result, cfg.cell, result.step, result.forward_mode,

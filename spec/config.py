@@ -240,8 +240,14 @@ class ModelConfig:
 
     @property
     def row_width(self) -> TokenCount:
-        """req_to_token row width: max_context_len + 4 + D_tok (upstream extra context)."""
-        return TokenCount(self.preset.max_context_len + 4 + self.draft_tokens)
+        """req_to_token row width: max_context_len + the release's headroom
+        (``get_req_to_token_extra_context_len``): 4, plus D_tok with speculation, widened on
+        pages > 1 to the decode reserve 2A + page - 1 (#26972). On page 1 a tree's 2A can
+        exceed 4 + D_tok: finding U7, which KV1 reports."""
+        extra = 4 + (self.draft_tokens if self.cell.is_spec else 0)
+        if self.cell.is_spec and self.page_size > 1:
+            extra = max(extra, 2 * self.alloc_len_per_decode + self.page_size - 1)
+        return TokenCount(self.preset.max_context_len + extra)
 
     @property
     def name(self) -> str:

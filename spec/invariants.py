@@ -546,7 +546,8 @@ def check_rp_output(config: ModelConfig, obs: Observation) -> int:
     """Shared by RP2: output_ids agrees with what the environment emitted, within budget."""
     count = 0
     for r in obs.requests:
-        if r.output_len > r.max_new_tokens:
+        # A prefill's first token comes before any finish check: a cap of 0 still gives 1.
+        if r.output_len > max(r.max_new_tokens, 1):
             raise fail("RP2", obs, f"for request r{r.rid}: {r.output_len} output tokens > "
                        f"max_new_tokens={r.max_new_tokens}")
         if r.is_live and r.output_len != r.ghost.output_len_true:
@@ -647,7 +648,15 @@ def check_fm4(config: ModelConfig, obs: Observation) -> int:
 
 def check_fm5(config: ModelConfig, obs: Observation) -> int:
     """FM5: a relay row is read only after its current owner seeded it: a prefill publish
-    or stash (overlap_utils.py, req_pool_idx indexing)."""
+    or stash (overlap_utils.py, req_pool_idx indexing); every row read is a request row,
+    1..max_running_requests (0 is the padding row; a list would wrap a negative one)."""
+    rows = range(1, config.preset.max_running_requests + 1)
+    resolved = obs.resolve.rows if obs.resolve is not None else ()
+    gathered = obs.launch.relay_gathers if obs.launch is not None else ()
+    for row in (*resolved, *(g.row for g in gathered)):
+        if row not in rows:
+            raise fail("FM5", obs, f"relay row {row} read, outside the request rows "
+                       f"1..{rows[-1]}")
     if obs.launch is None:
         return 0
     for g in obs.launch.relay_gathers:
@@ -765,8 +774,8 @@ def check_rp1(config: ModelConfig, obs: Observation) -> int:
 
 def check_rp2(config: ModelConfig, obs: Observation) -> int:
     """RP2: 1 <= accept_len <= stride, the kept run is no longer than accept_len, and
-    output_ids is what the environment emitted, within max_new_tokens
-    (batch_result_processor.py _resolve_spec_v2_tokens)."""
+    output_ids is what the environment emitted, within max_new_tokens (the prefill's
+    token counts even at a cap of 0) (batch_result_processor.py _resolve_spec_v2_tokens)."""
     count = check_rp_output(config, obs)
     result = obs.result
     if result is None:
@@ -805,9 +814,10 @@ def check_rp3(config: ModelConfig, obs: Observation) -> int:
 
 def check_rp4(config: ModelConfig, obs: Observation) -> int:
     """RP4: a launch carries no request that its results in flight already finish by
-    length: processed output tokens + results in flight < max_new_tokens (every result
-    commits at least one token). The release leaves such a request out of the decode;
-    the overshoot era decoded it once more (#24590), so the claim is n/a in its cells
+    length: processed output tokens + results in flight < max_new_tokens, or 1 where a
+    refused prompt's cap is 0 (every result commits at least one token). The release
+    leaves such a request out of the decode; the overshoot era decoded it once more
+    (#24590), so the claim is n/a in its cells
     (scheduler.py ``_reqs_finishing_inflight``, ``enable_skip_finishing_decode``)."""
     launch = obs.launch
     if obs.point is not ObservationPoint.LAUNCH or launch is None:
@@ -815,7 +825,7 @@ def check_rp4(config: ModelConfig, obs: Observation) -> int:
     for m in launch.members:
         r = obs.get_request(m.rid)
         in_flight = r.ghost.inflight_steps - 1  # the launched step itself is counted
-        if r.output_len + in_flight >= r.max_new_tokens:
+        if r.output_len + in_flight >= max(r.max_new_tokens, 1):  # a first token, always
             raise fail("RP4", obs, f"for request r{r.rid}: launched with {r.output_len} "
                        f"output tokens and {in_flight} result(s) in flight, which already "
                        f"reach max_new_tokens={r.max_new_tokens}")

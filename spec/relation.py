@@ -46,6 +46,7 @@ from overlap_spec.spec.transitions import (
     compute_committed_after_result,
     compute_decode_seq_len_ns,
     compute_fill_len,
+    compute_output_budget,
     compute_page_align_up,
     compute_run_len,
     compute_v2_alloc_target,
@@ -209,14 +210,20 @@ def transition(*frame: str) -> Callable[[Callable[Concatenate[R, P], R]],
 
 # --- the scheduler's transitions -------------------------------------------------------------
 def admit(rid: RequestId, prompt_len: TokenCount, max_new_tokens: TokenCount,
-          prebuilt: bool = False) -> RequestRecord:
-    """A new request in the waiting queue (``Scheduler.handle_generate_request``).
+          prebuilt: bool = False, refused: bool = False) -> RequestRecord:
+    """A new request in the waiting queue (``Scheduler.handle_generate_request``), with
+    ``max_new_tokens`` already capped (``transitions.compute_admission``).
 
     A PD-decode request (``prebuilt``) arrives with its first token, so it needs room
-    for at least one more.
+    for at least one more. A ``refused`` prompt (too long) is queued anyway, as
+    ``set_finish_with_abort`` leaves it: one prompt token and an abort that its first
+    result promotes.
     """
     if prebuilt:
         max_new_tokens = TokenCount(max(max_new_tokens, 2))
+    if refused:
+        return RequestRecord(rid, TokenCount(1), max_new_tokens, prebuilt=prebuilt,
+                             to_finish="abort", ghost=Ghost(abort_requested=True))
     return RequestRecord(rid, prompt_len, max_new_tokens, prebuilt=prebuilt)
 
 
@@ -350,7 +357,8 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
     ghost = ghost_result(req.ghost, step, req.max_new_tokens, accept_len, eos_at, verified)
     finished_before = req.is_finished()
     stale = is_stale(req) and "B3" not in faults
-    run_len = compute_run_len(accept_len, req.max_new_tokens - req.output_len, eos_at)
+    run_len = compute_run_len(accept_len, compute_output_budget(req.max_new_tokens,
+                                                                req.output_len), eos_at)
     decode = forward_mode == "decode"
     if stale:
         committed = req.kv_committed_len
@@ -493,7 +501,7 @@ def ghost_result(ghost: Ghost, step: StepId, max_new_tokens: int, accept_len: in
                       extend_inflight=ghost.extend_inflight and not launched.is_extend)
     if ghost.finished:
         return settled
-    run_len = min(accept_len, max(max_new_tokens - ghost.output_len_true, 0))
+    run_len = min(accept_len, max(compute_output_budget(max_new_tokens, ghost.output_len_true), 0))
     if eos_at is not None and eos_at + 1 < run_len:
         run_len = eos_at + 1
     output_len = ghost.output_len_true + run_len

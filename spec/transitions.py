@@ -38,6 +38,20 @@ def compute_pages_for_len(length: int, page_size: int) -> int:
     return compute_ceil_div(length, page_size)
 
 
+# --- handle_generate_request ---------------------------------------------------
+def compute_admission(prompt_len: int, requested: int, context_len: int, kv_tokens: int,
+                      page_size: int) -> tuple[int, bool]:
+    """(max_new_tokens, refused) of a new request: ``init_req_max_new_tokens`` caps the
+    request to ``max_req_len - prompt - 1`` (``max_req_len = min(context_len, pool) - 1``,
+    tp_worker.py), then to what an empty pool holds after the paged prompt and one page;
+    ``validate_input_length`` refuses a prompt of ``max_req_len - 5`` tokens or more."""
+    max_req_len = min(context_len, kv_tokens) - 1
+    capped = max(0, min(requested, max_req_len - prompt_len - 1))
+    capped = max(0, min(capped, kv_tokens - compute_page_align_up(prompt_len, page_size)
+                        - page_size - 1))
+    return capped, prompt_len >= max_req_len - 5
+
+
 # --- prepare_for_extend ------------------------------------------------------
 def compute_fill_len(prompt_len: int, output_len: int) -> TokenCount:
     """Prefill length: the prompt plus every output token (re-prefill after retraction).
@@ -49,6 +63,13 @@ def compute_fill_len(prompt_len: int, output_len: int) -> TokenCount:
 
 
 # --- update_running_batch ------------------------------------------------------
+def compute_output_budget(max_new_tokens: int, output_len: int) -> int:
+    """Output tokens a result may still keep. A prefill appends its sampled token before
+    any finish check (``process_batch_result_prefill``), so even ``max_new_tokens=0`` (the
+    cap of a refused prompt, ``compute_admission``) yields one."""
+    return max(max_new_tokens, 1) - output_len
+
+
 def is_next_output_finishing_by_length(output_len: int, max_new_tokens: int) -> bool:
     """``Req.next_output_finishes_by_length``: one more output token reaches the cap.
 

@@ -215,7 +215,7 @@ SWEEP: dict[tuple[str, ...], list[tuple[list[str], str]]] = {
         (["{bigint}"], "not JSON"),
         (["{ops_not_a_list}"], "field 'ops' must be list"),
         (["{unknown_cell}"], "unknown cell 'ov-p9-none'"),
-        (["{negative_prompt}"], "op 0 (admit): field 'prompt_len' is -5; allowed 1..5"),
+        (["{negative_prompt}"], "op 0 (admit): field 'prompt_len' is -5; allowed 1..23"),
         (["{huge_prompt}"], "field 'prompt_len' is 1000000000"),
         (["{huge_accept}"], "op 1 (iterate): field 'accept_lens' is 1000000000; allowed 1..4"),
     ],

@@ -12,6 +12,7 @@ from overlap_spec.spec.config import (
     get_cell,
     get_departures,
 )
+from overlap_spec.spec.transitions import compute_admission
 
 
 def test_every_cell_is_valid_named_once_and_covers_each_switch() -> None:
@@ -73,12 +74,34 @@ def test_reserve_and_row_width_follow_the_digest(preset: object) -> None:
                     assert reserve == 2 * a >= lag + shape.alloc_len_per_decode
                 assert cfg.get_decode_reserve(shape, frozenset({"B16"})) == \
                     2 * shape.alloc_len_per_decode
-        assert cfg.row_width == cfg.preset.max_context_len + 4 + cfg.draft_tokens
+        # get_req_to_token_extra_context_len: 4 (+ D_tok with speculation), widened to
+        # 2A + page - 1 on pages > 1 (#26972).
+        extra = 4 + (cfg.draft_tokens if cell.is_spec else 0)
+        if cell.is_spec and cfg.page_size > 1:
+            extra = max(extra, 2 * a + cfg.page_size - 1)
+        assert cfg.row_width == cfg.preset.max_context_len + extra
         if cell.spec_mode is SpecMode.V2_CHAIN:
             assert cfg.draft_tokens == cfg.spec_steps + 1 and cfg.topk == 1
-        # one request alone always fits: the retraction loop may keep one
-        worst = cfg.preset.max_prompt_len + cfg.preset.max_new_tokens + 2 * a + cfg.page_size
-        assert worst <= cfg.row_width and worst <= cfg.preset.kv_tokens
+        # One request alone always fits the pool (the retraction loop may keep one): the
+        # admission caps its output so that prompt + output + the reserve stay inside.
+        for prompt in range(1, cfg.preset.max_context_len):
+            capped, refused = compute_admission(prompt, cfg.preset.max_new_tokens,
+                                                cfg.preset.max_context_len,
+                                                cfg.preset.kv_tokens, cfg.page_size)
+            longest = (1 if refused else prompt) + max(capped, 1)
+            worst = -(-(longest - 1 + (2 * a if cell.is_spec else 1)) // cfg.page_size)
+            assert worst * cfg.page_size <= cfg.preset.kv_tokens, (cfg.name, prompt)
+
+
+# Written out from the release's formula (minimal: context 24; realistic: 256).
+@pytest.mark.parametrize(("cell", "preset", "width"), [
+    ("ov-p1-none", MINIMAL, 28),
+    ("ov-p1-v2chain-cpu-honest", MINIMAL, 32),  # 4 + D_tok 4
+    ("ov-p4-v2chain-cpu-honest", MINIMAL, 35),  # 2A 8 + page 4 - 1
+    ("ov-p1-v2tree-cpu-honest", REALISTIC, 268),  # 4 + D_tok 8, though 2A is 24 (U7)
+])
+def test_the_row_width_is_the_releases(cell: str, preset: object, width: int) -> None:
+    assert ModelConfig(get_cell(cell), preset).row_width == width  # type: ignore[arg-type]
 
 
 def test_cells_switches_names_each_era_and_proposal(capsys: pytest.CaptureFixture[str]) -> None:

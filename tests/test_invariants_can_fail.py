@@ -27,7 +27,7 @@ from overlap_spec.harness.drive.script import (
     get_factory,
 )
 from overlap_spec.reference.scheduler import Scheduler
-from overlap_spec.spec.config import ModelConfig
+from overlap_spec.spec.config import MINIMAL, ModelConfig
 from overlap_spec.spec.happens_before import FORWARD, HOST, SCHEDULE, Access, Race
 from overlap_spec.spec.invariants import INVARIANT_IDS, InvariantViolation, get_invariant
 from overlap_spec.spec.state import (
@@ -200,6 +200,19 @@ def test_predicate_rejects_a_state_that_breaks_its_claim(invariant_id: str) -> N
         assert str(info.value).startswith(f"{invariant_id} violated ")
         rejected += 1
     assert rejected, f"{invariant_id}: no observation could be perturbed"
+
+
+@pytest.mark.parametrize("row", [0, -1, MINIMAL.max_running_requests + 1])
+def test_fm5_catches_a_relay_row_out_of_range(row: int) -> None:
+    """Geometry (issue 13): a gather of the padding row, of a negative row (which a list
+    would wrap silently) or past the last request row is caught, not clamped."""
+    targets = [(c, o) for c, o in _targets("FM5") if o.launch and o.launch.relay_gathers]
+    assert targets
+    config, obs = targets[0]
+    broken = replace(obs, launch=replace(obs.launch, relay_gathers=(
+        replace(obs.launch.relay_gathers[0], row=row), *obs.launch.relay_gathers[1:])))
+    with pytest.raises(InvariantViolation, match=f"FM5 violated relay row {row} read"):
+        get_invariant("FM5").check(config, broken)
 
 
 def _finished_and_released(r: object) -> bool:

@@ -79,7 +79,7 @@ def test_get_config_takes_a_name_a_cell_or_a_config() -> None:
 def test_the_strategies_fixture_draws_inside_the_preset(
         data: st.DataObject, overlap_spec_strategies: StrategiesFactory) -> None:
     draw = overlap_spec_strategies("ov-p4-v2chain-cpu-honest")
-    assert 1 <= data.draw(draw.prompt_len) <= MINIMAL.max_prompt_len
+    assert 1 <= data.draw(draw.prompt_len) < MINIMAL.max_context_len
     accept_lens = data.draw(draw.accept_lens)
     assert len(accept_lens) == MINIMAL.max_running_requests
     assert data.draw(overlap_spec_strategies("ov-p4-none", upstream=True).spec_steps) == 0

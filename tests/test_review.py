@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -39,12 +40,17 @@ def test_review_groups_one_bug_seen_in_several_cells_into_one_block(
                  "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 1
-    assert "failures: 1 distinct, in 3 cells" in out, out
-    assert out.count("replay: overlap-spec replay") == 1, out
-    block = out[out.index("[1] in 3 cells"):]
-    assert "RP1 violated" in block and "counterexample:" in block
-    for cell in CELLS.split(","):
-        assert cell in block
+    # B3 shows as RP1 (a stale row gets output) where the search reaches a stale row of a
+    # finished request, and may show as RP3/RP6 alone (a stale verify counted) elsewhere:
+    # one block per mechanism, each cell in exactly one, one replay line per block.
+    blocks = re.findall(r"^\[(\d+)\] in (\d+) cells?: (.*)$", out, re.MULTILINE)
+    assert f"failures: {len(blocks)} distinct, in 3 cells" in out, out
+    assert out.count("replay: overlap-spec replay") == len(blocks) < 3, out
+    listed = [c.split("@")[0] for _, _, cells in blocks for c in cells.split(", ")]
+    assert sorted(listed) == sorted(CELLS.split(",")), out
+    first = out[out.index("[1] in "):]
+    assert "[1] in 2 cells" in out or "[1] in 3 cells" in out, out
+    assert "RP1 violated" in first.split("[2]")[0] and "counterexample:" in first
 
 
 def _result(cell: str, invariant: str, message: str) -> CellResult:

@@ -94,8 +94,8 @@ def _set(index: int, **fields: object) -> object:
 # _script() is in ov-p1-v2chain-cpu-honest@minimal: 3 request rows, prompts up to 5 tokens,
 # 8 new tokens, chain rungs 0..3, accept lengths 1..4.
 @pytest.mark.parametrize(("mutate", "message"), [
-    (_set(0, prompt_len=0), "op 0 (admit): field 'prompt_len' is 0; allowed 1..5"),
-    (_set(0, prompt_len=6), "op 0 (admit): field 'prompt_len' is 6; allowed 1..5"),
+    (_set(0, prompt_len=0), "op 0 (admit): field 'prompt_len' is 0; allowed 1..23"),
+    (_set(0, prompt_len=24), "op 0 (admit): field 'prompt_len' is 24; allowed 1..23"),
     (_set(0, max_new_tokens=-1), "field 'max_new_tokens' is -1; allowed 1..8"),
     (_set(0, max_new_tokens=10**9), "field 'max_new_tokens' is 1000000000; allowed 1..8"),
     (_set(0, op="admit_prebuilt", prompt_len=-3),

@@ -267,6 +267,75 @@ def test_upstreams_own_checker_runs_and_can_fail() -> None:
     assert result["after"] and "Leak" in (result["after"][-1] or "")
 
 
+ADMISSION_PROBE = """
+import json
+import sys
+from array import array
+from overlap_spec.spec.config import MINIMAL, ModelConfig, get_cell
+from overlap_spec.spec.transitions import compute_admission
+from overlap_spec.upstream.adapter import UpstreamScheduler
+
+rows = []
+for cell in sys.argv[1:]:  # one cell: upstream allows one Scheduler per process
+    config = ModelConfig(get_cell(cell), MINIMAL)
+    sched = UpstreamScheduler(config, frozenset(), None).scheduler  # loads sglang first
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.utils import validate_input_length
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    for prompt in range(1, MINIMAL.max_context_len):
+        for requested in (1, 4, MINIMAL.max_new_tokens, 30):
+            params = SamplingParams(max_new_tokens=requested, temperature=0.0)
+            params.normalize(None)
+            req = Req("x", "", array("q", [7] * prompt), params, vocab_size=1000)
+            sched.init_req_max_new_tokens(req)
+            refused = validate_input_length(req, sched.max_req_input_len, False) is not None
+            release = [int(req.sampling_params.max_new_tokens), refused]
+            spec = list(compute_admission(prompt, requested, MINIMAL.max_context_len,
+                                          MINIMAL.kv_tokens, config.page_size))
+            rows.append([cell, prompt, requested, release, spec])
+print(json.dumps(rows))
+"""
+
+
+@needs_sglang
+def test_the_admission_rule_is_the_releases_for_every_prompt_length() -> None:
+    """spec.transitions.compute_admission against the release's init_req_max_new_tokens
+    and validate_input_length, on the adapter's scheduler (whose max_req_len and
+    max_req_input_len follow tp_worker.py), for every prompt below the context length."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    rows = []
+    for cell in ("ov-p1-none", "ov-p4-none"):
+        done = subprocess.run([sys.executable, "-W", "ignore", "-c", ADMISSION_PROBE, cell],
+                              capture_output=True, text=True, env=env, timeout=300,
+                              check=False)
+        assert done.returncode == 0, done.stderr[-2000:]
+        rows += json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2 * 23 * 4
+    assert [r for r in rows if r[3] != r[4]] == []
+    assert any(r[3][1] for r in rows) and any(0 < r[3][0] < r[2] for r in rows)
+
+
+@needs_sglang
+def test_a_refused_and_a_capped_prompt_agree_with_the_release(tmp_path: Path) -> None:
+    """The release queues a refused prompt as one token with a deferred abort; the
+    reference and the release agree op by op on it and on a capped request."""
+    for cell, accept in (("ov-p1-none", 1), ("ov-p1-v2chain-cpu-honest", 4)):
+        iterate = {"op": "iterate", "allow_prefill": True, "retract": 0,
+                   "accept_lens": [accept] * 3, "eos_positions": [], "disable_overlap": False,
+                   "spec_steps": 0, "eos_offset": 0}
+        ops = [{"op": "admit", "prompt_len": 20, "max_new_tokens": 8},
+               {"op": "admit", "prompt_len": 16, "max_new_tokens": 8}] + [iterate] * 8
+        script = tmp_path / f"admission-{cell}.json"
+        script.write_text(json.dumps({"version": 1, "cell": cell, "preset": "minimal",
+                                      "faults": [], "seed": None,
+                                      "implementation": "upstream-differential",
+                                      "ops": ops}))
+        replay = run_cli("replay", str(script))
+        assert replay.returncode == 0, replay.stdout + replay.stderr
+        assert "replayed 10 of 10 ops" in replay.stdout, replay.stdout
+        assert "no unexplained divergence" in replay.stdout, replay.stdout
+
+
 def run_server(tmp_path: Path, cells: str, *extra: str,
                stdin: str | None = None) -> list[dict[str, object]]:
     env = dict(os.environ)

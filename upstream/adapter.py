@@ -79,6 +79,7 @@ from overlap_spec.spec.state import (
     ResolveView,
     ResultView,
 )
+from overlap_spec.spec.transitions import compute_admission
 from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
 from overlap_spec.upstream import hooks
 from overlap_spec.upstream.finish import get_finish_reason_name
@@ -153,6 +154,7 @@ class UpstreamScheduler:
 
         self.retracted_in_operation = frozenset()
         from sglang.srt.managers.schedule_batch import Req
+        from sglang.srt.managers.utils import validate_input_length
         from sglang.srt.sampling.sampling_params import SamplingParams
 
         rid = RequestId(len(self.tracks))
@@ -161,7 +163,19 @@ class UpstreamScheduler:
         prompt = array("q", [100 + (int(rid) * 13 + k) % 800 for k in range(prompt_len)])
         # abort_request matches rids by prefix ("r1" would also abort "r10"): end with ":".
         req = Req(f"r{rid}:", "", prompt, params, vocab_size=1000, eos_token_ids={EOS_TOKEN})
+        # The release's admission (handle_generate_request, scheduler.py:3242-3251): the
+        # max_new_tokens cap, then the length check, which queues a refused prompt finished
+        # by a deferred abort.
+        self.scheduler.init_req_max_new_tokens(req)
+        error = validate_input_length(req, self.scheduler.max_req_input_len, False)
+        if error:
+            req.set_finish_with_abort(error)
         track = _Track(rid, req)
+        # The ghost's abort comes from the spec's rule, not from what the release decided.
+        preset = self.config.preset
+        _, refused = compute_admission(prompt_len, max_new_tokens, preset.max_context_len,
+                                       preset.kv_tokens, self.config.page_size)
+        track.ghost = Ghost(abort_requested=refused)
         self.tracks[rid] = track
         self.by_req[id(req)] = track
         self.scheduler._add_request_to_queue(req)

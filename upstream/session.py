@@ -160,7 +160,7 @@ class Session:
 
         def init_model_worker(sched: Any) -> None:
             _init_model_worker(sched, worker, preset.max_running_requests, preset.kv_tokens,
-                               width)
+                               int(preset.max_context_len))
 
         allocation.assign_req_to_token_pool_func = _assign_req_to_token_pool
         scheduler_module.Scheduler.init_model_worker = init_model_worker
@@ -360,7 +360,7 @@ def _make_model_runner(kv: Any, alloc: Any, r2t: Any, needs_cpu_seq_lens: bool) 
 
 
 def _init_model_worker(sched: Any, worker: StandInWorker, max_running: int, kv_tokens: int,
-                       width: int) -> None:
+                       context_len: int) -> None:
     """The attributes the real ``init_model_worker`` sets, around the stand-in worker."""
     import torch
     from sglang.srt.layers.dp_attention import get_dp_tp_group
@@ -372,8 +372,10 @@ def _init_model_worker(sched: Any, worker: StandInWorker, max_running: int, kv_t
     sched.max_total_num_tokens = kv_tokens
     sched.max_running_requests = max_running
     sched.max_prefill_tokens = kv_tokens
-    sched.max_req_len = width - 1
-    sched.max_req_input_len = width - 2
+    # tp_worker.py get_worker_info: min(context_len - 1, kv_capacity - 1), inputs 5 less;
+    # the preset's max_context_len is the model's context length.
+    sched.max_req_len = min(context_len - 1, kv_tokens - 1)
+    sched.max_req_input_len = sched.max_req_len - 5
     sched.device = "cpu"
     sched.random_seed = 0
     sched.max_queued_requests = None

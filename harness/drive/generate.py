@@ -7,7 +7,9 @@
   output from a seed without Hypothesis.
 
 Both bias the draw the same way: full acceptance and the extreme rungs (where the reserve
-arithmetic is tight) more often than uniform, early result processing occasionally.
+arithmetic is tight) more often than uniform, early result processing occasionally, and
+prompts up to the context length (where admission caps ``max_new_tokens`` and refuses a
+prompt too long) about a quarter of the time.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from overlap_spec.harness.drive.script import Abort, Admit, AdmitPrebuilt, Iterate, Op
-from overlap_spec.spec.config import ModelConfig, SpecMode
+from overlap_spec.spec.config import ModelConfig, Preset, SpecMode
 from overlap_spec.spec.state import IterationChoices
 
 
@@ -37,6 +39,14 @@ class OpStrategies:
     eos_offset: Any
 
 
+def get_prompt_lens(preset: Preset) -> list[int]:
+    """The prompt lengths drawn from, with repeats as weights: up to ``max_prompt_len``
+    mostly, and up to the context length (where admission caps ``max_new_tokens`` and
+    refuses a prompt too long) about a quarter of the time; shrinking goes to 1."""
+    short = list(range(1, preset.max_prompt_len + 1))
+    return short * 8 + list(range(preset.max_prompt_len + 1, preset.max_context_len))
+
+
 def get_strategies(config: ModelConfig, upstream: bool = False) -> OpStrategies:
     """The strategies for ``config``'s cell and preset. The upstream tier draws the
     configured speculative shape only (the release's controller picks its rung)."""
@@ -51,8 +61,10 @@ def get_strategies(config: ModelConfig, upstream: bool = False) -> OpStrategies:
     accept_len = st.sampled_from([*range(1, max_accept + 1), *[max_accept] * max_accept])
     spec_steps = st.just(0) if upstream else st.sampled_from(
         [0, *range(0, max_steps + 1), *sorted({1, max_steps})] if max_steps else [0])
+    # Prompts up to the context length (the admission caps and refuses there), drawn
+    # about a quarter of the time; shrinking goes to the short ones.
     return OpStrategies(
-        prompt_len=st.integers(1, preset.max_prompt_len),
+        prompt_len=st.sampled_from(get_prompt_lens(preset)),
         max_new_tokens=st.integers(1, preset.max_new_tokens),
         prebuilt_max_new_tokens=st.integers(2, preset.max_new_tokens),
         accept_lens=(st.just((1,) * width) if max_accept == 1
@@ -73,6 +85,7 @@ def generate_random_ops(config: ModelConfig, rng: random.Random, count: int) -> 
     width = preset.max_running_requests
     top = config.max_accept_len
     steps = preset.chain_steps if config.cell.spec_mode is SpecMode.V2_CHAIN else 0
+    prompt_lens = get_prompt_lens(preset)
     ops: list[Op] = []
     admitted = 0
     for _ in range(count):
@@ -80,10 +93,10 @@ def generate_random_ops(config: ModelConfig, rng: random.Random, count: int) -> 
         if admitted < 4 and (roll < 0.3 or admitted == 0):
             admitted += 1
             if rng.random() < 0.2:
-                ops.append(AdmitPrebuilt(rng.randint(1, preset.max_prompt_len),
+                ops.append(AdmitPrebuilt(rng.choice(prompt_lens),
                                          rng.randint(2, preset.max_new_tokens)))
             else:
-                ops.append(Admit(rng.randint(1, preset.max_prompt_len),
+                ops.append(Admit(rng.choice(prompt_lens),
                                  rng.randint(1, preset.max_new_tokens)))
         elif roll > 0.95:
             ops.append(Abort(rng.randrange(admitted)))

@@ -201,7 +201,9 @@ def get_op_limits(config: ModelConfig) -> OpLimits:
     preset = config.preset
     top = config.max_accept_len
     return OpLimits(
-        prompt_len=(1, preset.max_prompt_len),
+        # Up to the context length: the scheduler caps max_new_tokens to what fits and
+        # refuses a prompt of max_req_len - 5 or more (spec.transitions.compute_admission).
+        prompt_len=(1, preset.max_context_len - 1),
         max_new_tokens=(1, preset.max_new_tokens),
         retract=(0, preset.max_running_requests),
         accept_len=(1, top),
@@ -232,7 +234,7 @@ def check_op_ranges(config: ModelConfig, ops: list[Op]) -> None:
         if isinstance(op, Admit | AdmitPrebuilt):
             where = f"op {index} ({'admit' if isinstance(op, Admit) else 'admit_prebuilt'})"
             _check_range(where, "prompt_len", op.prompt_len, limits.prompt_len,
-                         f"max_prompt_len of {name}")
+                         f"below the max_context_len of {name}")
             _check_range(where, "max_new_tokens", op.max_new_tokens, limits.max_new_tokens,
                          f"max_new_tokens of {name}")
             admitted += 1

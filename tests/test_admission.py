@@ -1,0 +1,155 @@
+"""Admission-time length rules (issue 12: "a request that cannot fit is aborted, not a
+crash"; issue 13: lengths up to ``max_context_len``).
+
+sglang 0.5.23's ``handle_generate_request`` calls ``init_req_max_new_tokens`` (the cap:
+``max_req_len - prompt - 1``, with ``max_req_len = min(context_len, pool) - 1`` from
+``tp_worker.py``, then what an empty pool holds after the paged prompt and one page) and
+``validate_input_length``, which refuses a prompt of ``max_req_len - 5`` tokens or more:
+``set_finish_with_abort`` shrinks it to one token and sets a deferred abort, and the
+request is queued anyway. It runs a one-token prefill, keeps the sampled token and
+finishes by abort at that result. The spec's rule is
+:func:`overlap_spec.spec.transitions.compute_admission`; the upstream tier checks it
+against the release's own functions (tests/test_upstream_tier.py).
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from overlap_spec.harness.differential.compare import run_differential
+from overlap_spec.harness.drive.checker import InvariantChecker
+from overlap_spec.harness.drive.generate import get_prompt_lens
+from overlap_spec.harness.drive.script import (
+    Admit,
+    Iterate,
+    Op,
+    Script,
+    apply_op,
+    get_factory,
+    run_script,
+)
+from overlap_spec.spec.config import PRESETS
+from overlap_spec.spec.interface import ObservableState
+from overlap_spec.spec.state import IterationChoices
+from overlap_spec.spec.transitions import compute_admission, compute_output_budget
+from overlap_spec.spec.units import RequestId
+
+
+# Written out from sglang 0.5.23 (init_req_max_new_tokens + validate_input_length, run on
+# the minimal preset: context 24, pool 32 tokens; max_req_len 23, inputs of 18 refused).
+@pytest.mark.parametrize(("prompt", "requested", "page", "expected"), [
+    (3, 30, 1, (19, False)),  # 23 - 3 - 1
+    (3, 30, 4, (19, False)),  # the pool allows 32 - 4 - 4 - 1 = 23
+    (17, 8, 4, (5, False)),  # 23 - 17 - 1; the last accepted prompt
+    (18, 8, 1, (4, True)),  # the first refused one
+    (20, 8, 4, (2, True)),
+    (22, 8, 1, (0, True)),
+    (23, 8, 1, (0, True)),
+    (5, 8, 1, (8, False)),  # nothing to cap
+])
+def test_the_admission_rule_is_the_releases(prompt: int, requested: int, page: int,
+                                            expected: tuple[int, bool]) -> None:
+    assert compute_admission(prompt, requested, 24, 32, page) == expected
+
+
+def test_the_pool_caps_before_the_context_does() -> None:
+    # context 256, pool 32: max_req_len 31; a 17-token prompt on pages of 4 leaves
+    # 32 - 20 - 4 - 1 = 7 tokens, below the length cap 31 - 17 - 1 = 13.
+    assert compute_admission(17, 30, 256, 32, 4) == (7, False)
+    assert compute_admission(26, 30, 256, 32, 1) == (4, True)  # 31 - 5 = 26 is refused
+
+
+def test_a_cap_of_zero_still_keeps_the_prefills_token() -> None:
+    assert compute_output_budget(0, 0) == 1
+    assert compute_output_budget(3, 1) == 2
+
+
+def test_every_preset_accepted_prompt_can_generate() -> None:
+    """A prompt the scheduler accepts always gets at least one new token (else the
+    presets would admit requests that cannot run)."""
+    for preset in PRESETS.values():
+        for prompt in range(1, preset.max_context_len):
+            capped, refused = compute_admission(prompt, preset.max_new_tokens,
+                                                preset.max_context_len, preset.kv_tokens, 4)
+            assert refused or capped >= 1, (preset.name, prompt)
+
+
+def test_the_drawn_prompts_reach_the_context_length_and_favour_short_ones() -> None:
+    for preset in PRESETS.values():
+        lens = get_prompt_lens(preset)
+        assert set(lens) == set(range(1, preset.max_context_len)), preset.name
+        long = sum(1 for n in lens if n > preset.max_prompt_len)
+        assert 0.2 < long / len(lens) < 0.5, preset.name
+        assert lens[0] == 1  # Hypothesis shrinks a sampled_from toward its first element
+
+
+def _run(cell: str, ops: list[Op]) -> tuple[ObservableState, InvariantChecker]:
+    script = Script(cell, "minimal", ops, ())
+    config = script.get_config()
+    checker = InvariantChecker(config)
+    model = get_factory("reference")(config, frozenset(), checker)
+    admitted: list[RequestId] = []
+    for op in ops:
+        apply_op(model, op, admitted)
+    outcome = run_differential(script)
+    assert outcome.ok, outcome
+    return model.get_observable_state(), checker
+
+
+def _iterate() -> Iterate:
+    return Iterate(IterationChoices(allow_prefill=True, accept_lens=(4, 4, 4)))
+
+
+CELLS = ["ov-p1-none", "nov-p4-none", "ov-p1-v2chain-cpu-honest", "ov-p4-v2chain-nocpu-honest"]
+
+
+@pytest.mark.parametrize("cell", CELLS)
+@pytest.mark.parametrize("prompt", [18, 23])
+def test_a_refused_prompt_runs_one_token_and_finishes_by_abort(cell: str, prompt: int) -> None:
+    state, _ = _run(cell, [Admit(prompt, 8), Admit(3, 2), _iterate(), _iterate(), _iterate(),
+                           _iterate()])
+    refused, other = state.requests
+    assert refused.status == "finished" and refused.finish_reason == "abort"
+    assert len(refused.output_ids) == 1  # the prefill's token, kept before the finish
+    assert refused.kv_allocated_len == 0 and refused.cached_len == 1  # its 1-token prompt
+    assert other.status == "finished" and other.finish_reason == "length"
+
+
+@pytest.mark.parametrize("cell", CELLS)
+def test_a_long_prompt_is_capped_to_the_context_and_finishes_there(cell: str) -> None:
+    state, checker = _run(cell, [Admit(17, 8)] + [_iterate() for _ in range(8)])
+    (req,) = state.requests
+    assert req.finish_reason == "length" and len(req.output_ids) == 5  # 23 - 17 - 1
+    assert checker.exercised["KV1"] > 0 and checker.exercised["RP5"] > 0
+
+
+def test_the_bmc_domain_lies_where_admission_neither_caps_nor_refuses() -> None:
+    """The BMC draws prompts up to max_prompt_len (proofs/bmc.py), where the rule is the
+    identity, so it needs no admission of its own; the Hypothesis and upstream tiers
+    cover the long prompts."""
+    for preset in PRESETS.values():
+        for page in (1, 4):
+            assert compute_admission(preset.max_prompt_len, preset.max_new_tokens,
+                                     preset.max_context_len, preset.kv_tokens,
+                                     page) == (preset.max_new_tokens, False), preset.name
+
+
+def test_a_page_1_tree_near_the_context_length_outgrows_its_row() -> None:
+    """U7 (predicted; the upstream tier cannot drive trees): the release widens the
+    req_to_token row to the decode reserve only on pages > 1 (allocation_sizing.py
+    get_req_to_token_extra_context_len, #26972); on page 1 the headroom stays 4 + D_tok
+    = 12 while a tree's reserve 2 * steps * topk is 24. A request capped just below the
+    context length then allocates past its row; KV1 reports it at the prepare (the model
+    never clamps it away)."""
+    ops: list[Op] = [Admit(240, 96)] + [
+        Iterate(IterationChoices(allow_prefill=True, accept_lens=(1,) * 16))
+        for _ in range(20)]
+    outcome = run_script(Script("ov-p1-v2tree-cpu-honest", "realistic", ops, ()))
+    assert outcome.violation is not None
+    assert outcome.violation.invariant_id == "KV1"
+    assert "kv_committed_len=245, kv_allocated_len=269, row width=268" in str(outcome.violation)
+    # The chain's reserve 2 * D_tok fits the same headroom exactly: no overflow.
+    chain = run_script(Script("ov-p1-v2chain-cpu-honest", "realistic", [Admit(240, 96)] + [
+        Iterate(IterationChoices(allow_prefill=True, accept_lens=(1,) * 16))
+        for _ in range(20)], ()))
+    assert chain.violation is None
