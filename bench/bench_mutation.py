@@ -14,8 +14,9 @@ __future__ import annotations``: annotations are never evaluated) and is not run
 ``--survivors-from FILE --command ... --checker NAME`` runs only the survivors a previous
 result file lists, with a stronger command (for example the upstream tier, which compares
 the reference with sglang 0.5.23): those it kills get ``"killed_by": NAME`` there and the
-file is rewritten; the rest stay as they were. It runs at HEAD while the mutated modules
-are those of the campaign's commit, else at that commit (with its checkers).
+file is rewritten; the rest stay as they were. A survivor is judged at HEAD while its
+module is the campaign's, or when exactly one mutation of HEAD's module is the same
+operator on the same source line; else at the campaign's commit (with its checkers).
 
 ``--sample N`` runs N mutants drawn with ``--seed`` (the rest are reported as not run),
 ``--budget-s`` stops starting new ones after that many seconds: the result file says
@@ -120,49 +121,78 @@ def run_one(cosmic_ray: str, clone: Path, mutation: dict[str, Any], command: str
 
 
 def rerun_survivors(args: argparse.Namespace) -> int:
-    """The unclassified survivors of a result file, with a stronger command."""
+    """The unclassified survivors of a result file, with a stronger command.
+
+    A survivor whose module is byte for byte the campaign's is judged at HEAD (where a
+    check written for it lives); one whose module changed since is judged at the
+    campaign's commit, with the checkers of that commit."""
     cosmic_ray = find_cosmic_ray()
     document = json.loads(args.survivors_from.read_text())
+    layers = {name: layer for name, layer in document["layers"].items()
+              if args.layer is None or name in args.layer}
     with tempfile.TemporaryDirectory() as scratch_dir:
         scratch = Path(scratch_dir)
-        clone = scratch / "tree"
-        subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
-        # The stronger check may be newer than the run (a test written for a survivor):
-        # it runs at HEAD, provided the mutated modules are byte for byte the run's.
-        layers = {name: layer for name, layer in document["layers"].items()
-                  if args.layer is None or name in args.layer}
-        modules = sorted({m for layer in layers.values() for m in layer["modules"]})
-        commits = {layer.get("commit", document.get("commit")) for layer in layers.values()}
-        changed = [name for name, layer in layers.items() if subprocess.run(
-            ["git", "diff", "--quiet", layer.get("commit", document.get("commit")), "HEAD",
-             "--", *layer["modules"]], cwd=clone, check=False).returncode != 0]
-        if changed:
-            # The modules moved on since the campaign: judge its mutants where they were
-            # made, with the checkers of that commit.
-            if len(commits) != 1:
-                raise SystemExit(f"bench_mutation: {', '.join(changed)} changed since their "
-                                 "campaigns, which ran at different commits; pass --layer")
-            (commit,) = commits
-            subprocess.run(["git", "checkout", "-q", commit], cwd=clone, check=True)
-            print(f"re-running at the campaign's commit {commit[:12]}: "
-                  f"{', '.join(changed)} changed since", flush=True)
         command = args.command.format(python=sys.executable, jobs=args.jobs,
                                       scratch=scratch / "out")
-        list_mutations(cosmic_ray, clone, modules)
-        # The stronger command must pass on the unmutated tree, or its failures say nothing.
-        clean = subprocess.run(command, shell=True, cwd=clone, capture_output=True, text=True,
-                               check=False)
-        if clean.returncode != 0:
-            raise SystemExit(f"bench_mutation: the command fails on the unmutated tree "
-                             f"(exit {clean.returncode}): {(clean.stdout + clean.stderr)[-300:]}")
+        clones: dict[str, Path] = {}
+
+        def get_clone(commit: str) -> Path:
+            """A clone at ``commit`` ("HEAD" or a campaign's), where the command passes."""
+            if commit not in clones:
+                clone = scratch / f"tree-{len(clones)}"
+                subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+                if commit != "HEAD":
+                    subprocess.run(["git", "checkout", "-q", commit], cwd=clone, check=True)
+                    print(f"judging at the campaign's commit {commit[:12]} the survivors "
+                          "whose module changed since", flush=True)
+                modules = sorted({m for layer in layers.values() for m in layer["modules"]})
+                list_mutations(cosmic_ray, clone, modules)
+                # The command must pass on the unmutated tree, or its failures say nothing.
+                clean = subprocess.run(command, shell=True, cwd=clone, capture_output=True,
+                                       text=True, check=False)
+                if clean.returncode != 0:
+                    raise SystemExit(f"bench_mutation: the command fails on the unmutated "
+                                     f"tree at {commit} (exit {clean.returncode}): "
+                                     f"{(clean.stdout + clean.stderr)[-300:]}")
+                clones[commit] = clone
+            return clones[commit]
+
+        head_mutations: dict[str, list[dict[str, Any]]] = {}
+
+        def find_at_head(path: str, operator: str, survivor: dict[str, Any]) -> int | None:
+            """The occurrence of the same operator on the same source line at HEAD, when
+            exactly one matches (the module moved, but not that line)."""
+            removed = [line[1:] for line in survivor.get("diff", []) if line.startswith("-")]
+            if not removed:
+                return None
+            if path not in head_mutations:
+                head_mutations[path] = list_mutations(cosmic_ray, get_clone("HEAD"), [path])
+            source = (get_clone("HEAD") / path).read_text().splitlines()
+            matches = [m["occurrence"] for m in head_mutations[path]
+                       if m["operator_name"] == operator
+                       and source[m["start_pos"][0] - 1] == removed[0]]
+            return matches[0] if len(matches) == 1 else None
+
         for layer in layers.values():
+            campaign = layer.get("commit", document.get("commit"))
             for survivor in layer["survivors"]:
                 if survivor.get("status") != "unclassified":
                     continue
                 path, operator, occurrence = survivor["id"].rsplit(":", 2)
+                moved = subprocess.run(["git", "diff", "--quiet", campaign, "HEAD", "--",
+                                        path], cwd=ROOT, check=False).returncode != 0
+                at, number = "HEAD", int(occurrence)
+                if moved:
+                    found = find_at_head(path, operator, survivor)
+                    if found is None:
+                        at = campaign
+                    else:
+                        number = found
+                        moved = False
                 mutation = {"module_path": path, "operator_name": operator,
-                            "occurrence": int(occurrence)}
-                outcome = run_one(cosmic_ray, clone, mutation, command, args.timeout_s)
+                            "occurrence": number}
+                outcome = run_one(cosmic_ray, get_clone(at), mutation, command,
+                                  args.timeout_s)
                 status = outcome.get("test_outcome")
                 # A kill is a failed check, not a usage error or a crash of the command.
                 if status == "killed" and "FAILED" not in outcome.get("output", ""):
@@ -171,6 +201,8 @@ def rerun_survivors(args: argparse.Namespace) -> int:
                 if status == "killed":
                     survivor.pop("status")
                     survivor["killed_by"] = args.checker
+                    if moved:
+                        survivor["judged_at"] = campaign
             layer["killed_later"] = sum(1 for s in layer["survivors"] if "killed_by" in s)
     # Another run may have written other layers meanwhile: replace only the ones re-run.
     current = json.loads(args.survivors_from.read_text())

@@ -36,7 +36,7 @@ from overlap_spec.spec.state import (
     Observation,
     ObservationPoint,
 )
-from overlap_spec.spec.units import RequestId
+from overlap_spec.spec.units import PoolRow, RequestId
 
 CELLS = ("ov-p1-none", "nov-p4-none", "ov-p4-v2chain-cpu-preclaim", "ov-p1-v2chain-nocpu-honest",
          "nov-p1-v2tree-cpu-honest")
@@ -320,6 +320,26 @@ def test_the_reference_relay_keeps_what_upstreams_ci_guards_keep() -> None:
     fm.publish([req], [row], [5])  # a publish re-arms both
     third = fm.resolve_seq_lens_cpu(batch)
     assert third is not None and third.fresh_publish is True and not third.regathered_rows
+
+
+def test_the_reference_relay_knows_who_stashed_a_reused_row() -> None:
+    """FM5 from the reference's own bookkeeping: a row stashed by its previous owner and
+    gathered for its next one (row reuse, before the new owner stashed) reports
+    ``written_by_current_owner=False``, for an older and a newer previous owner alike
+    (found by mutation testing: an ordering comparison in place of the equality passed
+    every other check)."""
+    config, _ = _RUNS["ov-p1-none"]
+    sched = Scheduler(config, frozenset(), None)
+    fm = sched.future_map
+    first, second = (sched.requests[sched.admit(2, 8)] for _ in range(2))
+    row = PoolRow(1)
+    for stasher, reader in ((first, second), (second, first)):
+        fm.stash([stasher], [row], [7])
+        (gather,) = fm.resolve_forward_inputs([reader], [row])
+        assert gather.written_by_current_owner is False, (stasher.rid, reader.rid)
+        fm.stash([reader], [row], [8])
+        (gather,) = fm.resolve_forward_inputs([reader], [row])
+        assert gather.written_by_current_owner is True
 
 
 def _held_row(o: Observation) -> int:
