@@ -787,6 +787,9 @@ def check_rp2(config: ModelConfig, obs: Observation) -> int:
         if not 0 <= e.run_len <= e.accept_len:
             raise fail("RP2", obs, f"for request r{e.rid}: run of {e.run_len} tokens > "
                        f"accept_len={e.accept_len}")
+        if not e.stale and e.output_after - e.output_before != e.run_len:
+            raise fail("RP2", obs, f"for request r{e.rid}: a kept run of {e.run_len} "
+                       f"tokens grew output_ids by {e.output_after - e.output_before}")
     return count + len(result.entries)
 
 

@@ -322,6 +322,22 @@ def test_the_reference_relay_keeps_what_upstreams_ci_guards_keep() -> None:
     assert third is not None and third.fresh_publish is True and not third.regathered_rows
 
 
+def test_rp2_catches_a_recorded_run_that_is_not_what_was_appended() -> None:
+    """A live row's recorded run must be the tokens appended (found by mutation testing:
+    the reference's recorded run was only checked against accept_len)."""
+    targets = [(c, o) for c, o in _targets("RP2")
+               if o.result and any(not e.stale and e.run_len for e in o.result.entries)]
+    assert targets
+    config, obs = targets[0]
+    assert obs.result is not None
+    j = next(i for i, e in enumerate(obs.result.entries) if not e.stale and e.run_len)
+    entries = list(obs.result.entries)
+    entries[j] = replace(entries[j], run_len=entries[j].run_len - 1)
+    with pytest.raises(InvariantViolation, match="^RP2 violated .* grew output_ids by"):
+        get_invariant("RP2").check(config, replace(obs, result=replace(
+            obs.result, entries=tuple(entries))))
+
+
 def test_the_reference_relay_knows_who_stashed_a_reused_row() -> None:
     """FM5 from the reference's own bookkeeping: a row stashed by its previous owner and
     gathered for its next one (row reuse, before the new owner stashed) reports
