@@ -120,6 +120,11 @@ def run_one(cosmic_ray: str, clone: Path, mutation: dict[str, Any], command: str
     return result
 
 
+class CommandFailsThere(Exception):
+    """The stronger command does not pass on the unmutated tree at that commit (it may
+    not exist there yet): the survivors that would be judged there are not."""
+
+
 def rerun_survivors(args: argparse.Namespace) -> int:
     """The unclassified survivors of a result file, with a stronger command.
 
@@ -135,6 +140,7 @@ def rerun_survivors(args: argparse.Namespace) -> int:
         command = args.command.format(python=sys.executable, jobs=args.jobs,
                                       scratch=scratch / "out")
         clones: dict[str, Path] = {}
+        unusable: set[str] = set()
 
         def get_clone(commit: str) -> Path:
             """A clone at ``commit`` ("HEAD" or a campaign's), where the command passes."""
@@ -151,27 +157,51 @@ def rerun_survivors(args: argparse.Namespace) -> int:
                 clean = subprocess.run(command, shell=True, cwd=clone, capture_output=True,
                                        text=True, check=False)
                 if clean.returncode != 0:
-                    raise SystemExit(f"bench_mutation: the command fails on the unmutated "
-                                     f"tree at {commit} (exit {clean.returncode}): "
-                                     f"{(clean.stdout + clean.stderr)[-300:]}")
+                    raise CommandFailsThere(
+                        f"the command fails on the unmutated tree at {commit} (exit "
+                        f"{clean.returncode}): {(clean.stdout + clean.stderr)[-300:]}")
                 clones[commit] = clone
             return clones[commit]
 
-        head_mutations: dict[str, list[dict[str, Any]]] = {}
+        listed: dict[tuple[str, str], list[tuple[str, int, int]]] = {}
 
-        def find_at_head(path: str, operator: str, survivor: dict[str, Any]) -> int | None:
-            """The occurrence of the same operator on the same source line at HEAD, when
-            exactly one matches (the module moved, but not that line)."""
-            removed = [line[1:] for line in survivor.get("diff", []) if line.startswith("-")]
-            if not removed:
+        def get_listed(commit: str, path: str) -> list[tuple[str, int, int]]:
+            """(operator, occurrence, source line's index among the same operator's
+            mutations on identical lines) of every mutation of ``path`` at ``commit``."""
+            if (commit, path) not in listed:
+                source = subprocess.run(["git", "show", f"{commit}:{path}"], cwd=ROOT,
+                                        check=True, capture_output=True,
+                                        text=True).stdout.splitlines()
+                with tempfile.TemporaryDirectory() as where:
+                    clone = Path(where) / "tree"
+                    subprocess.run(["git", "clone", "-q", str(ROOT), str(clone)], check=True)
+                    subprocess.run(["git", "checkout", "-q", commit], cwd=clone, check=True)
+                    mutations = list_mutations(cosmic_ray, clone, [path])
+                seen: dict[str, int] = {}
+                rows = []
+                for m in mutations:
+                    key = f"{m['operator_name']}\0{source[m['start_pos'][0] - 1]}"
+                    rows.append((key, m["occurrence"], seen.get(key, 0)))
+                    seen[key] = seen.get(key, 0) + 1
+                listed[(commit, path)] = rows
+            return listed[(commit, path)]
+
+        def find_at_head(path: str, operator: str, occurrence: int,
+                         campaign: str) -> int | None:
+            """The same operator on an identical source line, the same one among such
+            mutations, at HEAD (the module moved, that line did not)."""
+            before = {occ: (key, rank) for key, occ, rank in get_listed(campaign, path)
+                      if key.startswith(operator + "\0")}
+            if occurrence not in before:
                 return None
-            if path not in head_mutations:
-                head_mutations[path] = list_mutations(cosmic_ray, get_clone("HEAD"), [path])
-            source = (get_clone("HEAD") / path).read_text().splitlines()
-            matches = [m["occurrence"] for m in head_mutations[path]
-                       if m["operator_name"] == operator
-                       and source[m["start_pos"][0] - 1] == removed[0]]
-            return matches[0] if len(matches) == 1 else None
+            key, rank = before[occurrence]
+            now = [occ for k, occ, r in get_listed(resolve_head(), path)
+                   if k == key and r == rank]
+            return now[0] if len(now) == 1 else None
+
+        def resolve_head() -> str:
+            return subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, check=True,
+                                  capture_output=True, text=True).stdout.strip()
 
         for layer in layers.values():
             campaign = layer.get("commit", document.get("commit"))
@@ -183,12 +213,20 @@ def rerun_survivors(args: argparse.Namespace) -> int:
                                         path], cwd=ROOT, check=False).returncode != 0
                 at, number = "HEAD", int(occurrence)
                 if moved:
-                    found = find_at_head(path, operator, survivor)
+                    found = find_at_head(path, operator, int(occurrence), campaign)
                     if found is None:
                         at = campaign
                     else:
                         number = found
                         moved = False
+                if at not in clones and at in unusable:
+                    continue
+                try:
+                    get_clone(at)
+                except CommandFailsThere as error:
+                    unusable.add(at)
+                    print(f"not judged: {error}", flush=True)
+                    continue
                 mutation = {"module_path": path, "operator_name": operator,
                             "occurrence": number}
                 outcome = run_one(cosmic_ray, get_clone(at), mutation, command,
