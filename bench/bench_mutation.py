@@ -32,8 +32,10 @@ from __future__ import annotations
 import argparse
 import ast
 import json
+import os
 import random
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -104,14 +106,21 @@ def get_id(mutation: dict[str, Any]) -> str:
 
 def run_one(cosmic_ray: str, clone: Path, mutation: dict[str, Any], command: str,
             timeout: float) -> dict[str, Any]:
+    # Its own process group: on a timeout the test command's children go too (an orphaned
+    # check would keep a core busy and slow every later mutant).
+    process = subprocess.Popen(
+        [cosmic_ray, "mutate-and-test", mutation["module_path"], mutation["operator_name"],
+         str(mutation["occurrence"]), command],
+        cwd=clone, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        start_new_session=True)
     try:
-        done = subprocess.run(
-            [cosmic_ray, "mutate-and-test", mutation["module_path"], mutation["operator_name"],
-             str(mutation["occurrence"]), command],
-            cwd=clone, capture_output=True, text=True, timeout=timeout, check=False)
+        stdout, stderr = process.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.communicate()
         subprocess.run(["git", "checkout", "--", "."], cwd=clone, check=True)
-        return {"test_outcome": "killed", "output": f"timed out after {timeout} s"}
+        return {"test_outcome": "timeout", "output": f"timed out after {timeout} s"}
+    done = subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
     subprocess.run(["git", "checkout", "--", "."], cwd=clone, check=True)  # never leak
     lines = [line for line in done.stdout.splitlines() if line.startswith("{")]
     if not lines:
