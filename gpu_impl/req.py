@@ -6,28 +6,40 @@ under ``req.kv.*``, M2); so does gpu_impl. What lives in tensors is the batch st
 ghost beside the request: gpu_impl is checked by the differential run and the race
 detector, not by the invariant observer.
 
-The stand-in model's token function is defined here because the host (PD prebuilt
-requests) and the forward (a tensor expression) both evaluate it: written with operators
-only, the same expression works on Python ints and on int64 tensors.
+The stand-in model's tokens are the environment's (``spec.state``): the forward computes them
+as a tensor expression (:func:`compute_env_tokens_tensor`), checked against the spec's
+definition by the differential run and ``tests/test_gpu_impl.py``.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TypeVar
 
 import torch
 
 from overlap_spec.spec.units import PageId, PoolRow, RequestId, TokenCount
 
-EOS_TOKEN = 0
 
-IntOrTensor = TypeVar("IntOrTensor", int, torch.Tensor)
+def get_env_chain_coefficients(stride: int) -> tuple[list[int], list[int], list[int]]:
+    """(G, S, T) with ``t_k - 1 = (G[k] w + S[k] b + T[k]) mod 97`` for the k-th token of a
+    chain of ``spec.state.compute_env_token`` (``t_k = 1 + (31 rid + 7 (p + k) + 11 t_{k-1})
+    mod 97``), where ``w = (31 rid + 7 p + 11 previous) mod 97`` and ``b = 31 rid + 7 p +
+    11``: the recurrence solved, so a forward computes every token of a run at once."""
+    g, s, t = [1], [0], [0]
+    for k in range(1, stride):
+        g.append(g[-1] * 11 % 97)
+        s.append((s[-1] * 11 + 1) % 97)
+        t.append((t[-1] * 11 + 7 * k) % 97)
+    return g, s, t
 
 
-def compute_token(rid: IntOrTensor, index: IntOrTensor) -> IntOrTensor:
-    """The stand-in model's non-EOS token for output position ``index`` of request ``rid``."""
-    return 1 + (rid * 31 + index * 7) % 97
+def compute_env_tokens_tensor(rid: torch.Tensor, position: torch.Tensor, previous: torch.Tensor,
+                              g: torch.Tensor, s: torch.Tensor, t: torch.Tensor) -> torch.Tensor:
+    """``spec.state.get_env_tokens`` elementwise on int64 tensors: the token at offset k of a
+    run that starts at ``position`` after ``previous``, with ``g, s, t`` the coefficients of
+    each element's offset (:func:`get_env_chain_coefficients`)."""
+    base = rid * 31 + position * 7
+    return 1 + (g * ((base + previous * 11) % 97) + s * (base + 11) + t) % 97
 
 
 @dataclass
@@ -35,6 +47,7 @@ class Req:
     rid: RequestId
     prompt_len: TokenCount
     max_new_tokens: TokenCount
+    last_prompt_token: int  # origin_input_ids[-1]: where the token chain starts
     output_ids: list[int] = field(default_factory=list)
     kv_committed_len: int = 0
     kv_allocated_len: int = 0

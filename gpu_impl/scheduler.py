@@ -37,7 +37,7 @@ from overlap_spec.gpu_impl.mem_cache import (
     get_decode_pages_needed,
     release_kv_cache,
 )
-from overlap_spec.gpu_impl.req import Req, compute_token
+from overlap_spec.gpu_impl.req import Req
 from overlap_spec.gpu_impl.runtime import Runtime
 from overlap_spec.gpu_impl.schedule_batch import ResultBatch, ScheduleBatch
 from overlap_spec.gpu_impl.streams import Streams
@@ -46,7 +46,7 @@ from overlap_spec.spec.bugs import BUG_IDS
 from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.happens_before import COPY, FORWARD, SCHEDULE
 from overlap_spec.spec.interface import BatchState, ObservableState, Observer, RequestState
-from overlap_spec.spec.state import IterationChoices
+from overlap_spec.spec.state import IterationChoices, compute_env_token, get_last_prompt_token
 from overlap_spec.spec.transitions import (
     compute_admission,
     compute_committed_after_result,
@@ -128,7 +128,8 @@ class Scheduler:
         if prebuilt:  # a PD-decode request needs room for one token past its first
             capped = max(capped, 2)
         req = Req(rid, TokenCount(1 if refused else prompt_len), TokenCount(capped),
-                  prebuilt=prebuilt, to_finish="abort" if refused else None)
+                  get_last_prompt_token(rid, prompt_len, refused), prebuilt=prebuilt,
+                  to_finish="abort" if refused else None)
         self.requests[rid] = req
         self.waiting_queue.append(req)
         return rid
@@ -279,7 +280,8 @@ class Scheduler:
         if not self.rt.has_fault("B9"):
             streams.wait_stream(SCHEDULE, self.rt.forward_stream)
         batch = ScheduleBatch.prepare_for_extend(self.rt, chosen)
-        first_tokens = [compute_token(int(req.rid), 0) for req in chosen]
+        first_tokens = [compute_env_token(req.rid, req.prompt_len, req.last_prompt_token)
+                        for req in chosen]
         for req, token in zip(chosen, first_tokens, strict=True):
             req.output_ids.append(token)
         rows = batch.req_pool_indices
@@ -376,6 +378,10 @@ class Scheduler:
             streams.wait_stream(FORWARD, SCHEDULE)  # RAW fence at launch (ST1)
         if cell.overlap and batch.forward_mode == "decode":
             batch.input_ids = self.future_map.resolve_forward_inputs(batch.req_pool_indices)
+        else:  # the last result's tokens, or a prefill's last input token (H2D)
+            batch.input_ids = streams.device_tensor(
+                [req.output_ids[-1] if req.output_ids else req.last_prompt_token
+                 for req in batch.reqs], forward)
         snapshot = {name: getattr(batch, name) for name in ISOLATED_FIELDS}
         if cell.overlap:
             self.record_batch_in_overlap(batch)

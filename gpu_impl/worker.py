@@ -26,10 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-from overlap_spec.gpu_impl.req import EOS_TOKEN, compute_token
+from overlap_spec.gpu_impl.req import compute_env_tokens_tensor, get_env_chain_coefficients
 from overlap_spec.gpu_impl.runtime import Runtime
 from overlap_spec.gpu_impl.schedule_batch import ScheduleBatch
-from overlap_spec.spec.state import IterationChoices
+from overlap_spec.spec.state import EOS_TOKEN, IterationChoices
 from overlap_spec.spec.units import StepId
 
 READ_DONE = "shared_read_done"  # reference.worker.READ_DONE
@@ -89,7 +89,6 @@ class RequestInputs:
     """Per-request host facts the stand-in forward needs, copied H2D on the forward stream."""
 
     rid: torch.Tensor
-    output_len: torch.Tensor
     kv_allocated_len: torch.Tensor
     holds_row: torch.Tensor  # bool
 
@@ -116,7 +115,6 @@ class ModelWorker:
         reqs = batch.reqs
         return RequestInputs(
             rid=streams.device_tensor([req.rid for req in reqs], stream),
-            output_len=streams.device_tensor([len(req.output_ids) for req in reqs], stream),
             kv_allocated_len=streams.device_tensor([req.kv_allocated_len for req in reqs],
                                                    stream),
             holds_row=streams.device_tensor([req.req_pool_idx is not None for req in reqs],
@@ -153,20 +151,26 @@ class ModelWorker:
         kv.kv_cache.index_put_((target,), inputs.rid[:, None].expand_as(target))
         return faults
 
-    def _sample(self, inputs: RequestInputs, stride: int,
-                eos_at: list[int | None]) -> torch.Tensor:
-        """``stride`` tokens per request (flat) from the stand-in model; EOS where the env put it.
+    def _sample(self, batch: ScheduleBatch, inputs: RequestInputs, positions: torch.Tensor,
+                stride: int, eos_at: list[int | None]) -> torch.Tensor:
+        """``stride`` tokens per request (flat) from the stand-in model, the first at
+        ``positions``, chained from the forward's input token (``input_ids``: relayed under
+        overlap); EOS where the environment put it.
 
         Built flat from the start: a view of a temporary would outlive the tensor the race
         detector tracks, and its accesses would then look like someone else's.
         """
         streams = self.rt.streams
+        forward = self.rt.forward_stream
+        assert batch.input_ids is not None, "the forward runs without input_ids"
         flat = torch.arange(len(eos_at) * stride, dtype=torch.int64, device=streams.device)
         owner = flat // stride
         offset = flat % stride
-        tokens = compute_token(inputs.rid[owner], inputs.output_len[owner] + offset)
-        eos = streams.device_tensor([-1 if e is None else e for e in eos_at],
-                                    self.rt.forward_stream)
+        g, s, t = (streams.device_tensor(c, forward)[offset]
+                   for c in get_env_chain_coefficients(stride))
+        tokens = compute_env_tokens_tensor(inputs.rid[owner], positions[owner],
+                                           batch.input_ids[owner], g, s, t)
+        eos = streams.device_tensor([-1 if e is None else e for e in eos_at], forward)
         return torch.where(offset == eos[owner], EOS_TOKEN, tokens)
 
     def _fill(self, fb: ForwardBatch, value: int) -> torch.Tensor:
@@ -187,7 +191,7 @@ class ModelWorker:
         widest = max(rt.streams.to_list(fb.seq_lens_cpu, "extend width"))
         faults = self._write_kv(fb, inputs, self._fill(fb, 0), fb.seq_lens, widest)
         eos_at = [choices.get_eos_index(j, 1) for j in range(len(batch.reqs))]
-        tokens = self._sample(inputs, 1, eos_at)
+        tokens = self._sample(batch, inputs, fb.seq_lens, 1, eos_at)  # at fill_len
         self._record_reads_done()
         new_seq_lens = fb.seq_lens.clone()  # spec extend publishes s (the prompt length)
         if rt.config.cell.is_spec:
@@ -202,7 +206,7 @@ class ModelWorker:
         # The token being processed sits at column seq_len - 1.
         faults = self._write_kv(fb, inputs, fb.seq_lens - 1, self._fill(fb, 1), 1)
         eos_at = [choices.get_eos_index(j, 1) for j in range(len(batch.reqs))]
-        tokens = self._sample(inputs, 1, eos_at)
+        tokens = self._sample(batch, inputs, fb.seq_lens, 1, eos_at)
         self._record_reads_done()
         new_seq_lens = fb.seq_lens + 1
         return ForwardResult(step, "decode", 1, tokens, self._fill(fb, 1), eos_at,
@@ -226,7 +230,8 @@ class ModelWorker:
                   for j in range(len(batch.reqs))]
         accept_lens = rt.streams.device_tensor(accept, rt.forward_stream)
         eos_at = [choices.get_eos_index(j, a) for j, a in enumerate(accept)]
-        tokens = self._sample(inputs, shape.draft_tokens, eos_at)
+        # The bonus token sits at seq_len; the run starts after it.
+        tokens = self._sample(batch, inputs, verify.seq_lens + 1, shape.draft_tokens, eos_at)
         new_seq_lens = verify.seq_lens + accept_lens  # compute_verify_new_seq_len, batched
         self._record_reads_done()
         on_publish(new_seq_lens)  # between verify and draft-extend

@@ -85,11 +85,15 @@ class FutureMap:
             self.stashes_since_gather[row] = self.stashes_since_gather.get(row, 0) + 1
             rt.hb.write(stream, ("output_tokens_buf", row), "FutureMap.stash")
 
-    def resolve_forward_inputs(self, reqs: list[Req], rows: list[PoolRow]) -> list[RelayGather]:
-        """Decode: gather output_tokens_buf[rows] on F (tokens or spec bonus); consume once."""
+    def resolve_forward_inputs(self, reqs: list[Req], rows: list[PoolRow]
+                               ) -> tuple[list[RelayGather], list[int]]:
+        """Decode: gather output_tokens_buf[rows] on F (tokens or spec bonus), the forward's
+        input_ids; consume once."""
         rt = self.rt
         gathers: list[RelayGather] = []
+        tokens: list[int] = []
         for req, row in zip(reqs, rows, strict=True):
+            tokens.append(self.output_tokens_buf[row])
             rt.hb.read(rt.forward_stream, ("output_tokens_buf", row), "resolve_forward_inputs")
             gathers.append(RelayGather(
                 row=row,
@@ -98,7 +102,7 @@ class FutureMap:
                 written_by_current_owner=self.stasher.get(row) == get_owner(req),
             ))
             self.stashes_since_gather[row] = 0
-        return gathers
+        return gathers, tokens
 
     # -- schedule side ----------------------------------------------------------------
     def resolve_seq_lens_cpu(self, batch: ScheduleBatch) -> ResolveView | None:

@@ -107,6 +107,8 @@ class Refinement:
             finish_reason=req.finished_reason,
             spec_verify_ct=req.spec_verify_ct,
             spec_num_correct_drafts=req.spec_num_correct_drafts,
+            output_ids=req.output_ids,
+            last_prompt_token=req.last_prompt_token,
             ghost=GhostView(
                 epoch=g.epoch,
                 kv_len_true=TokenCount(g.kv_len_true),

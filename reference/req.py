@@ -17,8 +17,6 @@ from typing import Concatenate, ParamSpec
 from overlap_spec.spec.relation import Ghost, RequestRecord, admit
 from overlap_spec.spec.units import PageId, PoolRow, RequestId, TokenCount
 
-EOS_TOKEN = 0
-
 P = ParamSpec("P")
 
 
@@ -47,6 +45,10 @@ class Req:
     @property
     def max_new_tokens(self) -> TokenCount:
         return self.state.max_new_tokens
+
+    @property
+    def last_prompt_token(self) -> int:
+        return self.state.last_prompt_token
 
     @property
     def output_ids(self) -> tuple[int, ...]:

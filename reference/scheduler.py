@@ -31,7 +31,7 @@ from overlap_spec.reference.refinement import Refinement
 from overlap_spec.reference.req import Req
 from overlap_spec.reference.runtime import Runtime
 from overlap_spec.reference.schedule_batch import ScheduleBatch
-from overlap_spec.reference.worker import READ_DONE, ForwardResult, ModelWorker, token_for
+from overlap_spec.reference.worker import READ_DONE, ForwardResult, ModelWorker
 from overlap_spec.spec import relation
 from overlap_spec.spec.bugs import BUG_IDS
 from overlap_spec.spec.config import ModelConfig
@@ -46,7 +46,9 @@ from overlap_spec.spec.state import (
     ObservationPoint,
     ProcessedEntry,
     PublishRecord,
+    RelayGather,
     ResultView,
+    compute_env_token,
 )
 from overlap_spec.spec.transitions import (
     compute_admission,
@@ -274,7 +276,7 @@ class Scheduler:
         tokens = []
         for req in chosen:
             self.future_map.on_row_acquired(req)
-            tokens.append(token_for(req, 0))
+            tokens.append(compute_env_token(req.rid, req.prompt_len, req.last_prompt_token))
             req.apply(relation.process_prebuilt, tokens[-1])
         if self.config.cell.is_spec:
             self.future_map.publish(chosen, rows, list(batch.seq_lens.values), stream=SCHEDULE)
@@ -383,9 +385,14 @@ class Scheduler:
         if cfg.cell.overlap:
             self.rt.hb.wait_stream(FORWARD, SCHEDULE)  # RAW fence at launch (ST1)
         rows = list(batch.req_pool_indices_cpu)
-        gathers = []
+        gathers: list[RelayGather] = []
         if cfg.cell.overlap and batch.forward_mode == "decode":
-            gathers = self.future_map.resolve_forward_inputs(batch.reqs, rows)
+            gathers, batch.input_ids = self.future_map.resolve_forward_inputs(batch.reqs, rows)
+        elif batch.forward_mode == "decode":  # the last result's tokens (output_ids)
+            batch.input_ids = [req.output_ids[-1] for req in batch.reqs]
+        else:  # the prefill's last input token: the prompt's, or the last output's
+            batch.input_ids = [req.output_ids[-1] if req.output_ids else req.last_prompt_token
+                               for req in batch.reqs]
         members = self._launch_members(batch, rows)
         entry = self.refinement.get_batch_view(batch)
         self.isolation_entry = entry

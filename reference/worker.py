@@ -18,11 +18,17 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from overlap_spec.reference.req import EOS_TOKEN, Req
+from overlap_spec.reference.req import Req
 from overlap_spec.reference.runtime import DeviceTensor, Runtime
 from overlap_spec.reference.schedule_batch import ScheduleBatch
 from overlap_spec.spec.relation import forward_decode, forward_extend
-from overlap_spec.spec.state import IterationChoices, KvWrite, PublishRecord
+from overlap_spec.spec.state import (
+    EOS_TOKEN,
+    IterationChoices,
+    KvWrite,
+    PublishRecord,
+    get_env_tokens,
+)
 from overlap_spec.spec.transitions import compute_draft_extend_seq_lens, compute_verify_new_seq_len
 from overlap_spec.spec.units import StepId
 
@@ -52,11 +58,6 @@ def init_new(rt: Runtime, batch: ScheduleBatch, purpose: str,
         batch.seq_lens_sum = sum(cpu)
     return ForwardBatch(purpose, rt.shape.draft_tokens, len(seq_lens), seq_lens,
                         None if cpu is None else list(cpu), batch.seq_lens_sum)
-
-
-def token_for(req: Req, index: int) -> int:
-    """A deterministic non-EOS token: the value only matters for relay checks."""
-    return 1 + (req.rid * 31 + index * 7) % 97
 
 
 @dataclass
@@ -116,11 +117,14 @@ class ModelWorker:
             return self._forward_decode_spec_v2(batch, step, choices, on_publish)
         return self._forward_decode(batch, step, choices)
 
-    def _sample(self, req: Req, position: int, run_len: int, choices: IterationChoices,
-                stride: int) -> tuple[list[int], int | None]:
-        base = len(req.output_ids)
-        tokens = [token_for(req, base + k) for k in range(stride)]
-        eos_at = choices.get_eos_index(position, run_len)
+    def _sample(self, batch: ScheduleBatch, j: int, run_len: int, choices: IterationChoices,
+                stride: int, position: int) -> tuple[list[int], int | None]:
+        """``stride`` tokens of the stand-in model for batch member ``j``, the first at
+        absolute ``position``, chained from the forward's input token (``input_ids``: the
+        relayed one under overlap); EOS where the environment puts it."""
+        assert batch.input_ids is not None, "the forward runs without input_ids"
+        tokens = get_env_tokens(batch.reqs[j].rid, position, batch.input_ids[j], stride)
+        eos_at = choices.get_eos_index(j, run_len)
         if eos_at is not None:
             tokens[eos_at] = EOS_TOKEN
         return tokens, eos_at
@@ -136,7 +140,7 @@ class ModelWorker:
         for j, (req, fill_len) in enumerate(zip(batch.reqs, fb.seq_lens, strict=True)):
             self._write_kv(req, 0, fill_len, faults)
             req.apply(forward_extend, step)
-            run, eos_at = self._sample(req, j, 1, choices, 1)
+            run, eos_at = self._sample(batch, j, 1, choices, 1, fill_len)
             tokens += run
             eos.append(eos_at)
         self._record_reads_done()
@@ -156,7 +160,7 @@ class ModelWorker:
         for j, (req, seq_len) in enumerate(zip(batch.reqs, fb.seq_lens, strict=True)):
             self._write_kv(req, seq_len - 1, seq_len, faults)  # the token being processed
             req.apply(forward_decode, step, 1)
-            run, eos_at = self._sample(req, j, 1, choices, 1)
+            run, eos_at = self._sample(batch, j, 1, choices, 1, seq_len)
             tokens += run
             eos.append(eos_at)
         self._record_reads_done()
@@ -184,7 +188,8 @@ class ModelWorker:
             self._write_kv(req, seq_len, seq_len + shape.draft_tokens, faults)  # verify
             accept = choices.get_accept_len(j, shape.max_accept_len)
             req.apply(forward_decode, step, accept)
-            run, eos_at = self._sample(req, j, accept, choices, stride)
+            # The bonus token sits at seq_len; the run starts after it.
+            run, eos_at = self._sample(batch, j, accept, choices, stride, seq_len + 1)
             tokens += run
             accept_lens.append(accept)
             eos.append(eos_at)

@@ -20,11 +20,13 @@ from typing import Any, Final
 from overlap_spec.spec.config import Cell, ModelConfig
 from overlap_spec.spec.happens_before import FORWARD, SCHEDULE, Race
 from overlap_spec.spec.state import (
+    EOS_TOKEN,
     SCHEDULE_SIDE_POINTS,
     BatchView,
     Observation,
     ObservationPoint,
     RequestView,
+    compute_env_token,
 )
 from overlap_spec.spec.transitions import (
     compute_committed_lead,
@@ -865,6 +867,38 @@ def check_rp6(config: ModelConfig, obs: Observation) -> int:
     return sum(1 for r in obs.requests if r.ghost.verify_ct)
 
 
+def check_rp7(config: ModelConfig, obs: Observation) -> int:
+    """RP7: output_ids are the environment's tokens, in order: token i is the stand-in
+    model's token at position prompt_len + i after token i - 1 (after the prompt's last
+    for i = 0), or EOS as the last token; checked for the last token at every point, the
+    tokens a result appended and every token at the end of an iteration. The model reads
+    its input token from the relay under overlap, so a relayed sampled / bonus token that
+    is not the one produced shows in the run after it (schedule_batch.py ``output_ids``,
+    overlap_utils.py ``resolve_forward_inputs``)."""
+    appended = {e.rid: e.output_before for e in obs.result.entries
+                if not e.stale} if obs.result is not None else {}
+    whole = obs.point is ObservationPoint.ITERATION_END
+    count = 0
+    for r in obs.requests:
+        out, previous = r.output_ids, r.last_prompt_token
+        if not out or previous is None:
+            continue  # no output yet, or the values are not shown (a trace without them)
+        start = 0 if whole else max(0, min(appended.get(r.rid, len(out) - 1), len(out) - 1))
+        if start:
+            previous = out[start - 1]
+        for i in range(start, len(out)):
+            token = out[i]
+            expected = compute_env_token(r.rid, r.prompt_len + i, previous)
+            if token != expected and not (token == EOS_TOKEN and i == len(out) - 1):
+                raise fail("RP7", obs, f"for request r{r.rid}: output token {i} is {token}; "
+                           f"the environment emitted {expected} at position "
+                           f"{r.prompt_len + i} after {previous}"
+                           + (" (EOS only ends the output)" if token == EOS_TOKEN else ""))
+            previous = token
+        count += len(out) - start
+    return count
+
+
 def _spec_overlap(cell: Cell) -> bool:
     return cell.is_spec and cell.overlap
 
@@ -950,6 +984,8 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
               "schedule_batch.py update_finish_state", _always, check_rp5),
     Invariant("RP6", "per-request spec metrics count live verifies only",
               "batch_result_processor.py", _spec, check_rp6),
+    Invariant("RP7", "output tokens are the environment's, in order",
+              "schedule_batch.py output_ids / overlap_utils.py relay", _always, check_rp7),
 )
 
 INVARIANT_IDS: Final = tuple(inv.id for inv in INVARIANTS)

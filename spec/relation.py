@@ -41,6 +41,7 @@ from dataclasses import dataclass, field, fields, replace
 from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from overlap_spec.spec.config import Cell
+from overlap_spec.spec.state import get_last_prompt_token
 from overlap_spec.spec.transitions import (
     compute_cached_len,
     compute_committed_after_result,
@@ -124,6 +125,7 @@ class RequestRecord:
     spec_verify_ct: int = 0
     spec_num_correct_drafts: int = 0
     ghost: Ghost = field(default_factory=Ghost)
+    last_prompt_token: int = 0  # origin_input_ids[-1], where the token chain starts (RP7)
 
     @property
     def output_len(self) -> int:
@@ -221,10 +223,13 @@ def admit(rid: RequestId, prompt_len: TokenCount, max_new_tokens: TokenCount,
     """
     if prebuilt:
         max_new_tokens = TokenCount(max(max_new_tokens, 2))
+    last = get_last_prompt_token(rid, prompt_len, refused)
     if refused:
         return RequestRecord(rid, TokenCount(1), max_new_tokens, prebuilt=prebuilt,
-                             to_finish="abort", ghost=Ghost(abort_requested=True))
-    return RequestRecord(rid, prompt_len, max_new_tokens, prebuilt=prebuilt)
+                             to_finish="abort", ghost=Ghost(abort_requested=True),
+                             last_prompt_token=last)
+    return RequestRecord(rid, prompt_len, max_new_tokens, prebuilt=prebuilt,
+                         last_prompt_token=last)
 
 
 @transition("waiting", "is_retracted", "finished_reason", "to_finish",

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Final
 
 from overlap_spec.spec.happens_before import Race
 from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
@@ -92,6 +93,9 @@ class RequestView:
     spec_verify_ct: int  # Req.spec_verify_ct
     spec_num_correct_drafts: int  # Req.spec_num_correct_drafts
     ghost: GhostView
+    # The token values (RP7); None where an implementation or a trace does not show them.
+    output_ids: tuple[int, ...] | None = None  # the visible output
+    last_prompt_token: int | None = None  # origin_input_ids[-1]
 
     @property
     def is_live(self) -> bool:
@@ -302,3 +306,37 @@ class IterationChoices:
         if not self.is_eos(position):
             return None
         return max(accept_len - 1 - self.eos_offset, 0)
+
+
+# --- the environment's tokens --------------------------------------------------------------
+# The stand-in model every implementation runs against. A token is a function of the request,
+# its absolute position and the token before it, as a language model's would be: a forward
+# that reads the wrong input token (a relayed sampled / bonus token that is not the one
+# produced) or runs at the wrong position emits a token the environment did not (RP7). The
+# chain starts at the prompt's last token; a speculative run chains inside itself from the
+# bonus token it was launched with, and EOS replaces a token where the environment stops.
+EOS_TOKEN: Final = 0
+REFUSED_PROMPT_TOKEN: Final = 0  # set_finish_with_abort leaves origin_input_ids = [0]
+
+
+def compute_prompt_token(rid: int, index: int) -> int:
+    """Token ``index`` of request ``rid``'s prompt (never EOS)."""
+    return 100 + (rid * 13 + index) % 800
+
+
+def get_last_prompt_token(rid: int, prompt_len: int, refused: bool) -> int:
+    return REFUSED_PROMPT_TOKEN if refused else compute_prompt_token(rid, prompt_len - 1)
+
+
+def compute_env_token(rid: int, position: int, previous: int) -> int:
+    """The token the model emits at absolute ``position`` after ``previous`` (never EOS)."""
+    return 1 + (rid * 31 + position * 7 + previous * 11) % 97
+
+
+def get_env_tokens(rid: int, position: int, previous: int, count: int) -> list[int]:
+    """``count`` tokens from ``position`` on, each chained on the one before it."""
+    tokens: list[int] = []
+    for k in range(count):
+        previous = compute_env_token(rid, position + k, previous)
+        tokens.append(previous)
+    return tokens

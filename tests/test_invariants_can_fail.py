@@ -158,6 +158,10 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
     "RP6": lambda o: _with_request(o, lambda r: r.ghost.verify_ct > 0,
                                    spec_verify_ct=next(r.spec_verify_ct for r in o.requests
                                                        if r.ghost.verify_ct > 0) + 1),
+    # The last token one off: what a forward that read the wrong relayed token emits.
+    "RP7": lambda o: _with_request(o, lambda r: bool(r.output_ids), output_ids=(
+        *next(r.output_ids for r in o.requests if r.output_ids)[:-1],
+        next(r.output_ids for r in o.requests if r.output_ids)[-1] % 97 + 1)),
 }
 
 
@@ -351,11 +355,12 @@ def test_the_reference_relay_knows_who_stashed_a_reused_row() -> None:
     row = PoolRow(1)
     for stasher, reader in ((first, second), (second, first)):
         fm.stash([stasher], [row], [7])
-        (gather,) = fm.resolve_forward_inputs([reader], [row])
+        (gather,), tokens = fm.resolve_forward_inputs([reader], [row])
         assert gather.written_by_current_owner is False, (stasher.rid, reader.rid)
+        assert tokens == [7]  # the value read is the value stashed
         fm.stash([reader], [row], [8])
-        (gather,) = fm.resolve_forward_inputs([reader], [row])
-        assert gather.written_by_current_owner is True
+        (gather,), tokens = fm.resolve_forward_inputs([reader], [row])
+        assert gather.written_by_current_owner is True and tokens == [8]
 
 
 def _held_row(o: Observation) -> int:

@@ -42,7 +42,7 @@ from overlap_spec.spec.state import IterationChoices
 DIGEST_IDS = (
     [f"SL{i}" for i in range(1, 12)] + [f"KV{i}" for i in range(1, 11)]
     + [f"FM{i}" for i in range(1, 8)] + [f"ST{i}" for i in range(1, 6)]
-    + [f"RP{i}" for i in range(1, 7)]
+    + [f"RP{i}" for i in range(1, 8)]
 )
 
 

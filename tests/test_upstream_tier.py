@@ -94,6 +94,14 @@ BREAKAGES = {
         "                # kv_committed_len already holds the committed prefix.\n"
         "                req.spec_verify_ct += 1\n",
         "ov-p1-v2chain-cpu-honest", {"RP6"}),
+    # The non-spec decode gathers its input token from the wrong relay buffer (the
+    # published seq_lens + 1, indexed the same way): the forward runs on a token nobody
+    # sampled, and the next output is not the environment's.
+    "input-token-from-the-wrong-buffer": (
+        "srt/managers/overlap_utils.py",
+        "        batch.input_ids = future_map.output_tokens_buf[batch.req_pool_indices]\n",
+        "        batch.input_ids = future_map.new_seq_lens_buf[batch.req_pool_indices]\n",
+        "ov-p1-none", {"RP7"}),
     # A stop token accepted past max_new_tokens is no longer demoted to a length finish.
     # RP2 sees the long output as U5 (listed); RP5 sees the wrong reason.
     "stop-past-the-cap-kept": (

@@ -78,6 +78,7 @@ from overlap_spec.spec.state import (
     RequestView,
     ResolveView,
     ResultView,
+    compute_prompt_token,
 )
 from overlap_spec.spec.transitions import compute_admission
 from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
@@ -160,7 +161,7 @@ class UpstreamScheduler:
         rid = RequestId(len(self.tracks))
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
         params.normalize(None)
-        prompt = array("q", [100 + (int(rid) * 13 + k) % 800 for k in range(prompt_len)])
+        prompt = array("q", [compute_prompt_token(int(rid), k) for k in range(prompt_len)])
         # abort_request matches rids by prefix ("r1" would also abort "r10"): end with ":".
         req = Req(f"r{rid}:", "", prompt, params, vocab_size=1000, eos_token_ids={EOS_TOKEN})
         # The release's admission (handle_generate_request, scheduler.py:3242-3251): the
@@ -536,6 +537,8 @@ class UpstreamScheduler:
             finish_reason=self._get_finish_reason(track),
             spec_verify_ct=int(req.spec_verify_ct),
             spec_num_correct_drafts=int(req.spec_num_correct_drafts),
+            output_ids=tuple(int(t) for t in req.output_ids_through_stop),
+            last_prompt_token=int(req.origin_input_ids[-1]),
             ghost=GhostView(
                 epoch=g.epoch, kv_len_true=TokenCount(g.kv_len_true),
                 settled_len=TokenCount(g.settled_len),

@@ -21,16 +21,25 @@ from typing import Any
 
 from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.relation import ghost_forward_decode, ghost_forward_extend
-from overlap_spec.spec.state import IterationChoices, KvWrite
+from overlap_spec.spec.state import EOS_TOKEN, IterationChoices, KvWrite, get_env_tokens
 from overlap_spec.spec.units import RequestId, StepId
 
-EOS_TOKEN = 0
+__all__ = ["EOS_TOKEN", "StandInWorker", "StepRecord"]
 
 
-def token_for(rid: int, index: int) -> int:
-    """A deterministic non-EOS token: the same function as the reference's, so a
-    differential run compares output_ids token for token."""
-    return 1 + (rid * 31 + index * 7) % 97
+def get_input_tokens(batch: Any, reqs: list[Any], is_extend: bool, spec: bool) -> list[int]:
+    """The token each request's forward runs on, where the release put it: a prefill's last
+    input token (``origin_input_ids + output_ids``), a non-spec decode's ``input_ids``
+    (gathered from the relay under overlap) and a spec decode's ``spec_info.bonus_tokens``
+    (relayed under overlap, the last verify's without)."""
+    if is_extend:
+        return [int(req.output_ids[-1]) if req.output_ids else int(req.origin_input_ids[-1])
+                for req in reqs]
+    source = batch.spec_info.bonus_tokens if spec else batch.input_ids
+    if source is None:
+        raise RuntimeError("the release launched a decode without its input tokens "
+                           "(input_ids / spec_info.bonus_tokens is None)")
+    return [int(v) for v in source.reshape(-1).tolist()]
 
 
 @dataclass
@@ -93,6 +102,7 @@ class StandInWorker:
         else:
             widths = [1] * len(reqs)
         host.on_launch(step, batch, reqs, seq_lens, widths, is_extend)
+        inputs = get_input_tokens(batch, reqs, is_extend, spec)
         faults: list[KvWrite] = []
         tokens: list[int] = []
         eos_at: list[int | None] = []
@@ -108,8 +118,10 @@ class StandInWorker:
                 host.update_ghost(req, ghost_forward_extend, step, len(req.origin_input_ids))
             else:
                 host.update_ghost(req, ghost_forward_decode, step, accept_lens[j])
-            base = len(req.output_ids)
-            run = [token_for(int(rid), base + k) for k in range(stride)]
+            # The token at seq_len (decode) / after the fill (prefill) is the first emitted;
+            # a spec run starts after the bonus token, which sits at seq_len.
+            first = seq_len + 1 if (spec and not is_extend) else seq_len
+            run = get_env_tokens(int(rid), first, inputs[j], stride)
             eos = choices.get_eos_index(j, accept_lens[j])
             if eos is not None:
                 run[eos] = EOS_TOKEN
