@@ -170,7 +170,13 @@ class _CpuArgumentHandler(csan.ArgumentHandler):
                 for item in value:
                     self._handle_argument(item, is_write, metadata_only, name, is_output)
             return
-        data_ptr = value.data_ptr() or id(value)
+        data_ptr = value.data_ptr()
+        if not data_ptr:
+            # No memory (no element): nothing to race on. Keying it by id() instead, as
+            # before, left an access under a Python object's address that no free ever
+            # cleared; a block the allocator later placed there inherited that history, a
+            # false race that depended on where malloc put things (a flake under load).
+            return
         if is_write:
             self.dataptrs_written.add(data_ptr)
         elif not metadata_only:
@@ -356,7 +362,9 @@ class RaceDetector(TorchDispatchMode):  # type: ignore[no-untyped-call]
         self.host_mode -= 1
 
     def on_host_access(self, tensor: torch.Tensor, operation: str, write: bool) -> None:
-        pointer = tensor.data_ptr() or id(tensor)
+        pointer = tensor.data_ptr()
+        if not pointer:
+            return  # no element, no memory (see _CpuArgumentHandler._handle_argument)
         self._launch(HOST, set() if write else {pointer}, {pointer} if write else set(),
                      operation, set())
 
@@ -373,6 +381,9 @@ class RaceDetector(TorchDispatchMode):  # type: ignore[no-untyped-call]
                 self.tensors[pointer].host = True
             return
         nbytes = tensor.untyped_storage().nbytes()
+        # A block tracked from now on starts with no history, whatever was recorded at its
+        # address before (a free clears its block; this covers anything a free never saw).
+        self.handler.tensors_accessed.accesses.pop(pointer, None)
         self.serial += 1
         self.tensors[pointer] = _TensorInfo(f"{origin} at {_caller()}", stream, host, nbytes,
                                             self.serial)
@@ -453,7 +464,9 @@ class RaceDetector(TorchDispatchMode):  # type: ignore[no-untyped-call]
             for out in _tensors(outputs):
                 self._track(out, HOST if host_only else self.current, "torch.tensor",
                             host=host_only)
-                pointer = out.data_ptr() or id(out)
+                pointer = out.data_ptr()
+                if not pointer:
+                    continue  # torch.tensor([]): no memory to write
                 self._launch(HOST if host_only else self.current, set(), {pointer},
                              "torch.tensor", {pointer})
             return outputs

@@ -20,6 +20,7 @@ from overlap_spec.harness.conformance.cli import add_upstream_arguments, cmd_ups
 from overlap_spec.harness.drive.cells import (
     DEFAULT_SEED,
     PROFILE_NAMES,
+    SIZE_LIMITS,
     ArgumentParser,
     UsageError,
     cell_patterns,
@@ -31,6 +32,7 @@ from overlap_spec.harness.drive.cells import (
     name_list,
     output_dir,
     output_file,
+    parse_sizes,
     positive_int,
     report_usage_error,
     select_configs,
@@ -55,6 +57,9 @@ if TYPE_CHECKING:
 
 # review's budget: a reviewer's minute (harness.drive.stateful.PROFILES["quick"]).
 REVIEW_PROFILE = "quick"
+SIZES_HELP = ("sizes in place of the preset's, e.g. kv_tokens=16,chain_steps=2; settable: "
+              + ", ".join(f"{name} {low}..{high}" for name, (low, high, _) in SIZE_LIMITS.items())
+              + " (kv_tokens in whole pages)")
 
 DESCRIPTION = """\
 Executable model and checkers for the seq_lens / KV-accounting state of SGLang's
@@ -174,11 +179,11 @@ def cmd_replay(args: argparse.Namespace) -> int:
         # A gpu_impl counterexample: the differential run against the clean reference.
         diff = run_differential(script)
         print(f"replayed {diff.ops} ops of gpu_impl against the reference in cell "
-              f"{script.cell}@{script.preset} faults={list(script.faults)} seed={script.seed}")
+              f"{script.get_config().name} faults={list(script.faults)} seed={script.seed}")
         print(diff.describe())
         return 0 if diff.ok else 1
     outcome = run_script(script, catch_crash=True)
-    print(f"replayed {len(script.ops)} ops in cell {script.cell}@{script.preset}"
+    print(f"replayed {len(script.ops)} ops in cell {script.get_config().name}"
           f" faults={list(script.faults)} seed={script.seed}")
     if outcome.crash is not None:
         print(f"op {outcome.failed_at}: the model crashed: {outcome.crash} (inconclusive)")
@@ -341,6 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
     review.add_argument("--sglang-src", type=input_dir, metavar="DIR", default=None,
                         help="review an SGLang checkout (its python/sglang) with the upstream "
                              "tier instead of the reference (needs ./dev upstream)")
+    review.add_argument("--sizes", type=parse_sizes, metavar="NAME=N,...", default=None,
+                        help=SIZES_HELP)
     review.add_argument("--cells", type=cell_patterns, default=None,
                         help="comma-separated cell names or globs (default: every cell)")
     review.add_argument("--profile", choices=PROFILE_NAMES, default=REVIEW_PROFILE,
@@ -401,6 +408,8 @@ def build_parser() -> argparse.ArgumentParser:
                          help="no progress lines (the table is printed at the end)")
     exhaust.set_defaults(func=cmd_exhaust)
     diff = sub.add_parser("diff", help="gpu_impl against the reference, races watched")
+    diff.add_argument("--sizes", type=parse_sizes, metavar="NAME=N,...", default=None,
+                      help=SIZES_HELP)
     diff.add_argument("--cells", type=cell_patterns, default=None,
                       help="cell names or globs (default: every cell)")
     diff.add_argument("--preset", choices=[*sorted(PRESETS), "all"], default="minimal")

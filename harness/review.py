@@ -41,7 +41,7 @@ def cmd_review(args: argparse.Namespace) -> int:
     if args.sglang_src is not None and faults:
         raise UsageError("--faults switches bugs on in the reference; it does not apply to "
                          "--sglang-src")
-    configs = select_configs(args.cells, "minimal")
+    configs = select_configs(args.cells, "minimal", args.sizes)
     report = CheckReport(args.seed, profile.name)
     started = time.perf_counter()
     try:
@@ -69,7 +69,9 @@ def _review_reference(args: argparse.Namespace, profile_name: str, faults: froze
     print(f"review: the reference against the spec in {cells}, profile {profile.name} "
           f"({profile.max_examples} sequences of up to {profile.step_count} "
           f"ops per cell), seed {args.seed}"
-          + (f", faults {','.join(sorted(faults))}" if faults else ""))
+          + (f", faults {','.join(sorted(faults))}" if faults else "")
+          + (f", sizes {configs[0].preset.name.partition('[')[2].rstrip(']')}"
+             if getattr(args, "sizes", None) else ""))
     out = Path(args.out) / "failures" if args.out else None
     # Our minimiser instead of Hypothesis's shrinker: a failing cell costs seconds, not
     # tens of seconds, and the counterexample is as small (tests/test_review.py).

@@ -80,6 +80,11 @@ SWEEP: dict[tuple[str, ...], list[tuple[list[str], str]]] = {
         (["--faults", "B0"], "unknown bug IDs B0"),
         (["--sglang-src", "{missing}"], "no such directory"),
         (["--profile", "fast"], "invalid choice: 'fast'"),
+        (["--sizes", "kv_tokens=0"], "size 'kv_tokens' is 0; allowed 1..8192"),
+        (["--sizes", "kv_tokens=3"], "cell ov-p4-none needs whole pages of 4 tokens"),
+        (["--sizes", "pool=3"], "unknown size 'pool'; settable: kv_tokens"),
+        (["--sizes", "chain_steps"], "expected NAME=N"),
+        (["--sizes", "chain_steps=8"], "size 'chain_steps' is 8; allowed 1..7"),
     ],
     ("mutants",): [
         (["--bugs", "B99"], "unknown bug IDs B99"),
@@ -107,6 +112,7 @@ SWEEP: dict[tuple[str, ...], list[tuple[list[str], str]]] = {
         (["--faults", "B17"], "unknown bug IDs B17"),
         (["--out", "{file}"], "is a file, not a directory"),
         (["--cells", "nope"], "no cell matches"),
+        (["--sizes", "max_running_requests=33"], "allowed 1..32"),
     ],
     ("syncs",): [
         (["--batch-size", "0"], "0 is out of range (allowed: 1..4096)"),

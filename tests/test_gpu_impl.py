@@ -252,3 +252,39 @@ def test_cuda_sanitizer_suite_is_clean_and_catches_a_stream_bug(tmp_path: Path) 
     faulted = diff("--faults", "B8")
     assert faulted.returncode == 1, faulted.stdout + faulted.stderr
     assert "CUDASanitizerErrors" in faulted.stdout + faulted.stderr
+
+
+def test_a_finding_the_replay_cannot_reproduce_is_inconclusive_and_saved(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A gpu_impl that diverges once and never again (as the detector's stale-address
+    flake did) is reported as nondeterministic, inconclusive, with the first run's script
+    saved, never as a pass and never as a bare FlakyFailure."""
+    from overlap_spec.harness.differential.tier import (
+        DifferentialTask,
+        differential_tier_report,
+        render_differential,
+        run_differential_task,
+    )
+    from overlap_spec.harness.verdict import Verdict
+
+    real = GpuScheduler.get_observable_state
+    calls = {"n": 0}
+
+    def once_wrong(self: GpuScheduler) -> object:
+        state = real(self)
+        calls["n"] += 1
+        if calls["n"] == 30:  # one observation, in one run, is off
+            return dataclasses.replace(state, free_pages=state.free_pages + 1)
+        return state
+
+    monkeypatch.setattr(GpuScheduler, "get_observable_state", once_wrong)
+    config = ModelConfig(get_cell("ov-p1-none"), MINIMAL)
+    task = DifferentialTask(config, get_profile("ci"), SEED, "cpu", frozenset(), tmp_path)
+    result = run_differential_task(task)
+    assert result.failure is None and result.error is not None
+    assert result.unreplayed is not None, repr(result.error)
+    assert differential_tier_report([result]).verdict is Verdict.INCONCLUSIVE
+    text = render_differential([result])
+    assert "nondeterministic" in text and "free_pages" in text, text
+    saved = load_script(result.unreplayed.script_path)
+    assert saved.seed == SEED and saved.ops

@@ -121,6 +121,69 @@ def test_out_of_range_ops_are_rejected_with_op_field_and_range(mutate: object,
         script_from_json(raw)
 
 
+@pytest.mark.parametrize(("sizes", "message"), [
+    ([16], "field 'sizes' must be an object"),
+    ({"pool": 16}, "unknown size 'pool'; settable: kv_tokens, max_running_requests, "
+                   "chain_steps"),
+    ({"kv_tokens": 0}, "size 'kv_tokens' is 0; allowed 1..8192"),
+    ({"kv_tokens": 10**9}, "size 'kv_tokens' is 1000000000; allowed 1..8192"),
+    ({"kv_tokens": "16"}, "size 'kv_tokens' is '16'; allowed 1..8192"),
+    ({"chain_steps": 0}, "size 'chain_steps' is 0; allowed 1..7"),
+    ({"max_running_requests": True}, "size 'max_running_requests' is True"),
+])
+def test_sizes_out_of_range_are_rejected_with_the_field(sizes: object, message: str) -> None:
+    raw = script_to_json(_script())
+    raw["sizes"] = sizes
+    with pytest.raises(ScriptError, match=re.escape(message)):
+        script_from_json(raw)
+
+
+def test_a_pool_of_part_pages_is_rejected_for_the_cell() -> None:
+    raw = script_to_json(_script())
+    raw.update(cell="ov-p4-none", sizes={"kv_tokens": 18})
+    raw["ops"] = raw["ops"][:1]
+    with pytest.raises(ScriptError, match="needs whole pages of 4 tokens"):
+        script_from_json(raw)
+
+
+def test_sizes_set_the_pool_the_rows_and_the_chain(tmp_path: Path) -> None:
+    """A script's sizes reach the configuration it runs, its limits and its saved form;
+    the limits that follow them bite (a fourth row with max_running_requests=2)."""
+    script = _script()
+    script.sizes = {"kv_tokens": 12, "chain_steps": 2, "max_running_requests": 2}
+    config = script.get_config()
+    assert (config.preset.kv_tokens, config.spec_steps, config.preset.max_running_requests,
+            config.draft_tokens) == (12, 2, 2, 3)
+    assert config.name == ("ov-p1-v2chain-cpu-honest@minimal[chain_steps=2,kv_tokens=12,"
+                           "max_running_requests=2]")
+    assert get_op_limits(config).accept_len == (1, 3)
+    raw = script_to_json(script)
+    assert raw["sizes"] == {"chain_steps": 2, "kv_tokens": 12, "max_running_requests": 2}
+    with pytest.raises(ScriptError, match=re.escape("field 'accept_lens' has 3 entries; "
+                                                    "allowed at most 2")):
+        script_from_json(raw)
+    raw["ops"] = [op for op in raw["ops"] if op["op"] != "iterate"] + [
+        {"op": "iterate", "allow_prefill": True, "retract": 0, "accept_lens": [3, 1],
+         "eos_positions": []}]
+    loaded = script_from_json(raw)
+    assert loaded.sizes == script.sizes and loaded.get_config() == config
+    assert Script.for_config(config).sizes == script.sizes  # a run's saved script keeps them
+    assert run_script(loaded).violation is None
+    # The same sizes as the preset's are no override: the script stays as it was.
+    same = script_to_json(_script())
+    same["sizes"] = {"kv_tokens": PRESETS["minimal"].kv_tokens}
+    assert script_from_json(same).get_config() == _script().get_config()
+
+
+def test_review_runs_at_the_sizes_given(capsys: pytest.CaptureFixture[str]) -> None:
+    code = main(["review", "--cells", "ov-p1-none", "--sizes", "kv_tokens=20", "-q",
+                 "--jobs", "1"])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "sizes kv_tokens=20" in out.splitlines()[0] and "1/1 cells clean" in out, out
+    assert main(["review", "--cells", "ov-p4-none", "--sizes", "kv_tokens=21", "-q"]) == 2
+
+
 def test_the_limits_follow_the_cell_and_the_preset() -> None:
     raw = script_to_json(_script())
     raw["cell"] = "ov-p1-none"  # no speculation: one token per step

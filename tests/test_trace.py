@@ -280,3 +280,21 @@ def test_hypothesis_failure_is_saved_as_a_trace(tmp_path: Path) -> None:
     verdict = check_trace_file(trace)
     assert verdict.violation is not None
     assert verdict.violation.invariant_id == result.violation.invariant_id  # type: ignore[union-attr]
+
+
+def test_a_trace_keeps_the_sizes_it_ran_with(tmp_path: Path) -> None:
+    """A sized script's trace names its sizes in the header, the checker reads the trace at
+    those sizes, and a header whose sizes do not fit the cell is refused with the field."""
+    ops = [Admit(5, 8), Admit(5, 8),
+           *[Iterate(IterationChoices(True, 0, (1, 1, 1), frozenset())) for _ in range(6)]]
+    script = Script("ov-p4-none", "minimal", ops, sizes={"kv_tokens": 12})
+    path = tmp_path / "sized.ndjson"
+    verdict = record_script_trace(script, path)
+    assert verdict.status == OK, verdict.describe()
+    parsed = parse_trace(path.read_text())
+    assert parsed.header.sizes == {"kv_tokens": 12}
+    assert parsed.script.get_config() == script.get_config()
+    assert check_trace(parsed).status == OK
+    bad = path.read_text().replace('"sizes":{"kv_tokens":12}', '"sizes":{"kv_tokens":13}')
+    with pytest.raises(TraceFormatError, match="whole pages of 4 tokens"):
+        parse_trace(bad)

@@ -257,6 +257,9 @@ class DifferentialResult:
     examples: int = 0
     compared_ops: int = 0  # operations after which both states were compared
     launches: int = 0  # iterations that launched a non-empty batch
+    # A finding Hypothesis could not reproduce when it replayed the same draws (its
+    # FlakyFailure): the run is inconclusive, and this first finding is kept to replay.
+    unreplayed: DifferentialFailure | None = None
 
     @property
     def ok(self) -> bool:
@@ -266,6 +269,18 @@ class DifferentialResult:
     def exercised_enough(self) -> bool:
         """Whether agreement here is evidence: at least the minimum budget compared."""
         return self.compared_ops >= MIN_COMPARED_OPS and self.launches >= MIN_LAUNCHES
+
+
+def find_differential_failure(error: BaseException) -> DifferentialFailure | None:
+    """The first DifferentialFailure inside ``error`` (itself, or one of the exceptions a
+    Hypothesis FlakyFailure groups), or None."""
+    if isinstance(error, DifferentialFailure):
+        return error
+    for inner in getattr(error, "exceptions", ()):
+        found = find_differential_failure(inner)
+        if found is not None:
+            return found
+    return None
 
 
 def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int,
@@ -289,9 +304,8 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
             self.script.ops.append(op)
             outcome = self.pair.apply(op)
             if not outcome.ok:
-                raise DifferentialFailure(outcome, Script(
-                    self.script.cell, self.script.preset, list(self.script.ops),
-                    tuple(sorted(faults)), implementation="gpu_impl"))
+                raise DifferentialFailure(outcome, Script.for_config(
+                    config, list(self.script.ops), tuple(sorted(faults)), "gpu_impl"))
             counter["compared_ops"] += 1
             if isinstance(op, Iterate):
                 assert self.pair.reference_state is not None
@@ -310,6 +324,9 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
         result.failure = failure
     except Exception as error:  # a crash is inconclusive, never a pass
         result.error = error
+        result.unreplayed = find_differential_failure(error)
+        if result.unreplayed is not None:
+            result.unreplayed.script.seed = run_seed
     result.seconds = time.perf_counter() - started
     result.examples = counter["examples"]
     result.compared_ops = counter["compared_ops"]

@@ -59,11 +59,14 @@ def run_differential_task(task: DifferentialTask) -> DifferentialResult:
     result = check_cell_differential(task.config, task.profile, task.seed, task.faults,
                                      max_examples=get_differential_examples(task.profile),
                                      device=torch.device(task.device))
+    directory = task.out or get_failure_dir()
+    name = "-".join([task.config.name.replace("@", "-"), *sorted(task.faults), "gpu_impl"])
     if result.failure is not None:
-        directory = task.out or get_failure_dir()
-        name = "-".join([task.config.name.replace("@", "-"), *sorted(task.faults), "gpu_impl"])
         result.failure.script_path = save_script(result.failure.script,
                                                  directory / f"{name}.json")
+    if result.unreplayed is not None:
+        result.unreplayed.script_path = save_script(result.unreplayed.script,
+                                                    directory / f"{name}-unreplayed.json")
     return result
 
 
@@ -105,6 +108,11 @@ def render_differential(results: list[DifferentialResult],
             path = result.failure.script_path
             lines.append(f"  {result.config.name}: {result.failure.outcome.describe()}"
                          f" (seed {result.seed}; replay: overlap-spec replay {path})")
+        elif result.unreplayed is not None:
+            lines.append(f"  {result.config.name}: inconclusive, nondeterministic: a run found "
+                         f"\"{result.unreplayed.outcome.describe()}\" and Hypothesis's replay "
+                         f"of the same draws did not (seed {result.seed}; that run's script: "
+                         f"overlap-spec replay {result.unreplayed.script_path})")
         elif result.error is not None:
             lines.append(f"  {result.config.name}: inconclusive, crash "
                          f"{type(result.error).__name__}: {result.error}")
@@ -137,6 +145,9 @@ def build_differential_json(results: list[DifferentialResult]) -> dict[str, Any]
                    if r.failure is not None else {}),
                 **({"error": f"{type(r.error).__name__}: {r.error}"}
                    if r.error is not None else {}),
+                **({"unreplayed_finding": r.unreplayed.outcome.describe(),
+                    "replay": f"overlap-spec replay {r.unreplayed.script_path}"}
+                   if r.unreplayed is not None else {}),
             }
             for r in results
         },
@@ -159,7 +170,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         print(f"overlap-spec: gpu_impl does not know faults {sorted(faults - GPU_SUPPORTED_FAULTS)}"
               f"; supported: {', '.join(sorted(GPU_SUPPORTED_FAULTS))}", file=sys.stderr)
         return 2
-    configs = select_configs(args.cells, args.preset)
+    configs = select_configs(args.cells, args.preset, args.sizes)
     started = time.perf_counter()
     results = run_differential_tier(configs, profile, args.seed, device, args.quiet,
                                     Path(args.out) if args.out else None, faults)

@@ -10,14 +10,15 @@ Hypothesis): ``overlap-spec --help`` imports it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import fnmatch
 import os
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Final, NoReturn
+from typing import Any, Final, NoReturn
 
-from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, enumerate_cells
+from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, Preset, enumerate_cells
 
 # The seed every tier runs under unless told otherwise; printed with every failure.
 DEFAULT_SEED = 20261122
@@ -67,12 +68,87 @@ def select_cells(patterns: str | None) -> list[Cell]:
     return chosen
 
 
-def select_configs(patterns: str | None, preset: str) -> list[ModelConfig]:
-    """The selected cells under one preset, or under every preset for ``"all"``; no match
-    is a :class:`NoCellMatches` (a usage error: exit 2, one line, before anything runs)."""
-    presets = list(PRESETS.values()) if preset == "all" else [PRESETS[preset]]
+def select_configs(patterns: str | None, preset: str,
+                   sizes: dict[str, int] | None = None) -> list[ModelConfig]:
+    """The selected cells under one preset, or under every preset for ``"all"``, with the
+    preset's ``sizes`` overridden (:func:`make_preset`); no match, or a size a cell cannot
+    take, is a :class:`UsageError` (exit 2, one line, before anything runs)."""
+    names = list(PRESETS) if preset == "all" else [preset]
     cells = select_cells(patterns)
-    return [ModelConfig(cell, p) for p in presets for cell in cells]
+    configs = [ModelConfig(cell, make_preset(name, sizes or {})) for name in names
+               for cell in cells]
+    for config in configs:
+        problem = check_sizes(config)
+        if problem is not None:
+            raise UsageError(problem)
+    return configs
+
+
+# --- sizes a script or a command line may set in place of its preset's ------------------
+# Each with its allowed range. The pool is counted in tokens and must be whole pages; the
+# lower ends are the least the scheduler is defined for (one page, one request row, one
+# draft step), the upper ends keep a run's state small enough to check step by step.
+SIZE_LIMITS: Final = {
+    "kv_tokens": (1, 8192, "the token-to-KV pool size, in tokens (whole pages)"),
+    "max_running_requests": (1, 32, "the request pool's rows"),
+    "chain_steps": (1, 7, "the v2 chain's draft steps (draft tokens = steps + 1)"),
+}
+SIZES_MARK: Final = "["  # a preset with sizes is named like "minimal[kv_tokens=16]"
+
+
+def make_preset(base: str, sizes: dict[str, int]) -> Preset:
+    """Preset ``base`` with ``sizes`` in place of its own, named after both (so a
+    configuration's name says which sizes it ran with); a :class:`UsageError` names the
+    field that is unknown or out of its range."""
+    if base not in PRESETS:
+        raise UsageError(f"unknown preset {base!r}; known: {', '.join(PRESETS)}")
+    preset = PRESETS[base]
+    changed: dict[str, Any] = {}
+    for name, value in sizes.items():
+        if name not in SIZE_LIMITS:
+            raise UsageError(f"unknown size {name!r}; settable: {', '.join(SIZE_LIMITS)}")
+        low, high, meaning = SIZE_LIMITS[name]
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise UsageError(f"size {name!r} is {value!r}; allowed {low}..{high} ({meaning})")
+        if value != getattr(preset, name):
+            changed[name] = value
+    if not changed:
+        return preset
+    label = ",".join(f"{name}={value}" for name, value in sorted(changed.items()))
+    return dataclasses.replace(preset, name=f"{base}{SIZES_MARK}{label}]", **changed)
+
+
+def split_preset(preset: Preset) -> tuple[str, dict[str, int]]:
+    """(base preset name, the sizes that differ from it): :func:`make_preset` undone."""
+    base = preset.name.split(SIZES_MARK, 1)[0]
+    original = PRESETS[base]
+    return base, {name: getattr(preset, name) for name in SIZE_LIMITS
+                  if getattr(preset, name) != getattr(original, name)}
+
+
+def check_sizes(config: ModelConfig) -> str | None:
+    """Why ``config``'s sizes do not fit its cell, or None."""
+    page = config.page_size
+    if config.preset.kv_tokens % page:
+        return (f"size 'kv_tokens' is {config.preset.kv_tokens}; cell {config.cell.name} "
+                f"needs whole pages of {page} tokens")
+    return None
+
+
+def parse_sizes(text: str) -> dict[str, int]:
+    """An argparse ``type``: ``NAME=N,...`` with every name settable and every N in its
+    range (:data:`SIZE_LIMITS`)."""
+    sizes: dict[str, int] = {}
+    for part in (p.strip() for p in text.split(",")):
+        name, equals, value = part.partition("=")
+        if not equals or not value.strip().lstrip("-").isdigit():
+            raise argparse.ArgumentTypeError(f"expected NAME=N[,NAME=N...], got {part!r}")
+        sizes[name.strip()] = int(value)
+    try:
+        make_preset(next(iter(PRESETS)), sizes)
+    except UsageError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return sizes
 
 
 # --- argument types: argparse calls them on the text; an ArgumentTypeError is the message

@@ -9,6 +9,10 @@ A script is JSON::
               "accept_lens": [2, 1, 1], "eos_positions": [0]},
              {"op": "abort", "request": 0}]}
 
+An optional ``"sizes"`` object sets sizes in place of the preset's (the KV pool,
+the request rows, the chain's draft steps; ``harness.drive.cells.SIZE_LIMITS`` holds
+their ranges): ``"sizes": {"kv_tokens": 16, "chain_steps": 2}``.
+
 ``overlap-spec replay FILE`` runs it and reports the first violation. Loading checks every
 field's type and every number against the cell's and preset's limits (the ranges the
 checkers draw from, :func:`get_op_limits`): a negative or huge length would otherwise run
@@ -23,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from overlap_spec.harness.drive.cells import UsageError, check_sizes, make_preset, split_preset
 from overlap_spec.harness.drive.checker import InvariantChecker
 from overlap_spec.reference.scheduler import SUPPORTED_FAULTS, Scheduler
 from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
@@ -71,9 +76,18 @@ class Script:
     faults: tuple[str, ...] = ()
     seed: int | None = None
     implementation: str = "reference"
+    sizes: dict[str, int] = field(default_factory=dict)  # in place of the preset's
+
+    @classmethod
+    def for_config(cls, config: ModelConfig, ops: list[Op] | None = None,
+                   faults: tuple[str, ...] = (), implementation: str = "reference") -> Script:
+        """A script of ``config``: its cell, its preset's name and any sizes it sets."""
+        base, sizes = split_preset(config.preset)
+        return cls(config.cell.name, base, list(ops or []), faults,
+                   implementation=implementation, sizes=sizes)
 
     def get_config(self) -> ModelConfig:
-        return ModelConfig(get_cell(self.cell), PRESETS[self.preset])
+        return ModelConfig(get_cell(self.cell), make_preset(self.preset, self.sizes))
 
     def count_requests(self) -> int:
         return sum(1 for op in self.ops if isinstance(op, Admit | AdmitPrebuilt))
@@ -140,6 +154,7 @@ def op_from_json(raw: Any, index: int) -> Op:
 
 def script_to_json(script: Script) -> dict[str, Any]:
     return {"version": SCRIPT_VERSION, "cell": script.cell, "preset": script.preset,
+            **({"sizes": dict(sorted(script.sizes.items()))} if script.sizes else {}),
             "faults": list(script.faults), "seed": script.seed,
             "implementation": script.implementation,
             "ops": [op_to_json(op) for op in script.ops]}
@@ -158,8 +173,19 @@ def script_from_json(raw: Any) -> Script:
         raise ScriptError(f"script: {error.args[0]}") from None
     if preset not in PRESETS:
         raise ScriptError(f"script: unknown preset {preset!r}; known: {', '.join(PRESETS)}")
+    sizes = raw.get("sizes", {})
+    if not isinstance(sizes, dict):
+        raise ScriptError("script: field 'sizes' must be an object such as "
+                          "{\"kv_tokens\": 16}")
+    try:
+        config = ModelConfig(get_cell(cell), make_preset(preset, sizes))
+    except UsageError as error:
+        raise ScriptError(f"script: {error}") from None
+    problem = check_sizes(config)
+    if problem is not None:
+        raise ScriptError(f"script: {problem}")
     ops = [op_from_json(op, i) for i, op in enumerate(_field(raw, "ops", list, "script"))]
-    check_op_ranges(ModelConfig(get_cell(cell), PRESETS[preset]), ops)
+    check_op_ranges(config, ops)
     faults = raw.get("faults", [])
     if not isinstance(faults, list) or not all(isinstance(f, str) for f in faults):
         raise ScriptError("script: field 'faults' must be a list of bug IDs such as \"B3\"")
@@ -174,7 +200,7 @@ def script_from_json(raw: Any) -> Script:
     if implementation not in IMPLEMENTATIONS:
         raise ScriptError(f"script: unknown implementation {implementation!r} "
                           f"(available: {', '.join(IMPLEMENTATIONS)})")
-    return Script(cell, preset, ops, tuple(faults), seed, implementation)
+    return Script(cell, preset, ops, tuple(faults), seed, implementation, dict(sizes))
 
 
 @dataclass(frozen=True)

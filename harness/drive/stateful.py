@@ -116,8 +116,7 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
             super().__init__()
             self.checker = checker_factory(config)
             self.model = factory(config, faults, self.checker)
-            self.script = Script(config.cell.name, config.preset.name, [], tuple(sorted(faults)),
-                                 implementation=implementation)
+            self.script = Script.for_config(config, [], tuple(sorted(faults)), implementation)
             self.admitted: list[RequestId] = []
             if log is not None:
                 log.last_script = self.script

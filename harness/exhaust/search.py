@@ -297,8 +297,7 @@ def explore(config: ModelConfig, depth: int, faults: frozenset[str] = frozenset(
 
 
 def get_script(result: Exploration, finding: Finding) -> Script:
-    return Script(result.config.cell.name, result.config.preset.name, list(finding.ops),
-                  tuple(sorted(result.faults)))
+    return Script.for_config(result.config, list(finding.ops), tuple(sorted(result.faults)))
 
 
 def check_replays(result: Exploration, finding: Finding) -> None:

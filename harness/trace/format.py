@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, cast
 
+from overlap_spec.harness.drive.cells import UsageError, check_sizes, make_preset
 from overlap_spec.harness.drive.script import (
     Op,
     Script,
@@ -22,7 +23,7 @@ from overlap_spec.harness.drive.script import (
 )
 from overlap_spec.harness.trace.codec import CodecError, decode_dataclass, encode_value
 from overlap_spec.reference.scheduler import SUPPORTED_FAULTS
-from overlap_spec.spec.config import PRESETS, get_cell
+from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
 from overlap_spec.spec.happens_before import PARTICIPANTS
 from overlap_spec.spec.state import (
     AllocatorView,
@@ -110,12 +111,14 @@ class TraceHeader:
     seed: int | None = None
     implementation: str = "reference"
     snapshots: bool = True
+    sizes: dict[str, int] = field(default_factory=dict)  # in place of the preset's
 
     def to_json(self) -> dict[str, Any]:
         return {"id": 0, "event": "header", "schema": SCHEMA, "version": SCHEMA_VERSION,
-                "cell": self.cell, "preset": self.preset, "faults": list(self.faults),
-                "seed": self.seed, "implementation": self.implementation,
-                "snapshots": self.snapshots}
+                "cell": self.cell, "preset": self.preset,
+                **({"sizes": dict(sorted(self.sizes.items()))} if self.sizes else {}),
+                "faults": list(self.faults), "seed": self.seed,
+                "implementation": self.implementation, "snapshots": self.snapshots}
 
 
 # ----------------------------------------------------------------------------- parsing
@@ -175,6 +178,15 @@ def _parse_header(raw: dict[str, Any], line: int) -> TraceHeader:
     if preset not in PRESETS:
         raise TraceFormatError(line, "preset", f"unknown preset {preset!r}; known: "
                                f"{', '.join(PRESETS)}")
+    sizes = raw.get("sizes", {})
+    try:
+        if not isinstance(sizes, dict):
+            raise UsageError("expected an object such as {\"kv_tokens\": 16}")
+        problem = check_sizes(ModelConfig(get_cell(cell), make_preset(preset, sizes)))
+        if problem is not None:
+            raise UsageError(problem)
+    except UsageError as error:
+        raise TraceFormatError(line, "sizes", str(error)) from None
     faults = _require(raw, "faults", list, line)
     if not all(isinstance(f, str) and f in SUPPORTED_FAULTS for f in faults):
         raise TraceFormatError(line, "faults", f"expected bug IDs such as \"B3\", got {faults}")
@@ -182,7 +194,8 @@ def _parse_header(raw: dict[str, Any], line: int) -> TraceHeader:
     # Any name: a trace is checked by the spec, and re-executed (if at all) on the reference.
     implementation = _require(raw, "implementation", str, line)
     snapshots = _require(raw, "snapshots", bool, line)
-    return TraceHeader(cell, preset, tuple(faults), seed, implementation, snapshots)
+    return TraceHeader(cell, preset, tuple(faults), seed, implementation, snapshots,
+                       dict(sizes))
 
 
 def _iter_lines(text: str) -> Iterator[tuple[int, str]]:
@@ -282,7 +295,7 @@ def parse_trace(text: str) -> ParsedTrace:
         raise TraceFormatError(last_number, None, "truncated: the trace stops without an "
                                "'end' line")
     script = Script(header.cell, header.preset, ops, header.faults, header.seed,
-                    header.implementation)
+                    header.implementation, dict(header.sizes))
     _check_ranges(script, op_lines)
     return ParsedTrace(header, events, script, states, calls, end_line, state_calls)
 

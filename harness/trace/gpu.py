@@ -94,7 +94,8 @@ def record_gpu_script(script: Script) -> RecordedRun:
     """Run ``script`` on gpu_impl (CPU, virtual streams) with its faults; record the trace."""
     config = script.get_config()
     recorder = TraceRecorder(TraceHeader(script.cell, script.preset, tuple(script.faults),
-                                         script.seed, "gpu_impl", snapshots=False))
+                                         script.seed, "gpu_impl", snapshots=False,
+                                         sizes=dict(script.sizes)))
     detector = RecordingRaceDetector(recorder.on_stream)
     streams = Streams(torch.device("cpu"), detector)
     run = RecordedRun(recorder, None, None)

@@ -196,7 +196,8 @@ def record_script(script: Script, snapshots: bool = True) -> RecordedRun:
     violation exactly like :func:`overlap_spec.harness.drive.script.run_script`."""
     config = script.get_config()
     recorder = TraceRecorder(TraceHeader(script.cell, script.preset, tuple(script.faults),
-                                         script.seed, script.implementation, snapshots))
+                                         script.seed, script.implementation, snapshots,
+                                         dict(script.sizes)))
     checker = InvariantChecker(config)
 
     def observe(obs: Observation) -> None:
