@@ -67,10 +67,6 @@ ISOLATED_FIELDS = ("forward_mode", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "
                    "future_indices", "seq_len_cpu_ub")
 
 
-class ConfigurationError(Exception):
-    """The chosen sizes cannot run one request alone (a preset error, not a bug)."""
-
-
 @dataclass
 class QueuedResult:
     batch: ResultBatch
@@ -325,7 +321,8 @@ class Scheduler:
                                                        req.max_new_tokens)]
 
     def retract_decode(self, batch: ScheduleBatch, forced: int) -> None:
-        """Retract until the next decode fits, plus ``forced`` more; keep at least one.
+        """Retract until the next decode fits, plus ``forced`` more; keep at least one, and
+        abort that one when it alone does not fit (the release's out-of-memory abort).
 
         Victims in ``transitions.compute_retraction_order``: the release's policy sort
         (#32023), or from the back of the batch in the pre-claim era's spec cells.
@@ -345,10 +342,14 @@ class Scheduler:
             req = batch.reqs[order.pop()]
             self.release_req(req)
             retracted.append(req)
-        if short_of_pages():
-            raise ConfigurationError(
-                f"{self.config.name}: one request does not fit the KV pool; enlarge the preset")
-        if retracted:
+        aborted = short_of_pages()
+        if aborted:  # the last one alone does not fit: aborted, not a crash (reference)
+            req = batch.reqs[order.pop()]
+            self.release_req(req)
+            req.waiting = False
+            req.is_retracted = False
+            req.finished_reason = "abort"
+        if retracted or aborted:
             batch.filter_batch(keep_indices=order)  # in the policy's order
             self.waiting_queue.extend(retracted)
 

@@ -35,8 +35,10 @@ the inductive step and the windows of :func:`check_bounded` possible.
 Modelling compromises, stated once:
 - Aborts and PD-prebuilt admissions are not among the BMC's choices (stream bugs get
   hand-sized scripts in ``harness/mutants/z3.py``).
-- A decode path that would raise ``ConfigurationError`` (one request alone does not
-  fit the pool) is excluded: it is a preset error, not a scheduler state.
+- A decode path where one request alone does not fit the pool (the release's
+  out-of-memory abort of the last request, ``retract_decode``; the reference and
+  gpu_impl take it) is excluded; the Hypothesis and differential tiers check it, most
+  often at pool sizes set smaller than the presets' (``--sizes``).
 - The tree cache is a sink whose pages are always evictable, so available pages are
   the pool minus what holders own (``get_available_pages``).
 """
@@ -855,8 +857,8 @@ class _Builder:
                 zs.And(reorder, kept[b]), _ORDER_STRIDE * now + rank, post["running_order"]
             )
         self.reqs = posts
-        # The rest fits, else ConfigurationError in the reference: excluded, a preset
-        # error (module header). Stated over the post records (a kept request's post is
+        # The rest fits, else the reference aborts the last request for want of memory:
+        # excluded (module header). Stated over the post records (a kept request's post is
         # its pre record), the terms prepare_for_decode and ALLOC use next.
         self.add(
             zs.Sum(

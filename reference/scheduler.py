@@ -66,10 +66,6 @@ from overlap_spec.spec.units import PoolRow, RequestId, StepId, TokenCount
 SUPPORTED_FAULTS = frozenset(BUG_IDS)
 
 
-class ConfigurationError(Exception):
-    """The chosen sizes cannot run one request alone (a preset error, not a bug)."""
-
-
 @dataclass
 class QueuedResult:
     batch: ScheduleBatch
@@ -333,7 +329,8 @@ class Scheduler:
         return self._pages_needed_for(batch, keep) <= get_available_pages(self.rt)
 
     def retract_decode(self, batch: ScheduleBatch, forced: int) -> None:
-        """Retract until the next decode fits, plus ``forced`` more; keep at least one.
+        """Retract until the next decode fits, plus ``forced`` more; keep at least one, and
+        abort that one when it alone does not fit (the release's out-of-memory abort).
 
         Victims in ``transitions.compute_retraction_order``: the release's policy sort
         (#32023), or from the back of the batch in the pre-claim era's spec cells.
@@ -354,10 +351,16 @@ class Scheduler:
             req = batch.reqs[victim]
             self.release_req(req)
             retracted.append(req)
-        if not self._fits(batch, keep):
-            raise ConfigurationError(
-                f"{self.config.name}: one request does not fit the KV pool; enlarge the preset")
-        if not retracted:
+        aborted = not self._fits(batch, keep)
+        if aborted:
+            # Even the last request does not fit: the release aborts it instead of crashing
+            # (retract_decode: "Out of memory even after retracting all other requests");
+            # its KV is released as at a retraction and it leaves as a waiting abort does,
+            # finished "abort", in no queue. A result still in flight for it is stale.
+            req = batch.reqs[order.pop()]
+            self.release_req(req)
+            req.apply(relation.abort)
+        if not retracted and not aborted:
             return
         batch.filter_batch(keep_indices=order)  # the policy's order, as the release keeps it
         self.waiting_queue.extend(retracted)

@@ -764,7 +764,10 @@ def check_rp1(config: ModelConfig, obs: Observation) -> int:
     for e in result.entries:
         if not e.stale:
             continue
-        refund = 1 if (config.cell.is_spec and config.cell.preclaim and e.finished_before) else 0
+        # The refund is a decode's (a spec decode result is the metered kind): a request
+        # aborted for want of memory with its prefill result in flight gets none.
+        refund = 1 if (config.cell.is_spec and config.cell.preclaim and e.finished_before
+                       and result.metered) else 0
         if e.output_after != e.output_before or e.committed_after != e.committed_before - refund:
             raise fail("RP1", obs, f"for stale request r{e.rid}: output {e.output_before}->"
                        f"{e.output_after}, kv_committed_len {e.committed_before}->"

@@ -14,10 +14,19 @@ from __future__ import annotations
 import pytest
 
 from overlap_spec.harness.differential.compare import run_differential
-from overlap_spec.harness.drive.script import Admit, AdmitPrebuilt, Iterate, Script
+from overlap_spec.harness.drive.script import (
+    Admit,
+    AdmitPrebuilt,
+    Iterate,
+    Op,
+    Script,
+    apply_op,
+    run_script,
+)
 from overlap_spec.reference.scheduler import Scheduler
 from overlap_spec.spec.config import MINIMAL, ModelConfig, get_cell
 from overlap_spec.spec.state import IterationChoices
+from overlap_spec.spec.units import RequestId
 
 
 def _run(cell: str, admissions: list[tuple[int, int]], iterations: int) -> Scheduler:
@@ -147,3 +156,53 @@ def test_rp4_fails_on_the_overshoot_decode_and_holds_in_the_release(cell: str,
     if fails:
         assert seen[0].startswith("RP4 violated for request r1: launched with 1 output tokens"
                                   " and 1 result(s) in flight"), seen[0]
+
+
+# ---- the release's out-of-memory abort of the last request (retract_decode, #19881)
+def _sized(cell: str, ops: list[Op]) -> Script:
+    return Script(cell, "minimal", ops, sizes={"kv_tokens": 12})
+
+
+ALONE = [Admit(5, 8)] + [Iterate(IterationChoices(True, 0, (1, 1, 1), frozenset()))] * 4
+# Two requests of 4: the first decode needs 2 * 4 + 4 = 12 slots each with 8 held, so r1 is
+# retracted; two decodes later r0 alone outgrows the pool and is aborted; r1 comes back.
+TWO = [Admit(4, 8), Admit(4, 8)] + [Iterate(IterationChoices(True, 0, (1, 1, 1), frozenset()))] * 7
+
+
+@pytest.mark.parametrize("cell", ["ov-p1-v2chain-cpu-honest", "nov-p1-v2chain-cpu-honest",
+                                  "ov-p1-v2chain-cpu-preclaim", "ov-p1-v2tree-cpu-honest"])
+def test_the_last_request_that_cannot_fit_is_aborted_not_a_crash(cell: str) -> None:
+    """One request whose next decode alone outgrows a 12-token pool: the release aborts it
+    ("Out of memory even after retracting all other requests") rather than raise; it leaves
+    finished "abort" in no queue, its KV all freed, and every invariant holds."""
+    script = _sized(cell, ALONE)
+    outcome = run_script(script, catch_crash=True)
+    assert outcome.crash is None and outcome.violation is None, outcome
+    scheduler = Scheduler(script.get_config())
+    admitted: list[RequestId] = []
+    for op in script.ops:
+        apply_op(scheduler, op, admitted)
+    state = scheduler.get_observable_state()
+    (request,) = state.requests
+    assert (request.status, request.finish_reason) == ("finished", "abort")
+    assert (request.kv_committed_len, request.kv_allocated_len) == (0, 0)
+    assert state.free_pages == 12 and state.running is None and not scheduler.waiting_queue
+    # Under overlap the prefill's result was in flight at the abort: it is stale, dropped.
+    assert len(request.output_ids) == (0 if script.get_config().cell.overlap else 1)
+    assert run_differential(script).ok
+
+
+def test_the_others_are_retracted_first_and_the_last_one_aborted() -> None:
+    script = _sized("ov-p1-v2chain-cpu-honest", TWO)
+    scheduler = Scheduler(script.get_config())
+    admitted: list[RequestId] = []
+    statuses = []
+    for op in script.ops:
+        apply_op(scheduler, op, admitted)
+        statuses.append(tuple((r.status, r.finish_reason)
+                              for r in scheduler.get_observable_state().requests))
+    assert statuses[3] == (("running", None), ("waiting", None))  # r1 retracted
+    assert statuses[5] == (("finished", "abort"), ("waiting", None))  # r0 alone: aborted
+    assert statuses[6] == (("finished", "abort"), ("running", None))  # r1 re-admitted
+    assert run_script(script).violation is None
+    assert run_differential(script).ok

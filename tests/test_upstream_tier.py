@@ -390,3 +390,29 @@ def test_a_waiting_cell_server_runs_its_cells_only_when_told(tmp_path: Path, tol
     else:
         assert [e["event"] for e in events] == ["sglang"]
         assert not (tmp_path / "ov-p1-none.json").exists()
+
+
+@needs_sglang
+def test_the_out_of_memory_abort_of_the_last_request_agrees_with_the_release(
+        tmp_path: Path) -> None:
+    """A request whose next decode alone outgrows a 12-token pool: the release's
+    retract_decode aborts it (#19881) and the reference does the same, op by op (status,
+    reason, output, committed and allocated lengths, free pages), with and without
+    overlap; the spec's invariants hold on the release's run (U1 aside, listed)."""
+    iterate = {"op": "iterate", "allow_prefill": True, "retract": 0, "accept_lens": [1, 1, 1],
+               "eos_positions": [], "disable_overlap": False, "spec_steps": 0, "eos_offset": 0}
+    ops = [{"op": "admit", "prompt_len": 5, "max_new_tokens": 8}] + [iterate] * 5
+    for cell in ("ov-p1-v2chain-cpu-honest", "nov-p1-v2chain-cpu-honest"):
+        for implementation in ("upstream-differential", "upstream"):
+            script = tmp_path / f"oom-{cell}-{implementation}.json"
+            script.write_text(json.dumps({
+                "version": 1, "cell": cell, "preset": "minimal", "sizes": {"kv_tokens": 12},
+                "faults": [], "seed": None, "implementation": implementation, "ops": ops}))
+            replay = run_cli("replay", str(script))
+            assert replay.returncode == 0, replay.stdout + replay.stderr
+            assert f"{cell}@minimal[kv_tokens=12]" in replay.stdout, replay.stdout
+            if implementation == "upstream-differential":
+                assert "replayed 6 of 6 ops" in replay.stdout, replay.stdout
+                assert "no unexplained divergence" in replay.stdout, replay.stdout
+            else:
+                assert "no violation outside the listed findings" in replay.stdout, replay.stdout

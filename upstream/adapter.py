@@ -408,7 +408,13 @@ class UpstreamScheduler:
             self.update_ghost(req, ghost_retract)
             self.by_req[id(req)].release_count = 0  # a new holding starts at re-admission
         for req in aborted:
+            # retract_decode's out-of-memory abort (or a retraction that cannot resume):
+            # released like a retraction (release_req, reset_for_retract), then told to
+            # the client with send_abort_output; it leaves with no finished_reason.
+            self.update_ghost(req, ghost_retract)
             self.update_ghost(req, ghost_abort, True)
+            self.by_req[id(req)].release_count = 0
+            self.by_req[id(req)].left = True
 
     def on_release(self, req: Any, checkpointed: bool) -> None:
         track = self.by_req.get(id(req))

@@ -429,7 +429,7 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
 
         compared, divergence, explained = replay_differential(script)
         print(f"replayed {compared} of {len(script.ops)} ops of the reference against sglang "
-              f"{source.version} ({source.source}) in cell {script.cell}@{script.preset}, "
+              f"{source.version} ({source.source}) in cell {script.get_config().name}, "
               f"seed {script.seed}" + (f"; allowed: {', '.join(explained)}" if explained else ""))
         if divergence is None:
             print("no unexplained divergence")
@@ -442,7 +442,7 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
                          "'overlap-spec replay'")
     outcome = replay_on_upstream(script)
     print(f"replayed {len(script.ops)} ops on sglang {source.version} ({source.source}) in "
-          f"cell {script.cell}@{script.preset}, seed {script.seed}")
+          f"cell {script.get_config().name}, seed {script.seed}")
     if isinstance(outcome, UpstreamChecker):
         for fid, count in sorted(outcome.findings.items()):
             known = get_known_finding(fid)
