@@ -154,7 +154,8 @@ def test_trace_check_judges_kv_and_rp_and_knows_the_verdict(cell: str,
     verdict = _check(_events(traces[cell]))
     judged = {i for i, n in verdict.exercised.items() if n > 0}
     assert {"KV1", "KV4", "KV5"} <= judged, verdict.exercised
-    assert {"RP1"} | ({"RP3"} if get_cell(cell).is_spec else set()) <= judged, (
+    # RP7: the stand-in's tokens are the environment's, so the views carry their values.
+    assert {"RP1", "RP7"} | ({"RP3"} if get_cell(cell).is_spec else set()) <= judged, (
         verdict.exercised)
     if not get_cell(cell).is_spec:
         assert {"KV2", "KV9"} <= judged, verdict.exercised  # KV9: the finish releases
@@ -188,4 +189,18 @@ def test_corrupted_stale_result_is_rejected_as_rp1(traces: dict[str, Path]) -> N
     verdict = _check(events)
     assert verdict.violation is not None, verdict.describe()
     assert verdict.violation.invariant_id == "RP1", verdict.describe()
+    assert verdict.violation.event_id == events[index]["id"]
+
+
+def test_a_corrupted_token_value_is_rejected_as_rp7(traces: dict[str, Path]) -> None:
+    """A view whose last output token is not the environment's (a relay handing the
+    forward the wrong token would show so) fails RP7 at that event."""
+    events = _events(traces[SPEC])
+    index = _first(events, lambda e: any(len(r.get("output_ids") or ()) >= 2
+                                         for r in e.get("requests", ())))
+    request = next(r for r in events[index]["requests"] if len(r["output_ids"]) >= 2)
+    request["output_ids"][-1] = request["output_ids"][-1] % 97 + 1 + 97  # never the chain's
+    verdict = _check(events)
+    assert verdict.violation is not None, verdict.describe()
+    assert verdict.violation.invariant_id == "RP7", verdict.describe()
     assert verdict.violation.event_id == events[index]["id"]

@@ -47,7 +47,7 @@ CALL_INVARIANTS = ("SL2", "SL3", "SL4", "SL5", "FM1", "FM3", "ST1", "ST2", "ST4"
 # besides CALL_INVARIANTS. A live process has no ghost truth; at a call where one of these
 # needs it, that one is not judged (never passed, never failed; the verdict counts it).
 STATE_CALL_INVARIANTS = ("KV1", "KV2", "KV4", "KV5", "KV6", "KV7", "KV9", "RP1", "RP2",
-                         "RP3", "ST5")
+                         "RP3", "RP7", "ST5")
 RACE_INVARIANTS = frozenset({"FM1", "FM3", "ST1", "ST2", "ST4", "ST5"})
 OK, VIOLATION, INCONCLUSIVE = "ok", "violation", "inconclusive"
 

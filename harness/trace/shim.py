@@ -119,8 +119,12 @@ def _get_kv(req: Any) -> Any:
 def _get_output_len(req: Any) -> int:
     # 0.5.23 commits a whole accepted run into output_ids; the visible output stops at
     # finished_len (output_ids_through_stop).
+    return len(_get_visible_output(req))
+
+
+def _get_visible_output(req: Any) -> tuple[int, ...]:
     visible = getattr(req, "output_ids_through_stop", None)
-    return len(visible if visible is not None else req.output_ids)
+    return tuple(int(t) for t in (visible if visible is not None else req.output_ids))
 
 
 def _get_max_new_tokens(req: Any) -> int:
@@ -168,11 +172,18 @@ class TraceShim:
     def __init__(self, path: Path, cell: str, preset: str, *, batch_class: type,
                  scheduler: Any = None, future_map: Any = None,
                  implementation: str = "live", faults: tuple[str, ...] = (),
-                 requests: bool | None = None) -> None:
+                 requests: bool | None = None, env_tokens: bool = False,
+                 sizes: dict[str, int] | None = None) -> None:
         """``requests``: record request views (None: when ``scheduler`` exposes upstream's
-        pools and waiting queue, i.e. a real sglang scheduler)."""
+        pools and waiting queue, i.e. a real sglang scheduler). ``env_tokens``: the forward
+        is the project's stand-in, whose tokens are the environment's, so the views carry
+        the output token values and the prompt's last token and RP7 is judged (a real
+        model's tokens are not the stand-in's: off by default). ``sizes``: the run's sizes
+        in place of the preset's (the trace header's ``sizes``)."""
         self.path = path
-        self.header = TraceHeader(cell, preset, faults, None, implementation, False)
+        self.header = TraceHeader(cell, preset, faults, None, implementation, False,
+                                  dict(sizes or {}))
+        self.env_tokens = env_tokens
         self.is_spec = get_cell(cell).is_spec
         self.batch_class = batch_class
         self.scheduler = scheduler
@@ -297,7 +308,9 @@ class TraceShim:
             # them read the ghost, which a call event does not carry.
             spec_verify_ct=int(getattr(req, "spec_verify_ct", 0)),
             spec_num_correct_drafts=int(getattr(req, "spec_num_correct_drafts", 0)),
-            ghost=_NO_GHOST)
+            ghost=_NO_GHOST,
+            output_ids=_get_visible_output(req) if self.env_tokens else None,
+            last_prompt_token=int(req.origin_input_ids[-1]) if self.env_tokens else None)
 
     def _encode_request(self, track: _Track) -> dict[str, Any]:
         encoded: dict[str, Any] = encode_value(self.get_request_view(track))
@@ -596,9 +609,12 @@ def record_shim_trace(script: Script, path: Path) -> Path:
     model = get_factory(script.implementation)(config, frozenset(script.faults), None)
     scheduler, batch_class, future_map = get_shim_targets(model)
     admitted: list[RequestId] = []
+    # Both implementations a script runs on forward through the stand-in model, so the
+    # token values are the environment's and RP7 applies.
     with TraceShim(path, script.cell, script.preset, batch_class=batch_class,
                    scheduler=scheduler, future_map=future_map,
-                   implementation=f"{script.implementation}-shim", faults=script.faults):
+                   implementation=f"{script.implementation}-shim", faults=script.faults,
+                   env_tokens=True, sizes=script.sizes):
         for index, op in enumerate(script.ops):
             model.set_step_index(index)
             apply_op(model, op, admitted)
