@@ -214,3 +214,54 @@ def test_gpu_impl_forward_writes_the_draft_and_verify_widths(
     assert decode and len(decode) % 2 == 0
     for draft, verify in zip(decode[::2], decode[1::2], strict=True):
         assert draft == ([12], 12) and verify == ([8], 8), (draft, verify)
+
+
+def test_the_reference_non_spec_decode_writes_the_position_it_processes(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A non-spec decode at seq_lens = s writes the KV of the token it processes, at s - 1
+    (the slot claimed at prepare time); the prefill writes its whole fill."""
+    writes: list[tuple[int, int]] = []
+    original = ref_worker.ModelWorker._write_kv
+
+    def spy(self: Any, req: Any, start: int, end: int, faults: Any) -> None:
+        writes.append((start, end))
+        original(self, req, start, end, faults)
+
+    monkeypatch.setattr(ref_worker.ModelWorker, "_write_kv", spy)
+    ops: list[Op] = [Admit(3, 4)] + [_iterate(prefill=True, accept=(1, 1, 1))] * 4
+    _run(Script("nov-p1-none", "minimal", ops))
+    assert writes == [(0, 3), (3, 4), (4, 5), (5, 6)], writes
+
+
+def test_a_forward_write_outside_what_the_request_owns_is_recorded() -> None:
+    """The stand-in forward's own instrument (KV3 / KV4 evidence), exercised directly: a
+    position past kv_allocated_len, past the row (no slot: -1), into a slot the request
+    does not own, and a request with no pool row each leave a KvWrite with the reason."""
+    from overlap_spec.reference.scheduler import Scheduler
+    from overlap_spec.spec.config import MINIMAL, ModelConfig, get_cell
+
+    scheduler = Scheduler(ModelConfig(get_cell("nov-p1-none"), MINIMAL))
+    scheduler.admit(3, 4)
+    scheduler.admit(2, 4)
+    scheduler.run_iteration(IterationChoices())  # both prefilled: 3 and 2 positions
+    first, second = scheduler.requests[RequestId(0)], scheduler.requests[RequestId(1)]
+    width = len(scheduler.rt.req_to_token.rows[first.req_pool_idx])
+    faults: list[Any] = []
+    worker = scheduler.worker
+    worker._write_kv(first, 0, first.kv_allocated_len, faults)
+    assert faults == []  # its own positions: nothing recorded
+    worker._write_kv(first, first.kv_allocated_len, first.kv_allocated_len + 1, faults)
+    worker._write_kv(first, width, width + 1, faults)
+    assert [(f.rid, f.position, f.slot, f.reason) for f in faults] == [
+        (0, first.kv_allocated_len, -1, "beyond kv_allocated_len"),
+        (0, width, -1, "beyond kv_allocated_len")]
+    faults.clear()
+    row = scheduler.rt.req_to_token.rows[first.req_pool_idx]
+    row[0] = scheduler.rt.req_to_token.rows[second.req_pool_idx][0]  # someone else's slot
+    worker._write_kv(first, 0, 1, faults)
+    assert [(f.position, f.slot, f.reason) for f in faults] == [
+        (0, row[0], "slot not owned by the request")]
+    faults.clear()
+    scheduler.admit(1, 1)
+    worker._write_kv(scheduler.requests[RequestId(2)], 0, 1, faults)  # still waiting
+    assert [(f.rid, f.slot, f.reason) for f in faults] == [(2, None, "request holds no pool row")]
