@@ -80,11 +80,18 @@ def _review_reference(args: argparse.Namespace, profile_name: str, faults: froze
     failures = render_failures(results)
     if failures:
         print(failures)
-    vacuous = sorted({f"{inv} in {cell}" for inv, per_cell in get_verdicts(results).items()
-                      for cell, verdict in per_cell.items() if verdict is Verdict.VACUOUS})
-    if vacuous:
-        print(f"no witness (vacuous, a failure): {', '.join(vacuous)}")
+    vacuous = {inv: [cell for cell, verdict in per_cell.items() if verdict is Verdict.VACUOUS]
+               for inv, per_cell in get_verdicts(results).items()}
+    lines = [f"  {inv} in {_count_cells(cells)}" for inv, cells in sorted(vacuous.items())
+             if cells]
+    if lines:
+        # One line per invariant: a small pool can leave many invariants without witness.
+        print("no witness (vacuous, a failure):\n" + "\n".join(lines))
     report.add(hypothesis_tier_report(results))
+
+
+def _count_cells(cells: list[str]) -> str:
+    return ", ".join(cells) if len(cells) == 1 else f"{len(cells)} cells: {', '.join(cells)}"
 
 
 def _review_sglang(args: argparse.Namespace, profile_name: str, configs: list[ModelConfig],

@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from overlap_spec.harness.cli import main
+from overlap_spec.spec.invariants import INVARIANT_IDS
 from overlap_spec.harness.drive.stateful import CellResult
 from overlap_spec.harness.report import get_failure_signature, render_failures
 from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
@@ -129,3 +130,17 @@ def test_ctrl_c_writes_the_report_so_far_marked_incomplete(tmp_path: Path) -> No
     assert document["tiers"]["hypothesis"]["verdict"] == "pass"
     assert document["tiers"]["differential"]["verdict"] == "inconclusive"
     assert "mutants" not in document["tiers"]
+
+
+def test_invariants_without_witness_print_one_line_each(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """A pool of 4 tokens leaves many invariants without a witness: one line per
+    invariant, listing its cells, and the run fails (vacuous is a failure)."""
+    code = main(["review", "--cells", "ov-p1-none,nov-p1-none", "--sizes", "kv_tokens=4",
+                 "-q", "--jobs", "1"])
+    out = capsys.readouterr().out
+    assert code == 1, out
+    block = out.split("no witness (vacuous, a failure):\n", 1)[1].splitlines()
+    listed = [line for line in block if line.startswith("  ")]
+    assert listed and all(line.split()[0] in INVARIANT_IDS for line in listed), out
+    assert len({line.split()[0] for line in listed}) == len(listed), out
