@@ -14,11 +14,10 @@ from pathlib import Path
 import pytest
 
 from overlap_spec.harness.cli import main
-from overlap_spec.spec.invariants import INVARIANT_IDS
 from overlap_spec.harness.drive.stateful import CellResult
 from overlap_spec.harness.report import get_failure_signature, render_failures
 from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
-from overlap_spec.spec.invariants import InvariantViolation
+from overlap_spec.spec.invariants import INVARIANT_IDS, InvariantViolation
 
 CELLS = "ov-p1-none,ov-p1-v2chain-cpu-honest,ov-p1-v2tree-cpu-honest"  # B3 lives in each
 
