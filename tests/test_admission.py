@@ -153,3 +153,37 @@ def test_a_page_1_tree_near_the_context_length_outgrows_its_row() -> None:
         Iterate(IterationChoices(allow_prefill=True, accept_lens=(1,) * 16))
         for _ in range(20)], ()))
     assert chain.violation is None
+
+
+# --- which waiting requests a prefill admits (the model's policy; the release's
+# PrefillAdder also budgets the decode tokens still to come: allowed divergence A5) ------
+def _admitted_after_one_prefill(cell: str, prompts: list[int],
+                                sizes: dict[str, int] | None = None) -> list[str]:
+    script = Script(cell, "minimal", [Admit(p, 8) for p in prompts], sizes=sizes or {})
+    model = get_factory("reference")(script.get_config(), frozenset(), None)
+    admitted: list[RequestId] = []
+    for op in [*script.ops, Iterate(IterationChoices())]:
+        apply_op(model, op, admitted)
+    return [r.status for r in model.get_observable_state().requests]
+
+
+def test_admission_counts_the_running_total_not_each_request_alone() -> None:
+    """Two prompts of 9 in a 16-token pool: each fits alone, both do not. The first is
+    admitted and the second waits; a policy that checked each request against the whole
+    pool would over-commit (the allocator would fail inside prepare_for_extend)."""
+    assert _admitted_after_one_prefill("ov-p1-none", [9, 9], {"kv_tokens": 16}) == [
+        "running", "waiting"]
+    assert _admitted_after_one_prefill("ov-p1-none", [9, 5], {"kv_tokens": 16}) == [
+        "running", "running"]
+
+
+def test_admission_is_first_come_and_stops_at_the_first_that_does_not_fit() -> None:
+    """Waiting order, no skipping: a small request behind one that does not fit waits too
+    (head of line), and no more are admitted than the request rows."""
+    assert _admitted_after_one_prefill("ov-p1-none", [9, 9, 2], {"kv_tokens": 16}) == [
+        "running", "waiting", "waiting"]
+    assert _admitted_after_one_prefill("ov-p1-none", [2, 2, 2, 2]) == [
+        "running", "running", "running", "waiting"]  # 3 rows in the minimal preset
+    assert _admitted_after_one_prefill("ov-p1-none", [2, 2, 2, 2],
+                                       {"max_running_requests": 2}) == [
+        "running", "running", "waiting", "waiting"]
