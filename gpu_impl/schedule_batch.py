@@ -33,6 +33,7 @@ from overlap_spec.spec.transitions import (
     compute_fill_len,
     compute_page_align_up,
     compute_v2_alloc_target,
+    is_prefill_only,
 )
 
 # compute_decode_seq_len_ns, applied to whole tensors: seq_lens' = seq_lens + 1.
@@ -53,6 +54,7 @@ class ScheduleBatch:
     seq_len_cpu_ub: int | None = None
     input_ids: torch.Tensor | None = None  # set at forward entry, None between iterations
     spec_extra: dict[str, torch.Tensor] = field(default_factory=dict)
+    is_prefill_only: bool = False  # never decoded (reference/schedule_batch.py)
 
     @classmethod
     def prepare_for_extend(cls, rt: Runtime, reqs: list[Req]) -> ScheduleBatch:
@@ -78,6 +80,8 @@ class ScheduleBatch:
             seq_lens_sum=sum(fill_lens),
             req_pool_indices=streams.device_tensor(rows),
             req_pool_indices_cpu=streams.host_tensor(rows),
+            is_prefill_only=is_prefill_only(rt.config.cell.is_spec,
+                                            [req.max_new_tokens for req in reqs]),
         )
 
     def is_empty(self) -> bool:
@@ -151,6 +155,7 @@ class ScheduleBatch:
 
     def merge_batch(self, other: ScheduleBatch) -> None:
         """Concatenate; seq_lens_cpu / future_indices None if either side's is; sum None."""
+        self.is_prefill_only = self.is_prefill_only and other.is_prefill_only
         self.seq_lens = torch.cat((self.seq_lens, other.seq_lens))
         self.req_pool_indices = torch.cat((self.req_pool_indices, other.req_pool_indices))
         with self.rt.streams.on_host():

@@ -230,8 +230,8 @@ class Scheduler:
             new_batch = self.get_new_batch_prefill()
             if new_batch is not None:
                 return new_batch
-        if running is None or running.is_empty():
-            return None
+        if running is None or running.is_empty() or running.is_prefill_only:
+            return None  # a prefill-only batch is never decoded (the release)
         decodes = self.update_running_batch(running, choices.retract)
         return running if decodes and not running.is_empty() else None
 
@@ -488,9 +488,8 @@ class Scheduler:
             accept, eos_at = accept_lens[j], result.eos_at[j]
             was_finished = req.finished()
             stale = (was_finished or req.is_retracted) and not rt.has_fault("B3")
-            run_len = compute_run_len(accept, compute_output_budget(req.max_new_tokens,
-                                                                    len(req.output_ids)),
-                                      eos_at)
+            run_len = compute_run_len(accept, compute_output_budget(
+                req.max_new_tokens, len(req.output_ids), req.to_finish is not None), eos_at)
             if rt.has_fault("B4") or not stale:
                 counted[0] += accept - 1
                 counted[1] += 1

@@ -21,7 +21,7 @@ from overlap_spec.harness.conformance.cli import (
     run_upstream_check,
     upstream_tier_report,
 )
-from overlap_spec.harness.drive.cells import select_configs
+from overlap_spec.harness.drive.cells import format_sizes, select_configs
 from overlap_spec.harness.drive.stateful import get_profile
 from overlap_spec.harness.pool import catching_interrupts, raise_if_interrupted
 from overlap_spec.harness.report import (
@@ -70,7 +70,7 @@ def _review_reference(args: argparse.Namespace, profile_name: str, faults: froze
           f"({profile.max_examples} sequences of up to {profile.step_count} "
           f"ops per cell), seed {args.seed}"
           + (f", faults {','.join(sorted(faults))}" if faults else "")
-          + (f", sizes {configs[0].preset.name.partition('[')[2].rstrip(']')}"
+          + (f", sizes {format_sizes(args.sizes)}"
              if getattr(args, "sizes", None) else ""))
     out = Path(args.out) / "failures" if args.out else None
     # Our minimiser instead of Hypothesis's shrinker: a failing cell costs seconds, not
@@ -101,7 +101,7 @@ def _review_sglang(args: argparse.Namespace, profile_name: str, configs: list[Mo
     up_args = argparse.Namespace(
         cells=",".join(c.cell.name for c in configs) if args.cells else None,
         sglang_src=args.sglang_src, out=args.out, seed=args.seed, profile=profile_name,
-        preset="minimal", jobs=args.jobs, quiet=args.quiet)
+        preset="minimal", sizes=args.sizes, jobs=args.jobs, quiet=args.quiet)
     # No upstream environment, or not a checkout: a usage error (exit 2), not a verdict.
     document = run_upstream_check(up_args, progress=not args.quiet)
     print(render_report(document))

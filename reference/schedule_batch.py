@@ -17,7 +17,7 @@ from overlap_spec.reference.mem_cache import (
 from overlap_spec.reference.req import Req
 from overlap_spec.reference.runtime import DeviceTensor, Runtime
 from overlap_spec.spec.happens_before import SCHEDULE
-from overlap_spec.spec.transitions import compute_decode_seq_len_ns
+from overlap_spec.spec.transitions import compute_decode_seq_len_ns, is_prefill_only
 from overlap_spec.spec.units import PoolRow
 
 
@@ -35,6 +35,10 @@ class ScheduleBatch:
     seq_len_cpu_ub: int | None = None
     input_ids: list[int] | None = None
     extra: dict[str, object] = field(default_factory=dict)
+    # Every member has max_new_tokens == 0 and the cell does not speculate
+    # (Req.is_prefill_only): the release never decodes such a batch. Set at prepare time,
+    # AND-ed at a merge, kept through a filter, as the release keeps it.
+    is_prefill_only: bool = False
 
     # -- construction ---------------------------------------------------------
     @classmethod
@@ -60,6 +64,8 @@ class ScheduleBatch:
             seq_lens_sum=sum(lens),
             req_pool_indices=rt.new_tensor(pool_rows, "prepare_for_extend"),
             req_pool_indices_cpu=pool_rows,
+            is_prefill_only=is_prefill_only(rt.config.cell.is_spec,
+                                            [req.max_new_tokens for req in reqs]),
         )
 
     def is_empty(self) -> bool:
@@ -118,6 +124,7 @@ class ScheduleBatch:
     def merge_batch(self, other: ScheduleBatch) -> None:
         """Concatenate; seq_lens_cpu is None if either side's is; sum = None."""
         rt = self.rt
+        self.is_prefill_only = self.is_prefill_only and other.is_prefill_only
         lens = rt.read_tensor(SCHEDULE, self.seq_lens, "merge_batch")
         lens += rt.read_tensor(SCHEDULE, other.seq_lens, "merge_batch")
         rows = rt.read_tensor(SCHEDULE, self.req_pool_indices, "merge_batch")

@@ -225,7 +225,7 @@ class Scheduler:
             new_batch = self.get_new_batch_prefill()
             if new_batch is not None:
                 return new_batch
-        if running is not None and not running.is_empty():
+        if running is not None and not running.is_empty() and not running.is_prefill_only:
             decodes = self.update_running_batch(running, choices.retract)
             if decodes and not running.is_empty():
                 return running
@@ -583,8 +583,8 @@ class Scheduler:
             stale = was_stale and not rt.has_fault("B3")
             finished_before = req.finished()
             out_before, committed_before = len(req.output_ids), req.kv_committed_len
-            run_len = compute_run_len(accept, compute_output_budget(req.max_new_tokens,
-                                                                    out_before), eos_at)
+            run_len = compute_run_len(accept, compute_output_budget(
+                req.max_new_tokens, out_before, req.state.to_finish is not None), eos_at)
             start = j * result.stride
             tokens = tuple(result.next_token_ids[start:start + result.stride])
             req.apply(relation.process_result, cfg.cell, result.step, result.forward_mode,

@@ -519,7 +519,7 @@ def check_kv9(config: ModelConfig, obs: Observation) -> int:
     if obs.point is ObservationPoint.PROCESS_RESULT and config.cell.is_spec:
         for r in _settling(obs):
             lead = compute_committed_lead(config.cell, r.ghost.inflight_steps)
-            expected = r.prompt_len + r.output_len - 1
+            expected = r.prompt_len + max(r.output_len, 1) - 1
             if r.kv_committed_len - lead != expected:
                 raise fail("KV9", obs, f"for request r{r.rid}: kv_committed_len="
                            f"{r.kv_committed_len} - lead {lead} != prompt + output - 1 = "
@@ -531,7 +531,9 @@ def check_kv9(config: ModelConfig, obs: Observation) -> int:
                        "caching its KV")
         if r.cached_len is None or r.committed_at_release is None:
             continue
-        with_kv = r.prompt_len + r.output_len - 1  # the newest token has no KV yet
+        # The newest token has no KV yet. A prefill's token trimmed from view (a cap of 0)
+        # was sampled all the same: the prompt's KV is all there.
+        with_kv = r.prompt_len + max(r.output_len, 1) - 1
         lead = compute_committed_lead(config.cell, r.claimed_at_release)
         if r.committed_at_release - lead != with_kv:
             raise fail("KV9", obs, f"for request r{r.rid}: kv_committed_len="
@@ -548,8 +550,11 @@ def check_rp_output(config: ModelConfig, obs: Observation) -> int:
     """Shared by RP2: output_ids agrees with what the environment emitted, within budget."""
     count = 0
     for r in obs.requests:
-        # A prefill's first token comes before any finish check: a cap of 0 still gives 1.
-        if r.output_len > max(r.max_new_tokens, 1):
+        # A prefill's first token comes before any finish check; at a cap of 0 it stays
+        # visible only when an abort ends the request (a length or stop finish trims it).
+        limit = (r.max_new_tokens if r.finish_reason in ("length", "stop")
+                 else max(r.max_new_tokens, 1))
+        if r.output_len > limit:
             raise fail("RP2", obs, f"for request r{r.rid}: {r.output_len} output tokens > "
                        f"max_new_tokens={r.max_new_tokens}")
         if r.is_live and r.output_len != r.ghost.output_len_true:
@@ -779,8 +784,9 @@ def check_rp1(config: ModelConfig, obs: Observation) -> int:
 
 def check_rp2(config: ModelConfig, obs: Observation) -> int:
     """RP2: 1 <= accept_len <= stride, the kept run is no longer than accept_len, and
-    output_ids is what the environment emitted, within max_new_tokens (the prefill's
-    token counts even at a cap of 0) (batch_result_processor.py _resolve_spec_v2_tokens)."""
+    output_ids is what the environment emitted, within max_new_tokens (at a cap of 0 the
+    prefill's token stays only when an abort ends the request) (batch_result_processor.py
+    _resolve_spec_v2_tokens, schedule_batch.py update_finish_state)."""
     count = check_rp_output(config, obs)
     result = obs.result
     if result is None:

@@ -362,8 +362,8 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
     ghost = ghost_result(req.ghost, step, req.max_new_tokens, accept_len, eos_at, verified)
     finished_before = req.is_finished()
     stale = is_stale(req) and "B3" not in faults
-    run_len = compute_run_len(accept_len, compute_output_budget(req.max_new_tokens,
-                                                                req.output_len), eos_at)
+    run_len = compute_run_len(accept_len, compute_output_budget(
+        req.max_new_tokens, req.output_len, req.to_finish is not None), eos_at)
     decode = forward_mode == "decode"
     if stale:
         committed = req.kv_committed_len
@@ -506,7 +506,8 @@ def ghost_result(ghost: Ghost, step: StepId, max_new_tokens: int, accept_len: in
                       extend_inflight=ghost.extend_inflight and not launched.is_extend)
     if ghost.finished:
         return settled
-    run_len = min(accept_len, max(compute_output_budget(max_new_tokens, ghost.output_len_true), 0))
+    run_len = min(accept_len, max(compute_output_budget(max_new_tokens, ghost.output_len_true,
+                                                        ghost.abort_requested), 0))
     if eos_at is not None and eos_at + 1 < run_len:
         run_len = eos_at + 1
     output_len = ghost.output_len_true + run_len

@@ -63,11 +63,23 @@ def compute_fill_len(prompt_len: int, output_len: int) -> TokenCount:
 
 
 # --- update_running_batch ------------------------------------------------------
-def compute_output_budget(max_new_tokens: int, output_len: int) -> int:
-    """Output tokens a result may still keep. A prefill appends its sampled token before
-    any finish check (``process_batch_result_prefill``), so even ``max_new_tokens=0`` (the
-    cap of a refused prompt, ``compute_admission``) yields one."""
-    return max(max_new_tokens, 1) - output_len
+def compute_output_budget(max_new_tokens: int, output_len: int, aborting: bool = False) -> int:
+    """Output tokens a result may still keep (the visible output, ``finished_len``).
+
+    A prefill appends its sampled token before any finish check. At ``max_new_tokens=0``
+    (a cap ``compute_admission`` gives a refused prompt, or any prompt a small pool
+    leaves no room after) a length or stop finish sets ``finished_len = 0`` and shows
+    none (``update_finish_state``); an abort promoted at that result sets no
+    ``finished_len``, so the token stays visible (``aborting``: an abort is pending)."""
+    return max(max_new_tokens, 1 if aborting else 0) - output_len
+
+
+def is_prefill_only(is_spec: bool, max_new_tokens: list[int]) -> bool:
+    """``Req.is_prefill_only`` of every member: a batch that generates nothing (each
+    request capped to 0 new tokens) and does not speculate. The release launches its
+    prefill and never a decode of it (``get_next_batch_to_run`` skips
+    ``update_running_batch`` for a prefill-only running batch)."""
+    return not is_spec and bool(max_new_tokens) and all(m == 0 for m in max_new_tokens)
 
 
 def is_next_output_finishing_by_length(output_len: int, max_new_tokens: int) -> bool:
@@ -188,10 +200,11 @@ def compute_cached_len(committed: int, prompt_len: int, output_len: int) -> int:
     """``effective_kv_committed_len`` at a finish release: never past the last token with KV.
 
     The newest output token has no KV, so at most prompt + output - 1 positions are
-    cached; an overshoot tick (non-spec, PR 24590) or a finishing-round overshoot
-    (spec, PR 22897) may have committed more.
+    cached (prompt, when a cap of 0 trimmed the prefill's token from view); an overshoot
+    tick (non-spec, PR 24590) or a finishing-round overshoot (spec, PR 22897) may have
+    committed more.
     """
-    return min(committed, prompt_len + output_len - 1)
+    return min(committed, prompt_len + max(output_len, 1) - 1)
 
 
 def compute_committed_lead(cell: Cell, inflight_steps: int) -> int:

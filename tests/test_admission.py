@@ -59,9 +59,47 @@ def test_the_pool_caps_before_the_context_does() -> None:
     assert compute_admission(26, 30, 256, 32, 1) == (4, True)  # 31 - 5 = 26 is refused
 
 
-def test_a_cap_of_zero_still_keeps_the_prefills_token() -> None:
-    assert compute_output_budget(0, 0) == 1
-    assert compute_output_budget(3, 1) == 2
+def test_a_cap_of_zero_keeps_the_prefills_token_only_for_an_abort() -> None:
+    """The prefill appends its token before any finish check; a length or stop finish
+    then sets finished_len = max_new_tokens = 0 (nothing visible), an abort sets none."""
+    assert compute_output_budget(0, 0, aborting=True) == 1
+    assert compute_output_budget(0, 0) == 0
+    assert compute_output_budget(3, 1) == 2 == compute_output_budget(3, 1, aborting=True)
+
+
+# A prompt of 9 in a 16-token page-4 pool: accepted (9 < 15 - 5), but the pool leaves no
+# room after its 3 pages and one more: max_new_tokens is capped to 0 (compute_admission).
+CAP_ZERO = [Admit(9, 4)] + [Iterate(IterationChoices())] * 3
+
+
+@pytest.mark.parametrize("cell", ["ov-p4-none", "nov-p4-none", "ov-p4-v2chain-cpu-honest"])
+def test_an_accepted_prompt_capped_to_zero_finishes_by_length_with_nothing_visible(
+        cell: str) -> None:
+    """As the release: one prefill, a length finish at its result with no visible token,
+    the prompt's KV cached whole; without speculation the batch is prefill-only, never
+    decoded, and the finished request leaves the running batch at the next step's filter."""
+    script = Script(cell, "minimal", list(CAP_ZERO), sizes={"kv_tokens": 16})
+    assert compute_admission(9, 4, 24, 16, 4) == (0, False)
+    assert run_script(script).violation is None
+    model = get_factory("reference")(script.get_config(), frozenset(), None)
+    admitted: list[RequestId] = []
+    launches = 0
+    running_after: list[object] = []
+    for op in script.ops:
+        apply_op(model, op, admitted)
+        state = model.get_observable_state()
+        launches += isinstance(op, Iterate) and state.last_batch is not None
+        running_after.append(state.running)
+    (request,) = model.get_observable_state().requests
+    assert (request.status, request.finish_reason, request.output_ids) == (
+        "finished", "length", ())
+    assert request.cached_len == 9 and launches == 1
+    overlap = script.get_config().cell.overlap
+    # Under overlap its result comes one step after the launch; the release's prefill-only
+    # batch keeps the finished request in the running batch until the next filter.
+    assert (running_after[2] is not None) == (overlap and "v2" not in cell)
+    assert running_after[-1] is None
+    assert run_differential(script).ok
 
 
 def test_every_preset_accepted_prompt_can_generate() -> None:

@@ -416,3 +416,24 @@ def test_the_out_of_memory_abort_of_the_last_request_agrees_with_the_release(
                 assert "no unexplained divergence" in replay.stdout, replay.stdout
             else:
                 assert "no violation outside the listed findings" in replay.stdout, replay.stdout
+
+
+@needs_sglang
+def test_a_prompt_capped_to_zero_new_tokens_agrees_with_the_release(tmp_path: Path) -> None:
+    """A prompt of 9 in a 16-token page-4 pool is accepted with max_new_tokens capped to
+    0: the release finishes it by length at its prefill with no visible token (finished_len
+    0) and, without speculation, never decodes its prefill-only batch. Found by running
+    the upstream tier at --sizes kv_tokens=16; the reference agrees op by op."""
+    iterate = {"op": "iterate", "allow_prefill": True, "retract": 0, "accept_lens": [1, 1, 1],
+               "eos_positions": [], "disable_overlap": False, "spec_steps": 0, "eos_offset": 0}
+    ops = [{"op": "admit", "prompt_len": 9, "max_new_tokens": 4}] + [iterate] * 3
+    for cell in ("ov-p4-none", "nov-p4-none", "ov-p4-v2chain-cpu-honest"):
+        script = tmp_path / f"cap-zero-{cell}.json"
+        script.write_text(json.dumps({
+            "version": 1, "cell": cell, "preset": "minimal", "sizes": {"kv_tokens": 16},
+            "faults": [], "seed": None, "implementation": "upstream-differential",
+            "ops": ops}))
+        replay = run_cli("replay", str(script))
+        assert replay.returncode == 0, replay.stdout + replay.stderr
+        assert "replayed 4 of 4 ops" in replay.stdout, replay.stdout
+        assert "no unexplained divergence" in replay.stdout, replay.stdout

@@ -36,8 +36,12 @@ from overlap_spec.harness.drive.cells import (
     ArgumentParser,
     NoCellMatches,
     cell_patterns,
+    check_sizes,
+    format_sizes,
+    make_preset,
     output_dir,
     output_file,
+    parse_sizes,
     positive_int,
     report_usage_error,
 )
@@ -129,6 +133,8 @@ def start_cell_server(python: str, cells: list[str], args: argparse.Namespace, o
                "--cells", ",".join(cells), "--out", str(out), "--seed", str(args.seed),
                "--profile", args.profile, "--preset", args.preset, "--jobs", str(args.jobs),
                "--timeout", str(CELL_TIMEOUT_S)]
+    if getattr(args, "sizes", None):
+        command += ["--sizes", format_sizes(args.sizes)]
     if args.sglang_src:
         command += ["--sglang-src", str(args.sglang_src)]
     if wait:
@@ -217,6 +223,7 @@ def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, str],
         "seed": args.seed,
         "profile": args.profile,
         "preset": args.preset,
+        **({"sizes": dict(args.sizes)} if getattr(args, "sizes", None) else {}),
         "elapsed_s": round(elapsed, 1),
         "cells": {c: {"verdict": r["verdict"], "reason": r.get("reason"),
                       "invariants": r.get("invariants", {}),
@@ -239,7 +246,8 @@ def render_report(report: dict[str, Any]) -> str:
     tree = report["sglang"].get("tree")
     replay = "overlap-spec upstream replay {}" + (f" --sglang-src {tree}" if tree else "")
     lines = [f"sglang {report['sglang']['version']} ({report['sglang']['source']}), "
-             f"seed {report['seed']}, profile {report['profile']}, preset {report['preset']}"]
+             f"seed {report['seed']}, profile {report['profile']}, preset {report['preset']}"
+             + (f", sizes {format_sizes(report['sizes'])}" if report.get("sizes") else "")]
     width = max(len(c) for c in report["cells"])
     lines.append(f"{'cell':<{width}}  verdict  invariants                 differential")
     for cell, r in report["cells"].items():
@@ -335,7 +343,10 @@ def plan_upstream_check(args: argparse.Namespace) -> UpstreamPlan:
     runnable = []
     for name in cells:
         config = ModelConfig(next(c for c in enumerate_cells() if c.name == name),
-                             PRESETS[args.preset])
+                             make_preset(args.preset, getattr(args, "sizes", None) or {}))
+        problem = check_sizes(config)
+        if problem is not None:
+            raise UsageError(problem)
         reason = is_drivable(config)
         if reason is None:
             runnable.append(name)
@@ -476,6 +487,8 @@ def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
                         help="hypothesis budget (default ci)")
     parser.add_argument("--preset", choices=sorted(PRESETS), default="minimal",
                         help="sizes (default minimal)")
+    parser.add_argument("--sizes", type=parse_sizes, metavar="NAME=N,...", default=None,
+                        help="sizes in place of the preset's, as for 'overlap-spec review'")
     parser.add_argument("-j", "--jobs", type=positive_int,
                         default=max(1, min(2, os.cpu_count() or 1)),
                         help="cells run at once, one forked process each (default %(default)s)")

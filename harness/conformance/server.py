@@ -78,6 +78,8 @@ def preload() -> None:
 def _cell_argv(cell: str, args: argparse.Namespace) -> list[str]:
     argv = ["--cell", cell, "--out", str(args.out), "--seed", str(args.seed),
             "--profile", args.profile, "--preset", args.preset]
+    if args.sizes:
+        argv += ["--sizes", args.sizes]
     if args.sglang_src:
         argv += ["--sglang-src", str(args.sglang_src)]
     return argv
@@ -98,10 +100,12 @@ def run_child(cell: str, args: argparse.Namespace, report_modules: int | None,
         if report_modules is not None:
             before = set(sys.modules)
             try:
-                from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
+                from overlap_spec.harness.drive.cells import make_preset, parse_sizes
+                from overlap_spec.spec.config import ModelConfig, get_cell
                 from overlap_spec.upstream.session import get_session
 
-                get_session(ModelConfig(get_cell(cell), PRESETS[args.preset]))
+                sizes = parse_sizes(args.sizes) if args.sizes else {}
+                get_session(ModelConfig(get_cell(cell), make_preset(args.preset, sizes)))
             except Exception:  # noqa: BLE001 - the cell itself reports a failed build
                 pass
             names = "\n".join(m for m in sys.modules if m not in before)
@@ -229,6 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="ci")
     parser.add_argument("--preset", default="minimal")
+    parser.add_argument("--sizes", default="", help="NAME=N,... in place of the preset's")
     parser.add_argument("--sglang-src", type=Path, default=None)
     parser.add_argument("--jobs", type=int, default=1)
     parser.add_argument("--timeout", type=float, default=900.0)

@@ -43,6 +43,7 @@ from overlap_spec.harness.conformance.findings import (
     get_allowed,
     match_finding,
 )
+from overlap_spec.harness.drive.cells import make_preset, parse_sizes
 from overlap_spec.harness.drive.checker import InvariantChecker
 from overlap_spec.harness.drive.script import Iterate, Op, Script, apply_op, save_script
 from overlap_spec.harness.drive.stateful import (
@@ -501,6 +502,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m overlap_spec.harness.conformance.tier")
     parser.add_argument("--cell", required=True)
     parser.add_argument("--preset", default="minimal", choices=sorted(PRESETS))
+    parser.add_argument("--sizes", default="", help="NAME=N,... in place of the preset's")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--profile", default="ci")
     parser.add_argument("--out", type=Path, required=True)
@@ -510,11 +512,12 @@ def main(argv: list[str] | None = None) -> int:
 
     try:
         source = load_sglang(args.sglang_src)
-        config = ModelConfig(get_cell(args.cell), PRESETS[args.preset])
+        sizes = parse_sizes(args.sizes) if args.sizes else {}
+        config = ModelConfig(get_cell(args.cell), make_preset(args.preset, sizes))
         profile = get_profile(args.profile)
         args.out.mkdir(parents=True, exist_ok=True)
         result = run_cell(config, profile, args.seed, args.out)
-    except (UpstreamUnavailable, KeyError, ValueError) as error:
+    except (UpstreamUnavailable, KeyError, ValueError, argparse.ArgumentTypeError) as error:
         message = error.args[0] if error.args else str(error)
         print(f"overlap-spec upstream: {message}", file=sys.stderr)
         return 2

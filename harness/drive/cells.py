@@ -114,7 +114,7 @@ def make_preset(base: str, sizes: dict[str, int]) -> Preset:
             changed[name] = value
     if not changed:
         return preset
-    label = ",".join(f"{name}={value}" for name, value in sorted(changed.items()))
+    label = format_sizes(changed)
     return dataclasses.replace(preset, name=f"{base}{SIZES_MARK}{label}]", **changed)
 
 
@@ -133,6 +133,11 @@ def check_sizes(config: ModelConfig) -> str | None:
         return (f"size 'kv_tokens' is {config.preset.kv_tokens}; cell {config.cell.name} "
                 f"needs whole pages of {page} tokens")
     return None
+
+
+def format_sizes(sizes: dict[str, int]) -> str:
+    """``NAME=N,...``: what :func:`parse_sizes` reads back."""
+    return ",".join(f"{name}={value}" for name, value in sorted(sizes.items()))
 
 
 def parse_sizes(text: str) -> dict[str, int]:
