@@ -138,6 +138,23 @@ def test_findings_match_by_id_text_and_cell() -> None:
     assert match_finding(rp3, non_spec) is None  # U3 is a spec finding
     other = InvariantViolation("SL4", "for the batch: lengths differ {'reqs': 2, 'seq_lens': 1}")
     assert match_finding(other, spec) is None  # only the emptied batch is U1
+    # U6 under RP7: a stop token inside the visible output, or (the newest token checked
+    # alone) a token right after it; a wrong token after any other token is no finding.
+    after_stop = InvariantViolation("RP7", "for request r0: output token 2 is 7; the "
+                                           "environment emitted 22 at position 3 after 0")
+    inside = InvariantViolation("RP7", "for request r0: output token 1 is 0; the environment "
+                                       "emitted 9 at position 2 after 41 (EOS only ends the "
+                                       "output)")
+    for violation in (after_stop, inside):
+        found = match_finding(violation, spec)
+        assert found is not None and found.id == "U6", violation
+        assert match_finding(violation, non_spec) is None
+    wrong = InvariantViolation("RP7", "for request r0: output token 2 is 7; the environment "
+                                      "emitted 22 at position 3 after 41")
+    assert match_finding(wrong, spec) is None
+    near = InvariantViolation("RP7", "for request r0: output token 2 is 7; the environment "
+                                     "emitted 22 at position 3 after 05")
+    assert match_finding(near, spec) is None
 
 
 def _state(requests: tuple[RequestState, ...], running: BatchState | None = None,
