@@ -384,6 +384,8 @@ def build_parser() -> argparse.ArgumentParser:
     mutants.set_defaults(func=cmd_mutants)
     exhaust = sub.add_parser(
         "exhaust", help="every operation sequence up to a small depth, 1-2 requests per cell")
+    exhaust.add_argument("--sizes", type=parse_sizes, metavar="NAME=N,...", default=None,
+                         help=SIZES_HELP)
     exhaust.add_argument("--cells", type=cell_patterns, default=None,
                          help="comma-separated cell names or globs (default: every cell)")
     exhaust.add_argument("--depth", type=int_in(1, EXHAUST_MAX_DEPTH), default=None,

@@ -95,6 +95,8 @@ SWEEP: dict[tuple[str, ...], list[tuple[list[str], str]]] = {
         (["--preset", "all"], "invalid choice: 'all'"),
     ],
     ("exhaust",): [
+        (["--sizes", "kv_tokens=-4"], "size 'kv_tokens' is -4; allowed 1..8192"),
+        (["--sizes", "kv_tokens=9000"], "size 'kv_tokens' is 9000; allowed 1..8192"),
         (["--depth", "0"], "0 is out of range (allowed: 1..12)"),
         (["--depth", "13"], "13 is out of range"),
         (["--depth", "x"], "expected an integer, got 'x'"),

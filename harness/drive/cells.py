@@ -89,7 +89,7 @@ def select_configs(patterns: str | None, preset: str,
 # lower ends are the least the scheduler is defined for (one page, one request row, one
 # draft step), the upper ends keep a run's state small enough to check step by step.
 SIZE_LIMITS: Final = {
-    "kv_tokens": (1, 8192, "the token-to-KV pool size, in tokens (whole pages)"),
+    "kv_tokens": (1, 8192, "the token-to-KV pool size in tokens, whole pages"),
     "max_running_requests": (1, 32, "the request pool's rows"),
     "chain_steps": (1, 7, "the v2 chain's draft steps (draft tokens = steps + 1)"),
 }

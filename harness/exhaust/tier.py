@@ -294,7 +294,7 @@ def cmd_exhaust(args: argparse.Namespace) -> int:
     if faults - SUPPORTED_FAULTS:
         raise UsageError(f"unknown fault IDs {sorted(faults - SUPPORTED_FAULTS)}; supported: "
                          f"{', '.join(sorted(SUPPORTED_FAULTS))}")
-    configs = select_configs(args.cells, "minimal")
+    configs = select_configs(args.cells, "minimal", getattr(args, "sizes", None))
     out_dir = Path(args.out or os.environ.get("OVERLAP_SPEC_OUT", ".overlap-spec")) / "exhaust"
     depth = args.depth
     depths = {depth or get_default_depth(c.cell) for c in configs}
