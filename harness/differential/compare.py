@@ -244,6 +244,7 @@ def run_differential(script: Script, faults: frozenset[str] | None = None,
 # (the ci profile compares thousands; a run under these compared almost nothing).
 MIN_COMPARED_OPS = 200
 MIN_LAUNCHES = 50
+MAX_TOP_UPS = 3  # extra rounds of sequences a clean cell may run to reach the minimum
 
 
 @dataclass
@@ -257,6 +258,7 @@ class DifferentialResult:
     examples: int = 0
     compared_ops: int = 0  # operations after which both states were compared
     launches: int = 0  # iterations that launched a non-empty batch
+    rounds: int = 1  # rounds of sequences run: more than 1 when topped up to the minimum
     # A finding Hypothesis could not reproduce when it replayed the same draws (its
     # FlakyFailure): the run is inconclusive, and this first finding is kept to replay.
     unreplayed: DifferentialFailure | None = None
@@ -283,12 +285,24 @@ def find_differential_failure(error: BaseException) -> DifferentialFailure | Non
     return None
 
 
+def get_top_up_seed(run_seed: int, round_index: int) -> int:
+    """The seed of a top-up round: round 0 is the run's own; the rest derive from it, so
+    the printed seed still reproduces the whole search."""
+    return run_seed if round_index == 0 else (run_seed * 1_000_003 + round_index) % 2**32
+
+
 def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int,
                             faults: frozenset[str] = frozenset(),
                             max_examples: int | None = None,
                             device: torch.device | None = None,
-                            shrink: bool = True) -> DifferentialResult:
-    """Hypothesis-generated operation sequences (the stateful checker's rules) in one cell."""
+                            shrink: bool = True, top_up: bool = False) -> DifferentialResult:
+    """Hypothesis-generated operation sequences (the stateful checker's rules) in one cell.
+
+    ``top_up``: when a clean pass compared less than the minimum (MIN_COMPARED_OPS,
+    MIN_LAUNCHES), run up to MAX_TOP_UPS more rounds of as many sequences under seeds
+    derived from ``run_seed``, until it has. Some seeds draw sequences that seldom
+    launch (Hypothesis tries its simplest example first, prefill off): without the
+    top-up the minimum failed such a seed as vacuous in half the cells."""
     base = make_machine(config, frozenset(), "reference")
     counter = {"examples": 0, "compared_ops": 0, "launches": 0}
 
@@ -314,19 +328,27 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
 
     DifferentialMachine.__name__ = f"DifferentialMachine[{config.name}]"
     examples = max_examples if max_examples is not None else profile.max_examples
-    test = get_machine_test(DifferentialMachine, examples, profile.step_count, run_seed, shrink)
     started = time.perf_counter()
     result = DifferentialResult(config, faults, run_seed, 0.0)
-    try:
-        test()
-    except DifferentialFailure as failure:
-        failure.script.seed = run_seed
-        result.failure = failure
-    except Exception as error:  # a crash is inconclusive, never a pass
-        result.error = error
-        result.unreplayed = find_differential_failure(error)
-        if result.unreplayed is not None:
-            result.unreplayed.script.seed = run_seed
+    for round_index in range(1 + (MAX_TOP_UPS if top_up else 0)):
+        seed = get_top_up_seed(run_seed, round_index)
+        test = get_machine_test(DifferentialMachine, examples, profile.step_count, seed, shrink)
+        result.rounds = round_index + 1
+        try:
+            test()
+        except DifferentialFailure as failure:
+            failure.script.seed = seed
+            result.failure = failure
+            break
+        except Exception as error:  # a crash is inconclusive, never a pass
+            result.error = error
+            result.unreplayed = find_differential_failure(error)
+            if result.unreplayed is not None:
+                result.unreplayed.script.seed = seed
+            break
+        if (counter["compared_ops"] >= MIN_COMPARED_OPS
+                and counter["launches"] >= MIN_LAUNCHES):
+            break
     result.seconds = time.perf_counter() - started
     result.examples = counter["examples"]
     result.compared_ops = counter["compared_ops"]

@@ -58,7 +58,7 @@ class DifferentialTask:
 def run_differential_task(task: DifferentialTask) -> DifferentialResult:
     result = check_cell_differential(task.config, task.profile, task.seed, task.faults,
                                      max_examples=get_differential_examples(task.profile),
-                                     device=torch.device(task.device))
+                                     device=torch.device(task.device), top_up=True)
     directory = task.out or get_failure_dir()
     name = "-".join([task.config.name.replace("@", "-"), *sorted(task.faults), "gpu_impl"])
     if result.failure is not None:
@@ -84,9 +84,10 @@ def run_differential_tier(configs: list[ModelConfig], profile: Profile, seed: in
         finished += 1
         if not quiet:
             status = "ok" if result.ok else "FAIL"
+            rounds = f", {result.rounds} rounds" if result.rounds > 1 else ""
             print(f"[{finished:2d}/{len(tasks)}] differential {device.type:<4} "
-                  f"{task.config.name:<{CONFIG_WIDTH}} {status} ({result.examples} runs, "
-                  f"{result.seconds:.2f}s)", file=sys.stderr, flush=True)
+                  f"{task.config.name:<{CONFIG_WIDTH}} {status} ({result.examples} runs"
+                  f"{rounds}, {result.seconds:.2f}s)", file=sys.stderr, flush=True)
 
     return run_tasks(run_differential_task, tasks, jobs if device.type == "cpu" else 1, report)
 
@@ -140,6 +141,7 @@ def build_differential_json(results: list[DifferentialResult]) -> dict[str, Any]
                 "verdict": _cell_verdict(r).value,
                 "examples": r.examples, "compared_ops": r.compared_ops,
                 "launches": r.launches, "seconds": round(r.seconds, 3), "seed": r.seed,
+                "rounds": r.rounds,
                 **({"finding": r.failure.outcome.describe(),
                     "replay": f"overlap-spec replay {r.failure.script_path}"}
                    if r.failure is not None else {}),
