@@ -177,8 +177,8 @@ TREE = "ov-p1-v2tree-cpu-honest"  # realistic tree: topk 4 x steps 3 = 12 > D_to
 TREE_OPS: list[Op] = [Admit(10, 30), _iterate(prefill=True), _iterate(), _iterate()]
 
 
-def test_the_reference_forward_writes_the_draft_and_verify_widths(
-        monkeypatch: pytest.MonkeyPatch) -> None:
+def _record_reference_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """The [start, end) ranges every reference forward writes KV for, from now on."""
     writes: list[tuple[int, int]] = []
     original = ref_worker.ModelWorker._write_kv
 
@@ -187,6 +187,12 @@ def test_the_reference_forward_writes_the_draft_and_verify_widths(
         original(self, req, start, end, faults)
 
     monkeypatch.setattr(ref_worker.ModelWorker, "_write_kv", spy)
+    return writes
+
+
+def test_the_reference_forward_writes_the_draft_and_verify_widths(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    writes = _record_reference_writes(monkeypatch)
     _run(Script(TREE, "realistic", list(TREE_OPS)))
     decode = writes[1:]  # the first write is the prefill's [0, 10)
     assert writes[0] == (0, 10)  # seq_lens from 10: bit 3 set, so s ^ 8 != s + 8
@@ -220,14 +226,7 @@ def test_the_reference_non_spec_decode_writes_the_position_it_processes(
         monkeypatch: pytest.MonkeyPatch) -> None:
     """A non-spec decode at seq_lens = s writes the KV of the token it processes, at s - 1
     (the slot claimed at prepare time); the prefill writes its whole fill."""
-    writes: list[tuple[int, int]] = []
-    original = ref_worker.ModelWorker._write_kv
-
-    def spy(self: Any, req: Any, start: int, end: int, faults: Any) -> None:
-        writes.append((start, end))
-        original(self, req, start, end, faults)
-
-    monkeypatch.setattr(ref_worker.ModelWorker, "_write_kv", spy)
+    writes = _record_reference_writes(monkeypatch)
     ops: list[Op] = [Admit(3, 4)] + [_iterate(prefill=True, accept=(1, 1, 1))] * 4
     _run(Script("nov-p1-none", "minimal", ops))
     assert writes == [(0, 3), (3, 4), (4, 5), (5, 6)], writes
