@@ -101,15 +101,16 @@ def get_decode_pages_needed(rt: Runtime, req: Req, seq_len: int | None) -> int:
 def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
     """Release once: the committed prefix to the tree (finish), the rest freed, row cleared.
 
-    kv_committed_len is unchanged; B11 caches kv_committed_len instead of the effective
-    length (``effective_kv_committed_len``, M2).
+    kv_committed_len is unchanged; B11 caches kv_committed_len instead of
+    ``Req.owned_kv_len()`` (compute_cached_len).
     """
     assert req.holds_kv and req.req_pool_idx is not None, f"r{req.rid} released twice"
     req.release_count += 1
     cached_pages = 0
     if is_insert:
         cached = req.kv_committed_len if rt.has_fault("B11") else compute_cached_len(
-            req.kv_committed_len, req.prompt_len, len(req.output_ids))
+            rt.config.cell, req.kv_committed_len, req.prompt_len, len(req.output_ids),
+            req.finished_reason == "abort")
         cached = max(0, min(cached, req.kv_allocated_len))
         cached_pages = compute_pages_for_len(cached, rt.config.page_size)
         req.cached_len = cached

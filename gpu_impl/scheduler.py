@@ -50,6 +50,7 @@ from overlap_spec.spec.state import IterationChoices, compute_env_token, get_las
 from overlap_spec.spec.transitions import (
     compute_admission,
     compute_committed_after_result,
+    compute_committed_run,
     compute_fill_len,
     compute_output_budget,
     compute_pages_for_len,
@@ -499,7 +500,8 @@ class Scheduler:
                         cell, req.kv_committed_len, run_len, True, was_finished)
                 continue
             if is_decode:
-                settled = accept if rt.has_fault("B11") else run_len
+                settled = (accept if rt.has_fault("B11")
+                           else compute_committed_run(cell, accept, run_len))
                 req.kv_committed_len = compute_committed_after_result(
                     cell, req.kv_committed_len, settled, False, False)
                 if rt.has_fault("B10") and not cell.is_spec:

@@ -244,7 +244,8 @@ def cmd_cells(args: argparse.Namespace) -> int:
         from overlap_spec.spec.config import get_departures
 
         rows: list[tuple[str, ...]] = [("cell", "overlap", "page", "spec", "host mirror",
-                                        "claim", "reserve", "length finish", "design")]
+                                        "claim", "reserve", "length finish", "finish run",
+                                        "design")]
         for cell in enumerate_cells():
             departures = get_departures(cell)
             rows.append((cell.name, "yes" if cell.overlap else "no", str(cell.page_size),
@@ -253,6 +254,7 @@ def cmd_cells(args: argparse.Namespace) -> int:
                          ("pre-claim" if cell.preclaim else "honest") if cell.is_spec else "-",
                          ("rung" if cell.rung_reserve else "2A(max)") if cell.is_spec else "-",
                          ("overshoot" if cell.overshoot else "skip") if cell.overlap else "-",
+                         ("trimmed" if cell.trimmed_finish else "whole") if cell.is_spec else "-",
                          "; ".join(departures) or "release"))
         _print_table(rows)
         print("release: sglang 0.5.23's design; the differences the model keeps from it are "

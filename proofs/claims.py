@@ -330,9 +330,18 @@ def _settling(p: Record) -> Term:
 
 def kv8(ctx: Context, r: Record, step: Step) -> Term:
     p = step.post
-    return zs.Implies(
+    n = step.notes
+    live = zs.Implies(
         _settling(p), p["kv_committed_len"] == p["settled_len"] + ctx.get_lead(p["inflight_steps"])
     )
+    if ctx.config.cell.trimmed_finish:  # commits less than it settled at a finish (KV9)
+        return live
+    # At a finish release (not a prefill's): the whole accepted run is committed.
+    finish = zs.Implies(
+        zs.And(n["finishing"], zs.Not(n["extend"])),
+        p["kv_committed_len"] == p["settled_len"] + ctx.get_lead(n["claimed"]),
+    )
+    return zs.And(live, finish)
 
 
 def kv9(ctx: Context, r: Record, step: Step) -> Term:
@@ -345,17 +354,23 @@ def kv9(ctx: Context, r: Record, step: Step) -> Term:
     )
     if not ctx.is_spec:
         live = zs.BoolVal(True)
-    # At a finish release: committed - claimed lead == cached == prompt + output - 1.
-    claimed = n["claimed"]  # launched unprocessed + prepared, at the release
-    # The cached length is checked at every finish release, a prefill's result included
-    # (the reference does; the overlap loop may have prepared a decode before it).
-    finish = zs.And(
-        zs.Implies(
-            zs.And(n["finishing"], zs.Not(n["extend"])),
-            p["kv_committed_len"] - ctx.get_lead(claimed) == n["with_kv"],
-        ),
-        zs.Implies(n["finishing"], n["cached"] == n["with_kv"]),
-    )
+    # At a finish release (the cached length is checked at every one, a prefill's result
+    # included: the overlap loop may have prepared a decode before it). The release caches
+    # owned_kv_len == min(committed, prompt + output) (KV8 checks what it committed); the
+    # trimmed finish commits and caches prompt + output - 1.
+    committed = p["kv_committed_len"]
+    if ctx.config.cell.trimmed_finish:
+        finish = zs.And(
+            zs.Implies(
+                zs.And(n["finishing"], zs.Not(n["extend"])),
+                committed - ctx.get_lead(n["claimed"]) == n["with_kv"],
+            ),
+            zs.Implies(n["finishing"], n["cached"] == n["with_kv"]),
+        )
+    else:
+        shown = p["prompt_len"] + p["output_len"]
+        finish = zs.Implies(n["finishing"],
+                            n["cached"] == zs.If(committed < shown, committed, shown))
     return zs.And(live, finish)
 
 

@@ -343,7 +343,7 @@ def process_result(ctx: Context, r: Record, eos: Term, eos_at: Term) -> Step:
     stale = zs.Not(is_live(r))
     if ctx.has("B3"):
         stale = zs.BoolVal(False)
-    settled = accept if ctx.has("B11") else run
+    settled = accept if ctx.has("B11") else lift(tr.compute_committed_run, cell, accept, run)
     committed_live = lift(
         tr.compute_committed_after_result, cell, r["kv_committed_len"], settled, False, False
     )
@@ -367,7 +367,7 @@ def process_result(ctx: Context, r: Record, eos: Term, eos_at: Term) -> Step:
     cached = (
         committed
         if ctx.has("B11")
-        else lift(tr.compute_cached_len, committed, r["prompt_len"], output)
+        else lift(tr.compute_cached_len, cell, committed, r["prompt_len"], output, False)
     )
     post.update(
         # A finished request's prepared, unlaunched step is dropped with it (the re-filter).

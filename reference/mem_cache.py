@@ -96,7 +96,8 @@ def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
     """
     row = req.req_pool_idx
     recorded_pages = compute_pages_for_len(req.kv_allocated_len, rt.config.page_size)
-    req.apply(relation.release_kv_cache, is_insert, rt.faults)  # its guard: released twice
+    # its guard: released twice
+    req.apply(relation.release_kv_cache, rt.config.cell, is_insert, rt.faults)
     assert row is not None
     cached = req.cached_len if is_insert else None
     cached_pages = 0 if cached is None else compute_pages_for_len(cached, rt.config.page_size)

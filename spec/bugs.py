@@ -64,7 +64,9 @@ def _non_spec(cell: Cell) -> bool:
 
 
 def _finish_overshoot(cell: Cell) -> bool:
-    return cell.is_spec or cell.overlap
+    """A run committed past the visible output: only a verify accepts more than one token
+    (non-spec, owned_kv_len cuts nothing a decode committed: at most prompt + output)."""
+    return cell.is_spec
 
 
 def _rung_reserve(cell: Cell) -> bool:
@@ -118,13 +120,12 @@ BUGS: Final[tuple[Bug, ...]] = (
         "non-spec decode claims its slot in allocated at prepare but commits at result",
         "committed += 1 moves from prepare_for_decode to result processing", ("KV2", "KV8"),
         _non_spec),
-    Bug("B11", "finishing-round overshoot cached", "#22897, #28682, M2",
-        "the accepted run is committed uncut and the release caches kv_committed_len",
-        "commit the full accept run; cache kv_committed_len, not the effective length",
-        ("KV9",), _finish_overshoot,
-        current_upstream="overlap and spec cells: mem_cache/common.py:421 caches "
-                         "kv_committed_len (#24590 closed as a question, #35694 open; "
-                         "upstream tier findings U2, U4)"),
+    Bug("B11", "finishing-round overshoot cached", "#22897, M2, Req.owned_kv_len",
+        "the finishing verify accepts tokens past the stop or max_new_tokens; the whole run is "
+        "committed, and the release caches kv_committed_len instead of cutting it at the "
+        "visible output (finished_len)",
+        "cache kv_committed_len, not owned_kv_len (with the trimmed finish, also commit the "
+        "uncut run)", ("KV9",), _finish_overshoot),
     Bug("B12", "v2 reserve without the max clamp", "#23336 (the clamp); rung reserve cells",
         "after an adaptive step down-switch committed + reserve < allocated (reachable only "
         "where the reserve shrinks with the rung: the rung reserve proposal)",

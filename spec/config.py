@@ -11,7 +11,7 @@ Upstream sources: ``scheduler.py`` (``enable_overlap``), ``eagle_info_v2.py``
 (bonus pre-claim on / off), PR 26866 (topk > 1 with page_size 1 only), PR 26354 (the
 decode reserve is ``2 * A`` of the widest rung, whatever the adaptive rung).
 
-Defaults are sglang 0.5.23's. Three switches name what the release does not do:
+Defaults are sglang 0.5.23's. Four switches name what the release does not do:
 
 - ``preclaim``: an era (2026-04 to 06, PR 23456 until PR 28754 removed it). Its spec
   cells also retract from the back of the batch, as spec did before PR 32023
@@ -31,6 +31,14 @@ Defaults are sglang 0.5.23's. Three switches name what the release does not do:
   at most the release's reserve, and the only setting where the reserve shrinks on an
   adaptive down-switch, which is what B12 needs. Its cells fix everything the reserve
   does not touch (page 1, the host mirror on, the honest claim).
+- ``trimmed_finish``: a proposal (#35694, open: keep the finishing overshoot out of what is
+  cached; #24590 asked the same of the non-spec overlap +1): cut the accepted run at the
+  stop and ``max_new_tokens`` before committing it, and cache only the positions whose KV
+  a forward wrote (prompt + output - 1). The release commits and appends the whole
+  accepted run (``_resolve_spec_v2_tokens``), hides the overrun behind ``finished_len``
+  and caches ``Req.owned_kv_len()`` (``schedule_batch.py:1552``): at most prompt + the
+  visible output, the newest token included, and all of ``kv_committed_len`` for an abort
+  (no ``finished_len``). One cell (the chain, overlap, page 1) carries it.
 
 Switches that do not matter in a cell take one canonical value, so no two cells
 run the same code paths:
@@ -44,6 +52,7 @@ run the same code paths:
 from __future__ import annotations
 
 import enum
+import itertools
 from dataclasses import dataclass
 from typing import Final
 
@@ -69,6 +78,7 @@ class Cell:
     preclaim: bool
     rung_reserve: bool = False  # the proposal: lag bound + A(current rung), not 2 * A(max)
     overshoot: bool = False  # the era before the finishing-decode skip and every-step filter
+    trimmed_finish: bool = False  # the proposal: cut the run before committing, cache - 1
 
     @property
     def skips_finishing_decode(self) -> bool:
@@ -101,6 +111,8 @@ class Cell:
             parts.append("rungreserve")
         if self.overshoot and not self.preclaim:  # the pre-claim era implies it
             parts.append("overshoot")
+        if self.trimmed_finish:
+            parts.append("trimmed")
         return "-".join(parts)
 
 
@@ -280,6 +292,10 @@ def get_departures(cell: Cell) -> tuple[str, ...]:
     if cell.rung_reserve:
         departures.append("proposal: the rung reserve, lag bound + A of the current rung "
                           "(the efschu/htsglang fork's task #486)")
+    if cell.trimmed_finish:
+        departures.append("proposal: the trimmed finish, the accepted run cut at the stop and "
+                          "max_new_tokens before it is committed, prompt + output - 1 cached "
+                          "(#35694, open; #24590)")
     return tuple(departures)
 
 
@@ -302,6 +318,10 @@ def is_valid_cell(cell: Cell) -> bool:
         return False  # the pre-claim era decoded past a length finish too
     if cell.overshoot and not cell.preclaim and (cell.is_spec or cell.page_size != 1):
         return False  # outside the pre-claim era, ov-p1-none-overshoot alone
+    if cell.trimmed_finish and not (cell.spec_mode is SpecMode.V2_CHAIN and cell.overlap
+                                    and cell.page_size == 1 and cell.needs_cpu_seq_lens
+                                    and not cell.preclaim and not cell.rung_reserve):
+        return False  # the proposal's one cell: ov-p1-v2chain-cpu-honest-trimmed
     return True
 
 
@@ -310,18 +330,14 @@ PAGE_SIZES: Final = (1, 4)
 
 def enumerate_cells() -> tuple[Cell, ...]:
     """Every valid cell, in a stable order (non-spec first, overlap first)."""
+    flags = ((True, False), PAGE_SIZES, (True, False), (False, True), (False, True),
+             (False, True), (False, True))
     cells: list[Cell] = []
-    for mode in SpecMode:
-        for overlap in (True, False):
-            for page in PAGE_SIZES:
-                for needs_cpu in (True, False):
-                    for preclaim in (False, True):
-                        for rung_reserve in (False, True):
-                            for overshoot in (False, True):
-                                cell = Cell(overlap, page, mode, needs_cpu, preclaim,
-                                            rung_reserve, overshoot)
-                                if is_valid_cell(cell):
-                                    cells.append(cell)
+    for mode, (overlap, page, needs_cpu, *era) in itertools.product(
+            SpecMode, itertools.product(*flags)):
+        cell = Cell(overlap, page, mode, needs_cpu, *era)
+        if is_valid_cell(cell):
+            cells.append(cell)
     return tuple(cells)
 
 

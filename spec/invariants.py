@@ -498,7 +498,8 @@ def check_kv7(config: ModelConfig, obs: Observation) -> int:
 
 def check_kv8(config: ModelConfig, obs: Observation) -> int:
     """KV8: each processed step settles exactly once: committed == settled truth + the
-    lead of unprocessed claimed steps (batch_result_processor.py)."""
+    lead of unprocessed claimed steps, for a live request and, where the release commits
+    the whole accepted run, at the finish release too (batch_result_processor.py)."""
     if obs.point is not ObservationPoint.PROCESS_RESULT:
         return 0
     count = 0
@@ -509,12 +510,25 @@ def check_kv8(config: ModelConfig, obs: Observation) -> int:
                        f"{r.kv_committed_len} != settled true length {r.ghost.settled_len}"
                        f" + in-flight lead {lead}")
         count += 1
+    for r in obs.requests:
+        if r.committed_at_release is None or config.cell.trimmed_finish:
+            continue  # the trimmed finish commits less than it settled (KV9 says how much)
+        lead = compute_committed_lead(config.cell, r.claimed_at_release)
+        if r.committed_at_release != r.ghost.settled_len + lead:
+            raise fail("KV8", obs, f"for request r{r.rid}: kv_committed_len="
+                       f"{r.committed_at_release} at its finish release != settled true "
+                       f"length {r.ghost.settled_len} + claimed lead {lead}")
+        count += 1
     return count
 
 
 def check_kv9(config: ModelConfig, obs: Observation) -> int:
-    """KV9: committed KV matches the output: a live spec request has committed - lead ==
-    prompt + output - 1, and a finish caches exactly that (PR 24590, 22897, M2)."""
+    """KV9: committed KV matches the output. A live spec request has committed - lead ==
+    prompt + output - 1. At a finish the release has committed the whole accepted run
+    (KV8 checks it against the settled truth) and caches ``owned_kv_len``: that cut at
+    prompt + the visible output, all of it for an abort (no ``finished_len``); the
+    trimmed finish commits and caches prompt + output - 1 (``_resolve_spec_v2_tokens``,
+    ``Req.owned_kv_len``; the proposal: #35694, #24590)."""
     count = 0
     if obs.point is ObservationPoint.PROCESS_RESULT and config.cell.is_spec:
         for r in _settling(obs):
@@ -531,17 +545,23 @@ def check_kv9(config: ModelConfig, obs: Observation) -> int:
                        "caching its KV")
         if r.cached_len is None or r.committed_at_release is None:
             continue
+        committed = r.committed_at_release
+        lead = compute_committed_lead(config.cell, r.claimed_at_release)
         # The newest token has no KV yet. A prefill's token trimmed from view (a cap of 0)
         # was sampled all the same: the prompt's KV is all there.
         with_kv = r.prompt_len + max(r.output_len, 1) - 1
-        lead = compute_committed_lead(config.cell, r.claimed_at_release)
-        if r.committed_at_release - lead != with_kv:
-            raise fail("KV9", obs, f"for request r{r.rid}: kv_committed_len="
-                       f"{r.committed_at_release} - claimed lead {lead} at finish != prompt"
-                       f" + output - 1 = {with_kv}")
-        if r.cached_len != with_kv:
+        shown = r.prompt_len + r.output_len
+        trimmed, aborted = config.cell.trimmed_finish, r.finish_reason == "abort"
+        expected = with_kv if trimmed else committed if aborted else min(committed, shown)
+        rule = ("prompt + output - 1 (trimmed finish)" if trimmed else
+                "kv_committed_len (abort)" if aborted else "owned_kv_len")
+        if r.cached_len != expected:
             raise fail("KV9", obs, f"for request r{r.rid}: cached {r.cached_len} tokens at "
-                       f"finish, expected prompt + output - 1 = {with_kv}")
+                       f"finish, expected {rule} = {expected} (prompt + visible output "
+                       f"{shown}, committed {committed})")
+        if trimmed and committed - lead != with_kv:  # else KV8: the settled length
+            raise fail("KV9", obs, f"for request r{r.rid}: kv_committed_len={committed} - "
+                       f"claimed lead {lead} at finish != prompt + output - 1 = {with_kv}")
         count += 1
     return count
 

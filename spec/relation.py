@@ -45,6 +45,7 @@ from overlap_spec.spec.state import get_last_prompt_token
 from overlap_spec.spec.transitions import (
     compute_cached_len,
     compute_committed_after_result,
+    compute_committed_run,
     compute_decode_seq_len_ns,
     compute_fill_len,
     compute_output_budget,
@@ -347,14 +348,15 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
                    faults: frozenset[str] = NO_FAULTS) -> RequestRecord:
     """One row of ``process_batch_result_prefill / _decode`` (``_resolve_spec_v2_tokens``).
 
-    The ghost settles the step first, by the environment's own cut. A live row keeps the
-    accepted run cut at EOS and max_new_tokens (``tokens``: the row's sampled tokens),
-    commits it (compute_committed_after_result) and updates the finish state; a stale row
-    only settles its pre-claim. The release of a finished request is
-    :func:`release_kv_cache`, next.
+    The ghost settles the step first, by the environment's own cut. A live row shows the
+    accepted run cut at EOS and max_new_tokens (``tokens``: the row's sampled tokens; the
+    visible output, ``output_ids_through_stop``), commits the whole run (the release) or
+    the cut one (``trimmed_finish``; compute_committed_run, compute_committed_after_result)
+    and updates the finish state; a stale row only settles its pre-claim. The release of a
+    finished request is :func:`release_kv_cache`, next.
 
-    Faults: B3 processes stale rows as live; B11 commits the uncut run; B10 commits the
-    non-spec slot here instead of at prepare time.
+    Faults: B3 processes stale rows as live; B11 commits the uncut run (the trimmed finish's
+    cell too); B10 commits the non-spec slot here instead of at prepare time.
     """
     name = "process_result"
     require(accept_len >= 1, name, req, "output_ids", f"accept_len={accept_len} < 1")
@@ -375,7 +377,8 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
             f"the row holds {len(tokens)} tokens, the run keeps {run_len}")
     committed = req.kv_committed_len
     if decode:
-        settled = accept_len if "B11" in faults else run_len
+        settled = accept_len if "B11" in faults else compute_committed_run(cell, accept_len,
+                                                                            run_len)
         committed = compute_committed_after_result(cell, committed, settled, False, False)
         if "B10" in faults and not cell.is_spec:
             committed += 1  # settle at result time
@@ -390,14 +393,14 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
 
 @transition("release_count", "holds_kv", "req_pool_idx", "kv_allocated_len", "cached_len",
             "committed_at_release", "ghost.inflight_at_release", "ghost.claimed_at_release")
-def release_kv_cache(req: RequestRecord, is_insert: bool,
+def release_kv_cache(req: RequestRecord, cell: Cell, is_insert: bool,
                      faults: frozenset[str] = NO_FAULTS) -> RequestRecord:
     """``release_kv_cache`` (mem_cache/common.py): the row and KV are released once.
 
-    At a finish (``is_insert``) the tree caches ``effective_kv_committed_len``, never past
-    the allocation (compute_cached_len). kv_committed_len is unchanged; kv_allocated_len
+    At a finish (``is_insert``) the tree caches ``Req.owned_kv_len()``, never past the
+    allocation (compute_cached_len). kv_committed_len is unchanged; kv_allocated_len
     becomes 0 (``ReqKvInfo.mark_kv_released``, the end of upstream's release). B11 caches
-    kv_committed_len itself.
+    kv_committed_len itself, past the stop.
     """
     name = "release_kv_cache"
     require(req.holds_kv, name, req, "holds_kv", "released twice")
@@ -410,7 +413,8 @@ def release_kv_cache(req: RequestRecord, is_insert: bool,
     if "B11" in faults:
         cached = committed
     else:
-        cached = compute_cached_len(committed, req.prompt_len, req.output_len)
+        cached = compute_cached_len(cell, committed, req.prompt_len, req.output_len,
+                                    req.finished_reason == "abort")
     return replace(released, cached_len=max(0, min(cached, req.kv_allocated_len)),
                    committed_at_release=committed, ghost=ghost_release(req.ghost))
 

@@ -167,21 +167,29 @@ def compute_retraction_order(cell: Cell, output_lens: list[int],
 
 
 def compute_run_len(accept_len: int, remaining_budget: int, eos_at: int | None) -> int:
-    """Tokens of the accepted run that are kept: cut at EOS and at max_new_tokens.
-
-    The cut happens before committing (PR 28682), so the finishing round never
-    commits tokens past the finish (B11).
-    """
+    """Tokens of the accepted run the client sees: cut at EOS and at max_new_tokens
+    (``finished_len``, ``Req.output_ids_through_stop``)."""
     run = min(accept_len, max(remaining_budget, 0))
     if eos_at is not None:
         run = min(run, eos_at + 1)
     return run
 
 
+def compute_committed_run(cell: Cell, accept_len: int, run_len: int) -> int:
+    """Tokens of a live row's accepted run that are committed (and appended).
+
+    The release commits the whole accepted run (``_resolve_spec_v2_tokens``:
+    ``kv_committed_len += len(accept_tokens)``) and hides what runs past the stop or the
+    cap behind ``finished_len``. The ``trimmed_finish`` proposal cuts the run first.
+    """
+    return run_len if cell.trimmed_finish else accept_len
+
+
 def compute_committed_after_result(cell: Cell, committed: int, run_len: int, stale: bool,
                                    finished: bool) -> int:
     """kv_committed_len after one decode result (digest 2.12), the settle-once rule (KV8).
 
+    ``run_len`` is the committed run (compute_committed_run):
     - non-spec: unchanged (claimed at prepare time);
     - spec, pre-claim off (PR 28754): live += run_len; stale: unchanged;
     - spec, pre-claim on (PR 23456): live += run_len - 1; finished: -1 (refund);
@@ -196,15 +204,21 @@ def compute_committed_after_result(cell: Cell, committed: int, run_len: int, sta
     return committed + run_len - 1
 
 
-def compute_cached_len(committed: int, prompt_len: int, output_len: int) -> int:
-    """``effective_kv_committed_len`` at a finish release: never past the last token with KV.
+def compute_cached_len(cell: Cell, committed: int, prompt_len: int, output_len: int,
+                       aborted: bool) -> int:
+    """What a finish release hands the tree cache (``Req.owned_kv_len``).
 
-    The newest output token has no KV, so at most prompt + output - 1 positions are
-    cached (prompt, when a cap of 0 trimmed the prefill's token from view); an overshoot
-    tick (non-spec, PR 24590) or a finishing-round overshoot (spec, PR 22897) may have
-    committed more.
+    The release: ``kv_committed_len`` cut at prompt + the visible output (``finished_len``:
+    tokens committed past the stop or the cap are not keyed), the newest token included;
+    an abort sets no ``finished_len``, so all of ``kv_committed_len``. The
+    ``trimmed_finish`` proposal: never past the last token with KV, prompt + output - 1
+    (prompt, when a cap of 0 trimmed the prefill's token from view).
     """
-    return min(committed, prompt_len + max(output_len, 1) - 1)
+    if cell.trimmed_finish:
+        return min(committed, prompt_len + max(output_len, 1) - 1)
+    if aborted:
+        return committed
+    return min(committed, prompt_len + output_len)
 
 
 def compute_committed_lead(cell: Cell, inflight_steps: int) -> int:

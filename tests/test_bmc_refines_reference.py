@@ -222,7 +222,7 @@ def test_every_reference_run_is_a_bmc_run_with_the_same_state(cell: str) -> None
 @pytest.mark.parametrize("cell,bug,runs", [("ov-p1-none", "B10", 2 * RUNS_PER_CELL),
                                            ("ov-p1-v2chain-cpu-honest-rungreserve", "B12",
                                             4 * RUNS_PER_CELL),
-                                           ("nov-p4-v2chain-cpu-honest", "B11",
+                                           ("ov-p1-v2chain-cpu-honest-trimmed", "B11",
                                             2 * RUNS_PER_CELL)])
 def test_the_comparison_catches_a_bmc_that_differs(cell: str, bug: str, runs: int) -> None:
     """A BMC with one catalogue bug switched on (the reference clean) must disagree."""

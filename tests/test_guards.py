@@ -24,7 +24,7 @@ CASES = [
     ("B8", "ov-p1-none"),  # no WAR fence after launch
     ("B15", "ov-p1-v2chain-nocpu-honest"),  # keep-alive ring of one slot
     ("B2", "nov-p1-none"),  # init_new without the sum backfill
-    ("B11", "ov-p4-none"),  # cache kv_committed_len, not the effective length
+    ("B11", "ov-p4-v2chain-nocpu-honest"),  # cache kv_committed_len, not owned_kv_len
 ]
 
 

@@ -55,7 +55,8 @@ LIFTED = (
     tr.compute_v2_decode_pages_needed, tr.compute_ns_decode_pages_needed,
     tr.compute_verify_new_seq_len, tr.compute_forward_write_width,
     tr.compute_draft_extend_seq_lens, tr.compute_run_len, tr.compute_committed_after_result,
-    tr.compute_cached_len, tr.compute_committed_lead, tr.compute_ns_expected_seq_len,
+    tr.compute_committed_run, tr.compute_cached_len, tr.compute_committed_lead,
+    tr.compute_ns_expected_seq_len,
 )
 
 
@@ -101,7 +102,7 @@ def _random_args(function: Callable[..., Any], rng: random.Random) -> tuple[Any,
             values.append(config.get_shape(rng.randint(0, 3)))
         elif name == "forward_mode":
             values.append(rng.choice(["decode", "extend"]))
-        elif name in ("stale", "finished", "spec", "preclaim"):
+        elif name in ("stale", "finished", "spec", "preclaim", "aborted"):
             values.append(rng.random() < 0.5)
         elif name == "faults":
             values.append(frozenset(b for b in ("B10", "B12", "B16") if rng.random() < 0.3))

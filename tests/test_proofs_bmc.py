@@ -128,23 +128,24 @@ def test_z3_column_kills_every_bug_with_a_replaying_script(tmp_path: Path) -> No
     assert {bug for bug, _ in gpu_missed} <= {"B1", "B7"}, gpu_missed
 
 
-def _solve_one_request_budget_one(cell: str) -> tuple[bmc.Unrolling, zs.Outcome]:
-    """B11, one request admitted before iteration 0 with prompt 2 and budget 1, default
-    choices, two iterations."""
+def _solve_one_request(cell: str, max_new_tokens: int = 1, depth: int = 2,
+                       accept: int = 1) -> tuple[bmc.Unrolling, zs.Outcome]:
+    """B11, one request admitted before iteration 0 with prompt 2, default choices; every
+    verify accepts ``accept`` tokens."""
     ctx = Context(ModelConfig(get_cell(cell), MINIMAL), frozenset({"B11"}))
-    unrolling = bmc.build_unrolling(ctx, 2, 1)
+    unrolling = bmc.build_unrolling(ctx, depth, 1)
     pins = [
         unrolling.admit_at[0] == 0,
         unrolling.prompt_len[0] == 2,
-        unrolling.max_new_tokens[0] == 1,
+        unrolling.max_new_tokens[0] == max_new_tokens,
     ]
-    for it in unrolling.iterations:
+    for i, it in enumerate(unrolling.iterations):
         pins += [
             it.allow_prefill,
             it.retract == 0,
             zs.Not(it.disable_overlap),
             it.eos_offset == 0,
-            it.accept[0] == 1,
+            it.accept[0] == (1 if i == 0 else accept),
             zs.Not(it.eos[0]),
         ]
     solver = zs.Preprocessed()  # the BMC's own solver, for a query its size
@@ -155,13 +156,14 @@ def _solve_one_request_budget_one(cell: str) -> tuple[bmc.Unrolling, zs.Outcome]
 
 
 def test_counterexample_decodes_to_the_script_it_describes() -> None:
-    """A handmade bounded query (B11 in the overshoot era's ov-p1-none-overshoot) decodes
-    into exactly those operations, and the model's verdict is the reference's."""
-    cell = "ov-p1-none-overshoot"
-    unrolling, outcome = _solve_one_request_budget_one(cell)
+    """A handmade bounded query (B11 in ov-p1-v2chain-cpu-honest: prompt 2, budget 2, the
+    verify accepts 3) decodes into exactly those operations, and the model's verdict is
+    the reference's."""
+    cell = "ov-p1-v2chain-cpu-honest"
+    unrolling, outcome = _solve_one_request(cell, max_new_tokens=2, depth=3, accept=3)
     result = bmc.BmcResult(
         cell,
-        2,
+        3,
         1,
         zs.COUNTEREXAMPLE,
         outcome.seconds,
@@ -170,15 +172,16 @@ def test_counterexample_decodes_to_the_script_it_describes() -> None:
     )
     script = decode_counterexample(result, ("B11",))
     assert script.cell == cell and script.faults == ("B11",)
-    assert isinstance(script.ops[0], Admit) and script.ops[0] == Admit(2, 1)
+    assert isinstance(script.ops[0], Admit) and script.ops[0] == Admit(2, 2)
     iterations = [op for op in script.ops if isinstance(op, Iterate)]
-    assert len(iterations) == 2
+    assert len(iterations) == 3
     first = iterations[0].choices
     assert first.allow_prefill and first.retract == 0 and first.accept_lens == (1,)
     assert not first.eos_positions and not first.disable_overlap
-    # The decoded run is the one the model describes: the era's overlap loop prepares a
-    # decode (the overshoot tick) before the prefill's result finishes the request, so
-    # with B11 the model violates KV9 at the finish release, and so does the reference.
+    assert iterations[1].choices.accept_lens == (3,)
+    # The decoded run is the one the model describes: the verify commits its whole run of
+    # 3 where the client sees 1 more token (the cap), and with B11 the finish release caches
+    # all 5 committed positions, not owned_kv_len's 4: KV9, in the model as in the reference.
     fired = {
         v.invariant for v in unrolling.violations if zs.evaluate(outcome.raw_model, v.term) is True
     }
@@ -190,8 +193,8 @@ def test_counterexample_decodes_to_the_script_it_describes() -> None:
 def test_the_release_skips_the_decode_its_queued_result_finishes() -> None:
     """The same run in ov-p1-none (the release: enable_skip_finishing_decode): the queued
     prefill result finishes the request by length, so iteration 1 launches nothing, no
-    overshoot slot is committed and B11 has nothing to cache."""
-    unrolling, outcome = _solve_one_request_budget_one("ov-p1-none")
+    overshoot slot is committed and nothing fires."""
+    unrolling, outcome = _solve_one_request("ov-p1-none")
     launched = [zs.evaluate(outcome.raw_model, term) for term in unrolling.iterations[1].launched]
     assert launched == [False]
     fired = {

@@ -38,15 +38,17 @@ def _run(cell: str, admissions: list[tuple[int, int]], iterations: int) -> Sched
     return scheduler
 
 
-@pytest.mark.parametrize(("cell", "launches", "committed"), [
-    ("ov-p1-none", 2, 3),  # prefill, one decode; the queued decode result finishes it
-    ("ov-p1-none-overshoot", 3, 4),  # the era decodes it once more (#24590)
-    ("ov-p1-v2chain-cpu-honest", 2, 3),
-    ("ov-p1-v2chain-cpu-preclaim", 3, 3),  # the pre-claim era is an overshoot era
-    ("nov-p1-none", 2, 3),  # without overlap nothing is in flight at scheduling
+@pytest.mark.parametrize(("cell", "launches", "committed", "cached"), [
+    ("ov-p1-none", 2, 3, 3),  # prefill, one decode; the queued decode result finishes it
+    ("ov-p1-none-overshoot", 3, 4, 4),  # the era decodes it once more (#24590)
+    ("ov-p1-v2chain-cpu-honest", 2, 3, 3),
+    # The pre-claim era is an overshoot era: the tick's claimed bonus is committed at the
+    # finish release (and cached), refunded when its stale result lands.
+    ("ov-p1-v2chain-cpu-preclaim", 3, 3, 4),
+    ("nov-p1-none", 2, 3, 3),  # without overlap nothing is in flight at scheduling
 ])
 def test_a_length_finish_is_decoded_once_more_only_in_the_overshoot_era(
-        cell: str, launches: int, committed: int) -> None:
+        cell: str, launches: int, committed: int, cached: int) -> None:
     scheduler = Scheduler(ModelConfig(get_cell(cell), MINIMAL))
     scheduler.admit(2, 2)
     launched = 0
@@ -57,7 +59,9 @@ def test_a_length_finish_is_decoded_once_more_only_in_the_overshoot_era(
     assert (request.status, len(request.output_ids)) == ("finished", 2)
     assert launched == launches
     assert request.kv_committed_len == committed
-    assert request.cached_len == 3  # prompt + output - 1 either way
+    # owned_kv_len: committed at the release, cut at prompt + the visible output (4); the
+    # era's overshoot slot is cached too (what #24590 asked about).
+    assert request.cached_len == cached
 
 
 # Three requests fill the page-4 pool; at iteration 5 r0's queued result finishes it by

@@ -27,6 +27,7 @@ from overlap_spec.spec.units import PoolRow, RequestId, StepId, TokenCount
 NON_SPEC = get_cell("ov-p1-none")
 PRECLAIM = get_cell("ov-p1-v2chain-cpu-preclaim")
 HONEST = get_cell("ov-p1-v2chain-cpu-honest")
+TRIMMED = get_cell("ov-p1-v2chain-cpu-honest-trimmed")
 S0, S1, S2 = StepId(0), StepId(1), StepId(2)
 
 
@@ -55,8 +56,8 @@ VALID_CALLS: list[tuple[str, Any, tuple[Any, ...]]] = [
     ("forward_extend", relation.launch(prefilled(), S1), (S1,)),
     ("forward_decode", relation.launch(prefilled(), S1), (S1, 1)),
     ("process_result", relation.launch(prefilled(), S1), (NON_SPEC, S1, "decode", 1, None, (12,))),
-    ("release_kv_cache", prefilled(), (True,)),
-    ("reset_for_retract", relation.release_kv_cache(prefilled(), False), ()),
+    ("release_kv_cache", prefilled(), (NON_SPEC, True)),
+    ("reset_for_retract", relation.release_kv_cache(prefilled(), NON_SPEC, False), ()),
     ("process_prebuilt",
      relation.prepare_for_extend(relation.admit(RequestId(1), TokenCount(4), TokenCount(3),
                                                 prebuilt=True), PoolRow(2)), (9,)),
@@ -112,7 +113,8 @@ BAD_CALLS: list[tuple[str, Callable[[], Any], str]] = [
                                      None, (1, 2)),
      "output_ids"),
     ("release_kv_cache",
-     lambda: relation.release_kv_cache(relation.release_kv_cache(prefilled(), True), True),
+     lambda: relation.release_kv_cache(relation.release_kv_cache(prefilled(), NON_SPEC, True),
+                                       NON_SPEC, True),
      "holds_kv"),
     ("reset_for_retract", lambda: relation.reset_for_retract(prefilled()), "holds_kv"),
     ("process_prebuilt", lambda: relation.process_prebuilt(prefilled(), 9), "prebuilt"),
@@ -185,9 +187,10 @@ def test_non_spec_run_to_a_length_finish() -> None:
     req = relation.process_result(req, NON_SPEC, S1, "decode", 1, None, (12,))
     assert req.output_ids == (11, 12) and req.finished_reason == "length"
     assert req.kv_committed_len == 5 and req.ghost.finished and req.ghost.settled_len == 5
-    req = relation.release_kv_cache(req, True)
-    # The newest token has no KV: the cache stops at prompt + output - 1.
-    assert (req.cached_len, req.committed_at_release, req.holds_kv) == (5, 5, False)
+    released = relation.release_kv_cache(req, NON_SPEC, True)
+    # owned_kv_len: committed, cut at prompt + the visible output (not reached here).
+    assert (released.cached_len, released.committed_at_release, released.holds_kv) == (
+        5, 5, False)
 
 
 def test_spec_preclaim_commits_the_run_minus_the_claimed_bonus() -> None:
@@ -200,18 +203,28 @@ def test_spec_preclaim_commits_the_run_minus_the_claimed_bonus() -> None:
     assert (req.spec_verify_ct, req.spec_num_correct_drafts) == (1, 2)
 
 
-def test_eos_cuts_the_run_before_it_is_committed() -> None:
+def test_eos_cuts_the_visible_run_the_release_commits_all_of_it() -> None:
     req = relation.prepare_for_decode_spec_v2(prefilled(max_new_tokens=8), 6, 1, False)
-    req = relation.forward_decode(relation.launch(req, S1), S1, 3)
-    req = relation.process_result(req, HONEST, S1, "decode", 3, 1, (12, 0, 14))
-    assert req.output_ids == (11, 12, 0) and req.finished_reason == "stop"
-    assert req.kv_committed_len == 4 + 2
+    req = relation.forward_decode(relation.launch(req, S1), S1, 4)
+    released = relation.process_result(req, HONEST, S1, "decode", 4, 1, (12, 0, 14, 15))
+    assert released.output_ids == (11, 12, 0) and released.finished_reason == "stop"
+    assert released.kv_committed_len == 4 + 4  # the whole accepted run
+    # owned_kv_len: cut at prompt + the visible output, the newest token included
+    assert relation.release_kv_cache(released, HONEST, True).cached_len == 4 + 3
+    trimmed = relation.process_result(req, TRIMMED, S1, "decode", 4, 1, (12, 0, 14, 15))
+    assert trimmed.output_ids == (11, 12, 0) and trimmed.kv_committed_len == 4 + 2
+    assert relation.release_kv_cache(trimmed, TRIMMED, True).cached_len == 4 + 3 - 1
+    # An abort sets no finished_len: the release keys all it committed.
+    aborted = relation.process_result(relation.abort(req), HONEST, S1, "decode", 4, 1,
+                                      (12, 0, 14, 15))
+    assert aborted.finished_reason == "abort" and aborted.kv_committed_len == 8
+    assert relation.release_kv_cache(aborted, HONEST, True).cached_len == 8
 
 
 def test_retraction_starts_a_new_epoch_and_a_late_result_settles_nothing() -> None:
     req = relation.prepare_for_decode(prefilled(), 4)
     req = relation.forward_decode(relation.launch(req, S1), S1, 1)
-    req = relation.reset_for_retract(relation.release_kv_cache(req, False))
+    req = relation.reset_for_retract(relation.release_kv_cache(req, NON_SPEC, False))
     assert (req.is_retracted, req.waiting, req.kv_committed_len, req.ghost.epoch) == (
         True, True, 0, 1)
     late = relation.process_result(req, NON_SPEC, S1, "decode", 1, None, (12,))
@@ -247,8 +260,15 @@ def test_faults_change_the_relation_where_the_catalogue_says() -> None:
                                                             False), S1),
         HONEST, S1, "decode", 3, None, (12, 13, 14), frozenset({"B11"}))
     assert finishing.output_ids == (11, 12) and finishing.kv_committed_len == 4 + 3
-    assert relation.release_kv_cache(finishing, True, frozenset({"B11"})).cached_len == 7
-    assert relation.release_kv_cache(finishing, True).cached_len == 4 + 2 - 1
+    assert relation.release_kv_cache(finishing, HONEST, True,
+                                     frozenset({"B11"})).cached_len == 7
+    assert relation.release_kv_cache(finishing, HONEST, True).cached_len == 4 + 2
+    trimmed = relation.process_result(
+        relation.launch(relation.prepare_for_decode_spec_v2(prefilled(max_new_tokens=2), 6, 1,
+                                                            False), S1),
+        TRIMMED, S1, "decode", 3, None, (12, 13, 14))
+    assert trimmed.kv_committed_len == 4 + 1
+    assert relation.release_kv_cache(trimmed, TRIMMED, True).cached_len == 4 + 2 - 1
     stale = relation.launch(relation.prepare_for_decode(prefilled(), 4), S1)
     stale = replace(stale, finished_reason="abort")
     kept = relation.process_result(stale, NON_SPEC, S1, "decode", 1, None, (12,))

@@ -61,6 +61,9 @@ def is_drivable(config: ModelConfig) -> str | None:
     if cell.overshoot:
         return ("the overshoot decode is an earlier era: 0.5.23's overlap loop sets "
                 "enable_skip_finishing_decode (scheduler.py:2063)")
+    if cell.trimmed_finish:
+        return ("the trimmed finish is a proposal (#35694, open); 0.5.23 commits the whole "
+                "accepted run and caches Req.owned_kv_len() (schedule_batch.py:1552)")
     if cell.rung_reserve:
         return ("the rung reserve is a proposal (a fork's task #486); 0.5.23 reserves 2 * A "
                 "of the widest rung (#26354)")

@@ -78,6 +78,10 @@ def _non_spec_overlap(cell: Cell) -> bool:
     return not cell.is_spec and cell.overlap
 
 
+# Retired (ids are not reused): U2 and U4, KV9 claiming the trimmed finish (the run cut
+# before committing, prompt + output - 1 cached) of every cell. KV9 now states the release's
+# finish (the whole accepted run committed, Req.owned_kv_len() cached) and keeps the stronger
+# claim for the trimmed finish proposal's cell, which the tier does not drive.
 KNOWN_FINDINGS: Final[tuple[KnownFinding, ...]] = (
     KnownFinding(
         "U1", "SL4", r"lengths differ \{'reqs': 0,", _any,
@@ -88,15 +92,6 @@ KNOWN_FINDINGS: Final[tuple[KnownFinding, ...]] = (
         "an emptied batch has one length, 0, in every field",
         "digest D6; observed in sglang 0.5.23 on CPU"),
     KnownFinding(
-        "U2", "KV9", r"cached \d+ tokens at finish", _any,
-        "python/sglang/srt/mem_cache/common.py:421 (release_kv_cache: owned_kv_len) and "
-        "managers/schedule_batch.py:1552 (Req.owned_kv_len)",
-        "a finished request caches kv_committed_len (cut only at finished_len), which "
-        "counts the newest token, whose KV no forward has written, and under overlap the "
-        "decode launched before an EOS finish was processed",
-        "cached = prompt + output - 1 (the positions whose KV exists)",
-        "#24590 (closed as a question), #35694 (open); digest section 6 row 11"),
-    KnownFinding(
         "U3", "RP3", r"num_correct_drafts=\d+, batch size \d+; live requests give", _spec,
         "python/sglang/srt/managers/scheduler_components/batch_result_processor.py:785 "
         "(_resolve_spec_v2_tokens: num_correct_drafts over every row) and :986 "
@@ -106,15 +101,6 @@ KNOWN_FINDINGS: Final[tuple[KnownFinding, ...]] = (
         "in flight (their rows are skipped only for output and commit)",
         "counters count requests live when the result is processed",
         "bug B4 (#18848, #23456 review); digest D7"),
-    KnownFinding(
-        "U4", "KV9", r"kv_committed_len=\d+ - claimed lead \d+ at finish != prompt", _spec,
-        "python/sglang/srt/managers/scheduler_components/batch_result_processor.py:831 "
-        "(_resolve_spec_v2_tokens: kv_committed_len += len(accept_tokens))",
-        "the finishing verify commits and appends its whole accepted run; EOS and "
-        "max_new_tokens cut only the visible output (finished_len), so committed KV runs "
-        "past the stop",
-        "at finish, committed - lead = prompt + output - 1",
-        "digest D3; #22897; #35694 (open)"),
     KnownFinding(
         "U5", "RP2", r"\d+ output tokens > max_new_tokens=\d+", _spec,
         "python/sglang/srt/managers/schedule_batch.py:2011 (Req.update_finish_state returns "
@@ -205,13 +191,6 @@ def _stale_rows_counted(path: str, ref: Any, up: Any, ctx: DivergenceContext) ->
     return ctx.is_spec and up[1] > ref[1] and up[0] >= ref[0]
 
 
-def _finish_keeps_more(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
-    rid = int(path.split(".")[0].split("r")[-1])
-    both_finished = (_requests(ctx.upstream)[rid].status == "finished"
-                     and _requests(ctx.reference)[rid].status == "finished")
-    return both_finished and isinstance(up, int) and isinstance(ref, int) and up > ref
-
-
 def _sum_not_backfilled(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
     return up is None and ref is not None
 
@@ -222,7 +201,9 @@ def _sum_not_backfilled(path: str, ref: Any, up: Any, ctx: DivergenceContext) ->
 # sort as non-spec (#32023); A2, under overlap a request whose queued result finishes it by
 # length is left out of the next decode (enable_skip_finishing_decode); A7 and A10, the
 # running batch is filtered at every step, before admission counts it; A11, after a
-# retraction the batch stands in the retraction policy's order.
+# retraction the batch stands in the retraction policy's order; A9, at a finish the
+# reference commits the whole accepted run and caches Req.owned_kv_len() as the release
+# does (the trimmed finish is a proposal's cell).
 ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
     AllowedDivergence(
         "A4", r"(running|last_batch)\.seq_lens_sum",
@@ -248,14 +229,6 @@ ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
         "of requests that finished or were retracted while the verify flew; the reference "
         "counts live requests only",
         False, _stale_rows_counted),
-    AllowedDivergence(
-        "A9", r"request r\d+\.(kv_committed_len|cached_len)",
-        "python/sglang/srt/managers/scheduler_components/batch_result_processor.py:831; "
-        "mem_cache/common.py:421",
-        "findings U2 and U4 as the differential sees them: at a finish the release has "
-        "committed (spec: the whole accepted run) and caches more than the reference, which "
-        "cuts the run before committing and caches prompt + output - 1",
-        True, _finish_keeps_more),
 )
 
 
