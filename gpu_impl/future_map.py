@@ -88,7 +88,8 @@ class FutureMap:
         if not rt.config.cell.needs_cpu_seq_lens:
             batch.seq_lens_cpu = None
             batch.seq_lens_sum = None
-            batch.seq_len_cpu_ub = max((req.kv_allocated_len for req in batch.reqs), default=0)
+            batch.seq_len_cpu_ub = (max((req.kv_allocated_len for req in batch.reqs), default=0)
+                                    if rt.config.cell.cpu_ub else None)  # #27979 only
             return
         if not rt.has_fault("B5"):
             streams.wait_event(D2H, PUBLISH_READY)
@@ -116,7 +117,8 @@ class FutureMap:
         if not self.rt.config.cell.needs_cpu_seq_lens:
             batch.seq_lens_cpu = None
             batch.seq_lens_sum = None
-            batch.seq_len_cpu_ub = max((req.kv_allocated_len for req in batch.reqs), default=0)
+            batch.seq_len_cpu_ub = (max((req.kv_allocated_len for req in batch.reqs), default=0)
+                                    if self.rt.config.cell.cpu_ub else None)  # #27979 only
             return
         host = streams.host_tensor(len(batch.reqs))
         streams.copy_to_host(batch.seq_lens, host, SCHEDULE)

@@ -127,7 +127,8 @@ class FutureMap:
         if not rt.config.cell.needs_cpu_seq_lens:
             batch.seq_lens_cpu = None
             batch.seq_lens_sum = None
-            batch.seq_len_cpu_ub = max((r.kv_allocated_len for r in batch.reqs), default=0)
+            batch.seq_len_cpu_ub = (max((r.kv_allocated_len for r in batch.reqs), default=0)
+                                    if rt.config.cell.cpu_ub else None)  # #27979 only
             return ResolveView(tuple(rows), tuple(uncovered), fresh, regathered)
         if not rt.has_fault("B5"):
             hb.wait_event(D2H, PUBLISH_READY)

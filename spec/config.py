@@ -11,7 +11,7 @@ Upstream sources: ``scheduler.py`` (``enable_overlap``), ``eagle_info_v2.py``
 (bonus pre-claim on / off), PR 26866 (topk > 1 with page_size 1 only), PR 26354 (the
 decode reserve is ``2 * A`` of the widest rung, whatever the adaptive rung).
 
-Defaults are sglang 0.5.23's. Four switches name what the release does not do:
+Defaults are sglang 0.5.23's. Five switches name what the release does not do:
 
 - ``preclaim``: an era (2026-04 to 06, PR 23456 until PR 28754 removed it). Its spec
   cells also retract from the back of the batch, as spec did before PR 32023
@@ -39,6 +39,11 @@ Defaults are sglang 0.5.23's. Four switches name what the release does not do:
   and caches ``Req.owned_kv_len()`` (``schedule_batch.py:1552``): at most prompt + the
   visible output, the newest token included, and all of ``kv_committed_len`` for an abort
   (no ``finished_len``). One cell (the chain, overlap, page 1) carries it.
+- ``cpu_ub``: a proposal (the closed PR #27979): with the host mirror off, keep
+  ``seq_len_cpu_ub``, a host upper bound of ``seq_lens`` (the batch's largest
+  ``kv_allocated_len``), for host code that needs one. The release keeps no host length at
+  all there (``seq_lens_cpu``, ``seq_lens_sum`` None). One cell (the chain, overlap, page
+  1, no mirror) carries it.
 
 Switches that do not matter in a cell take one canonical value, so no two cells
 run the same code paths:
@@ -79,6 +84,7 @@ class Cell:
     rung_reserve: bool = False  # the proposal: lag bound + A(current rung), not 2 * A(max)
     overshoot: bool = False  # the era before the finishing-decode skip and every-step filter
     trimmed_finish: bool = False  # the proposal: cut the run before committing, cache - 1
+    cpu_ub: bool = False  # the proposal: seq_len_cpu_ub without the host mirror (#27979)
 
     @property
     def skips_finishing_decode(self) -> bool:
@@ -113,6 +119,8 @@ class Cell:
             parts.append("overshoot")
         if self.trimmed_finish:
             parts.append("trimmed")
+        if self.cpu_ub:
+            parts.append("ub")
         return "-".join(parts)
 
 
@@ -296,6 +304,9 @@ def get_departures(cell: Cell) -> tuple[str, ...]:
         departures.append("proposal: the trimmed finish, the accepted run cut at the stop and "
                           "max_new_tokens before it is committed, prompt + output - 1 cached "
                           "(#35694, open; #24590)")
+    if cell.cpu_ub:
+        departures.append("proposal: seq_len_cpu_ub, a host upper bound of seq_lens kept with "
+                          "the host mirror off (the closed PR #27979)")
     return tuple(departures)
 
 
@@ -318,10 +329,13 @@ def is_valid_cell(cell: Cell) -> bool:
         return False  # the pre-claim era decoded past a length finish too
     if cell.overshoot and not cell.preclaim and (cell.is_spec or cell.page_size != 1):
         return False  # outside the pre-claim era, ov-p1-none-overshoot alone
-    if cell.trimmed_finish and not (cell.spec_mode is SpecMode.V2_CHAIN and cell.overlap
-                                    and cell.page_size == 1 and cell.needs_cpu_seq_lens
-                                    and not cell.preclaim and not cell.rung_reserve):
+    chain_p1 = cell.spec_mode is SpecMode.V2_CHAIN and cell.page_size == 1 and not cell.preclaim
+    if cell.trimmed_finish and not (chain_p1 and cell.overlap and cell.needs_cpu_seq_lens
+                                    and not cell.rung_reserve):
         return False  # the proposal's one cell: ov-p1-v2chain-cpu-honest-trimmed
+    if cell.cpu_ub and not (chain_p1 and cell.overlap and not cell.needs_cpu_seq_lens
+                            and not cell.rung_reserve and not cell.trimmed_finish):
+        return False  # the proposal's one cell: ov-p1-v2chain-nocpu-honest-ub
     return True
 
 
@@ -331,7 +345,7 @@ PAGE_SIZES: Final = (1, 4)
 def enumerate_cells() -> tuple[Cell, ...]:
     """Every valid cell, in a stable order (non-spec first, overlap first)."""
     flags = ((True, False), PAGE_SIZES, (True, False), (False, True), (False, True),
-             (False, True), (False, True))
+             (False, True), (False, True), (False, True))
     cells: list[Cell] = []
     for mode, (overlap, page, needs_cpu, *era) in itertools.product(
             SpecMode, itertools.product(*flags)):

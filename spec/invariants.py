@@ -313,11 +313,19 @@ def check_sl10(config: ModelConfig, obs: Observation) -> int:
 
 
 def check_sl11(config: ModelConfig, obs: Observation) -> int:
-    """SL11: with no host mirror, seq_len_cpu_ub >= max(seq_lens) (the no-D2H path of
-    PR 26128; the field is the closed PR 27979's, which 0.5.23 does not have)."""
+    """SL11: with no host mirror the release keeps no host length after a resolve
+    (``seq_lens_cpu``, ``seq_lens_sum`` None: the no-D2H path of PR 26128); under the
+    proposal that keeps one, seq_len_cpu_ub >= max(seq_lens) (the closed PR 27979)."""
     batch = obs.batch
     if obs.point is not ObservationPoint.RESOLVE_SEQ_LENS_CPU or batch is None:
         return 0
+    if not config.cell.cpu_ub:
+        if (batch.seq_lens_cpu, batch.seq_lens_sum, batch.seq_len_cpu_ub) != (None, None, None):
+            raise fail("SL11", obs, f"for the batch: with no host mirror the host still holds "
+                       f"lengths after resolve: seq_lens_cpu={batch.seq_lens_cpu}, seq_lens_sum="
+                       f"{batch.seq_lens_sum}, seq_len_cpu_ub={batch.seq_len_cpu_ub} (the "
+                       "release leaves all three None)")
+        return 1
     if batch.seq_lens_cpu is not None or not batch.seq_lens:
         return 0
     top = max(batch.seq_lens)
@@ -965,7 +973,8 @@ INVARIANTS: Final[tuple[Invariant, ...]] = (
     Invariant("SL9", "run_batch isolation restores SB", "scheduler.py", _spec, check_sl9),
     Invariant("SL10", "draft-extend mutation stays on FB", "eagle_info_v2.py #26020", _spec,
               check_sl10),
-    Invariant("SL11", "seq_len_cpu_ub bounds seq_lens", "#27979 (closed; not in 0.5.23)",
+    Invariant("SL11", "no host length without the mirror (#27979: an upper bound)",
+              "PR 26128; #27979 (closed; not in 0.5.23)",
               _spec_overlap_no_mirror, check_sl11),
     Invariant("KV1", "committed <= allocated <= width", "schedule_batch.py #23456", _always,
               check_kv1),

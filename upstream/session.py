@@ -64,6 +64,9 @@ def is_drivable(config: ModelConfig) -> str | None:
     if cell.trimmed_finish:
         return ("the trimmed finish is a proposal (#35694, open); 0.5.23 commits the whole "
                 "accepted run and caches Req.owned_kv_len() (schedule_batch.py:1552)")
+    if cell.cpu_ub:
+        return ("seq_len_cpu_ub is a proposal (the closed PR #27979); 0.5.23 keeps no host "
+                "length without the mirror")
     if cell.rung_reserve:
         return ("the rung reserve is a proposal (a fork's task #486); 0.5.23 reserves 2 * A "
                 "of the widest rung (#26354)")

@@ -33,7 +33,6 @@ UPSTREAM_NOT_APPLICABLE: Final[dict[str, str]] = {
     "SL1": "ForwardBatch.init_new is model-side: the stand-in forward does not build one",
     "SL8": "the publish values are computed by the stand-in worker, not by sglang",
     "SL10": "draft-extend is model-side: the stand-in forward has no draft-extend batch",
-    "SL11": "seq_len_cpu_ub exists only in the closed PR #27979; 0.5.23 has no such field",
     "KV10": "the bonus pre-claim is an earlier era (#28754); no 0.5.23 cell has it",
     "FM1": _CPU_STREAMS,
     "FM2": _CPU_STREAMS,
