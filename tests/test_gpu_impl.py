@@ -121,6 +121,7 @@ LAUNCHES: dict[str, dict[str, int]] = {
     "ov-p1-v2chain-cpu-honest-rungreserve": {'copy': 2, 'd2h': 1, 'forward': 96, 'schedule': 3},
     "ov-p1-v2chain-cpu-preclaim": {'copy': 2, 'd2h': 1, 'forward': 96, 'schedule': 3},
     "ov-p1-v2chain-nocpu-honest": {'copy': 2, 'forward': 96, 'schedule': 3},
+    "ov-p1-v2chain-nocpu-honest-ub": {'copy': 2, 'forward': 96, 'schedule': 3},
     "ov-p1-v2chain-nocpu-preclaim": {'copy': 2, 'forward': 96, 'schedule': 3},
     "ov-p4-v2chain-cpu-honest": {'copy': 2, 'd2h': 1, 'forward': 96, 'schedule': 1},
     "ov-p4-v2chain-cpu-preclaim": {'copy': 2, 'd2h': 1, 'forward': 96, 'schedule': 1},
