@@ -12,6 +12,8 @@ All of it runs on the schedule stream.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from overlap_spec.gpu_impl.memory import OutOfMemory
 from overlap_spec.gpu_impl.req import Req
 from overlap_spec.gpu_impl.runtime import Runtime
@@ -81,11 +83,10 @@ def alloc_for_extend(rt: Runtime, reqs: list[Req], fill_lens: list[int]) -> None
 
 
 def alloc_for_decode(rt: Runtime, reqs: list[Req], seq_lens: list[int]) -> None:
-    """Non-spec decode: the slot at column ``seq_lens[j]``; committed claimed now (B10: not)."""
+    """Non-spec decode: the slot at column ``seq_lens[j]``; committed claimed now."""
     grow_to(rt, reqs, [s + 1 for s in seq_lens])
-    if not rt.has_fault("B10"):
-        for req in reqs:
-            req.kv_committed_len += 1
+    for req in reqs:
+        req.kv_committed_len += 1
 
 
 def get_decode_pages_needed(rt: Runtime, req: Req, seq_len: int | None) -> int:
@@ -102,14 +103,17 @@ def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
     """Release once: the committed prefix to the tree (finish), the rest freed, row cleared.
 
     kv_committed_len is unchanged; B11 caches kv_committed_len instead of
-    ``Req.owned_kv_len()`` (compute_cached_len).
+    ``Req.owned_kv_len()`` (compute_cached_len); B10 caches ``owned_kv_len`` in a trimmed
+    finish's cell (#24590).
     """
     assert req.holds_kv and req.req_pool_idx is not None, f"r{req.rid} released twice"
     req.release_count += 1
     cached_pages = 0
     if is_insert:
+        rule = (replace(rt.config.cell, trimmed_finish=False) if rt.has_fault("B10")
+                else rt.config.cell)
         cached = req.kv_committed_len if rt.has_fault("B11") else compute_cached_len(
-            rt.config.cell, req.kv_committed_len, req.prompt_len, len(req.output_ids),
+            rule, req.kv_committed_len, req.prompt_len, len(req.output_ids),
             req.finished_reason == "abort")
         cached = max(0, min(cached, req.kv_allocated_len))
         cached_pages = compute_pages_for_len(cached, rt.config.page_size)

@@ -473,8 +473,9 @@ class Scheduler:
     def process_batch_result(self, batch: ResultBatch, result: ForwardResult) -> None:
         """Commit each live request's accepted run, cut at EOS and max_new_tokens.
 
-        Stale rows (finished or retracted before this result) are skipped (#23456; B3
-        processes them as live). The accept counters count live rows only (B4: all).
+        Stale rows (finished or retracted before this result) are skipped (#23456; B3,
+        in the pre-claim era, still commits their run). The accept counters count live
+        rows only (B4: all).
         """
         rt = self.rt
         cell = self.config.cell
@@ -488,14 +489,18 @@ class Scheduler:
         for j, req in enumerate(batch.reqs):
             accept, eos_at = accept_lens[j], result.eos_at[j]
             was_finished = req.finished()
-            stale = (was_finished or req.is_retracted) and not rt.has_fault("B3")
+            stale = was_finished or req.is_retracted
             run_len = compute_run_len(accept, compute_output_budget(
                 req.max_new_tokens, len(req.output_ids), req.to_finish is not None), eos_at)
             if rt.has_fault("B4") or not stale:
                 counted[0] += accept - 1
                 counted[1] += 1
             if stale:
-                if is_decode:
+                if is_decode and rt.has_fault("B3") and cell.is_spec and cell.preclaim:
+                    # the commit loop before #23456: accept_len - 1 on every row
+                    req.kv_committed_len = compute_committed_after_result(
+                        cell, req.kv_committed_len, accept, False, False)
+                elif is_decode:
                     req.kv_committed_len = compute_committed_after_result(
                         cell, req.kv_committed_len, run_len, True, was_finished)
                 continue
@@ -504,8 +509,6 @@ class Scheduler:
                            else compute_committed_run(cell, accept, run_len))
                 req.kv_committed_len = compute_committed_after_result(
                     cell, req.kv_committed_len, settled, False, False)
-                if rt.has_fault("B10") and not cell.is_spec:
-                    req.kv_committed_len += 1  # settle at result time
             start = j * result.stride
             req.output_ids += tokens[start:start + run_len]
             if cell.is_spec and is_decode:

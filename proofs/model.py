@@ -35,7 +35,7 @@ Modelling compromises, stated once:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import count
 from typing import Final
 
@@ -231,7 +231,7 @@ def decode_kv(
 ) -> tuple[int, int]:
     """(kv_allocated_len, kv_committed_len) after ``prepare_for_decode``: the spec's own
     transition (``spec.relation``), run here on a live request holding KV and lifted into
-    Z3 below, so the proofs do not restate it (B10, B12 included). The other fields of the
+    Z3 below, so the proofs do not restate it (B12 included). The other fields of the
     record do not enter this transition; the model's guard says when it fires."""
     request = relation.RequestRecord(
         RequestId(0),
@@ -246,7 +246,7 @@ def decode_kv(
     if spec:
         post = relation.prepare_for_decode_spec_v2(request, reserve, page_size, preclaim, faults)
     else:
-        post = relation.prepare_for_decode(request, seq_len, faults)
+        post = relation.prepare_for_decode(request, seq_len)
     return post.kv_allocated_len, post.kv_committed_len
 
 
@@ -341,19 +341,19 @@ def process_result(ctx: Context, r: Record, eos: Term, eos_at: Term) -> Step:
     run_no_eos = lift(tr.compute_run_len, accept, r["max_new_tokens"] - r["output_len"], None)
     run = zs.If(eos, run_with_eos, run_no_eos)
     stale = zs.Not(is_live(r))
-    if ctx.has("B3"):
-        stale = zs.BoolVal(False)
     settled = accept if ctx.has("B11") else lift(tr.compute_committed_run, cell, accept, run)
     committed_live = lift(
         tr.compute_committed_after_result, cell, r["kv_committed_len"], settled, False, False
     )
-    if ctx.has("B10") and not cell.is_spec:
-        committed_live = committed_live + 1
     committed_stale = zs.If(
         r["finished"],
         lift(tr.compute_committed_after_result, cell, r["kv_committed_len"], run, True, True),
         lift(tr.compute_committed_after_result, cell, r["kv_committed_len"], run, True, False),
     )
+    if ctx.has("B3") and cell.is_spec and cell.preclaim:
+        # The commit loop before #23456: accept_len - 1 on every row, stale ones included.
+        committed_stale = lift(tr.compute_committed_after_result, cell, r["kv_committed_len"],
+                               accept, False, False)
     committed = zs.If(
         stale, r["kv_committed_len"], zs.If(extend, r["kv_committed_len"], committed_live)
     )
@@ -367,7 +367,8 @@ def process_result(ctx: Context, r: Record, eos: Term, eos_at: Term) -> Step:
     cached = (
         committed
         if ctx.has("B11")
-        else lift(tr.compute_cached_len, cell, committed, r["prompt_len"], output, False)
+        else lift(tr.compute_cached_len, replace(cell, trimmed_finish=False)
+                  if ctx.has("B10") else cell, committed, r["prompt_len"], output, False)
     )
     post.update(
         # A finished request's prepared, unlaunched step is dropped with it (the re-filter).

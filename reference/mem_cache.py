@@ -61,9 +61,9 @@ def alloc_for_extend(rt: Runtime, req: Req) -> None:
 
 def alloc_for_decode(rt: Runtime, req: Req, seq_len: int) -> None:
     """Non-spec decode: one slot at column ``seq_len``; committed and allocated += 1
-    (spec.relation.prepare_for_decode; B10 moves the committed claim to result time)."""
+    (spec.relation.prepare_for_decode)."""
     allocated = req.kv_allocated_len
-    req.apply(relation.prepare_for_decode, seq_len, rt.faults)
+    req.apply(relation.prepare_for_decode, seq_len)
     back_columns(rt, req, allocated, "alloc_for_decode")
 
 

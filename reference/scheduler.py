@@ -579,8 +579,7 @@ class Scheduler:
         for j, req in enumerate(result.reqs):
             accept = result.accept_lens[j]
             eos_at = result.eos_at[j]
-            was_stale = relation.is_stale(req.state)
-            stale = was_stale and not rt.has_fault("B3")
+            stale = relation.is_stale(req.state)
             finished_before = req.finished()
             out_before, committed_before = len(req.output_ids), req.kv_committed_len
             run_len = compute_run_len(accept, compute_output_budget(
@@ -596,7 +595,7 @@ class Scheduler:
                 if req.finished() and req.holds_kv:
                     release_kv_cache(rt, req, is_insert=True)
             entries.append(ProcessedEntry(
-                rid=req.rid, stale=was_stale, finished_before=finished_before,
+                rid=req.rid, stale=stale, finished_before=finished_before,
                 accept_len=accept, run_len=run_len if not stale else 0, stride=result.stride,
                 output_before=out_before, output_after=len(req.output_ids),
                 committed_before=committed_before, committed_after=req.kv_committed_len))

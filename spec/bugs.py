@@ -35,126 +35,105 @@ class Bug:
     current_upstream: str = ""
 
 
-def _any(cell: Cell) -> bool:
-    return True
-
-
-def _overlap(cell: Cell) -> bool:
-    return cell.overlap
-
-
-def _spec(cell: Cell) -> bool:
-    return cell.is_spec
-
-
-def _spec_overlap(cell: Cell) -> bool:
-    return cell.is_spec and cell.overlap
-
-
-def _spec_overlap_mirror(cell: Cell) -> bool:
-    return cell.is_spec and cell.overlap and cell.needs_cpu_seq_lens
-
-
-def _lazy_sum(cell: Cell) -> bool:
-    return not (cell.is_spec and cell.overlap)
-
-
-def _non_spec(cell: Cell) -> bool:
-    return not cell.is_spec
-
-
-def _finish_overshoot(cell: Cell) -> bool:
-    """A run committed past the visible output: only a verify accepts more than one token
-    (non-spec, owned_kv_len cuts nothing a decode committed: at most prompt + output)."""
-    return cell.is_spec
-
-
-def _rung_reserve(cell: Cell) -> bool:
-    """A reserve that shrinks on an adaptive down-switch: the rung reserve proposal only
-    (since PR 26354 the release's reserve does not depend on the rung)."""
-    return cell.spec_mode is SpecMode.V2_CHAIN and cell.rung_reserve
-
-
-def _adaptive_chain_overlap(cell: Cell) -> bool:
-    return cell.spec_mode is SpecMode.V2_CHAIN and cell.overlap
-
-
 BUGS: Final[tuple[Bug, ...]] = (
     Bug("B1", "stale seq_lens_sum kept across filter/merge", "#25818",
         "filter_batch / merge_batch keep the old integer sum instead of resetting it to None",
-        "filter and merge leave seq_lens_sum as it was", ("SL3", "SL1"), _any),
+        "filter and merge leave seq_lens_sum as it was", ("SL3", "SL1"), lambda cell: True),
     Bug("B2", "a None seq_lens_sum consumed without refresh", "#25818, #32532",
         "init_new no longer backfills the lazily-None sum; a consumer gets None",
-        "init_new skips the backfill", ("SL1",), _lazy_sum),
-    Bug("B3", "accept_lens applied to finished or retracted requests", "#23456, #18848",
-        "a late result of an overshoot tick or of a retracted request is processed as live",
-        # RP3 and RP6 too: the stale rows also inflate the accept counters and the
-        # request's own (the digest's "spec_verify_ct, accepted-token counts ...
-        # inflated"); RP5: a stale row re-labels a finished request's reason.
-        "result processing drops the stale-request skip",
-        ("RP1", "KV1", "KV5", "KV8", "KV9", "KV6", "RP3", "RP6", "RP5"), _overlap),
+        "init_new skips the backfill", ("SL1",),
+        lambda cell: not (cell.is_spec and cell.overlap)),
+    # Stale rows exist under overlap only; the pre-claim era is where their commit was the
+    # bug (#23456 added the skip with the pre-claim; the honest cells never lacked it).
+    Bug("B3", "late verify results committed for finished or retracted requests",
+        "#23456 (fixed 2026-05-10), #18848",
+        "under the bonus pre-claim, the commit loop of a late verify result adds "
+        "accept_len - 1 to every row of the batch copy: a request retracted since gains "
+        "committed KV it no longer holds, one finished since misses its refund (the output "
+        "loop already skipped both)",
+        "the commit loop drops its stale-row skip; output, finish and release keep theirs",
+        ("RP1", "KV5", "KV6"), lambda cell: cell.is_spec and cell.overlap and cell.preclaim),
     Bug("B4", "global accept counters count stale rows", "#23456 review, #18848",
         "num_correct_drafts and the metrics batch size sum over every request of the copy",
-        "counters sum over all requests (today's upstream behaviour)", ("RP3",), _spec_overlap,
+        "counters sum over all requests (today's upstream behaviour)", ("RP3",),
+        lambda cell: cell.is_spec and cell.overlap,
         current_upstream="every spec cell: batch_result_processor.py:785, :986 (#18848 closed "
                          "unmerged; upstream tier finding U3)"),
     Bug("B5", "schedule side reads new_seq_lens without the publish_ready fence",
         "#25465, #25879",
         "resolve_seq_lens_cpu gathers / copies new_seq_lens_buf without waiting on publish_ready",
-        "S and D skip their publish_ready waits", ("FM1",), _spec_overlap_mirror,
+        "S and D skip their publish_ready waits", ("FM1",),
+        lambda cell: cell.is_spec and cell.overlap and cell.needs_cpu_seq_lens,
         stream_level=True),
     Bug("B6", "seq_lens sentinel between forwards", "#25879, #25944, #26020",
         "run_batch leaves SB.seq_lens = -future_indices until the next resolve",
-        "the sentinel is re-introduced after launch", ("SL5", "SL2"), _spec_overlap),
+        "the sentinel is re-introduced after launch", ("SL5", "SL2"),
+        lambda cell: cell.is_spec and cell.overlap),
     Bug("B7", "spec draft-extend mutations pollute the ScheduleBatch", "#26020",
         "draft-extend adds D_tok to SB.seq_lens / seq_lens_cpu instead of the ForwardBatch",
-        "the +D_tok is written to the ScheduleBatch", ("SL10", "SL2", "SL6"), _spec),
+        "the +D_tok is written to the ScheduleBatch", ("SL10", "SL2", "SL6"),
+        lambda cell: cell.is_spec),
     Bug("B8", "no WAR fence after launch", "#26376, #26380, #28363, #31687",
         "S rewrites req_to_token rows while F_i still reads them",
-        "_apply_war_barrier does nothing", ("ST2",), _overlap, stream_level=True),
+        "_apply_war_barrier does nothing", ("ST2",), lambda cell: cell.overlap, stream_level=True),
     Bug("B9", "publish_ready re-recorded on the schedule stream", "#30435, #35748",
         "the PD prebuilt path publishes on S with no caller fence; the event leaves F",
         "process_prebuilt publishes on S without S.wait_stream(F)", ("FM2", "FM1"),
-        _spec_overlap, stream_level=True),
-    Bug("B10", "non-spec committed settled at result time", "#24590, #27971",
-        "non-spec decode claims its slot in allocated at prepare but commits at result",
-        "committed += 1 moves from prepare_for_decode to result processing", ("KV2", "KV8"),
-        _non_spec),
+        lambda cell: cell.is_spec and cell.overlap, stream_level=True),
+    # A slot claimed past the newest token: the non-spec overlap claim. (In spec cells the
+    # release's owned_kv_len equals the trimmed rule once the run is cut: B11's ground.)
+    Bug("B10", "the newest token's slot cached at a finish",
+        "#24590 (closed), #24745 (closed unmerged)",
+        "under overlap the next decode has claimed the newest token's slot (non-spec "
+        "prepare_for_decode) when a result stops the request; the release caches "
+        "owned_kv_len, prompt + the visible output, so the tree keys a slot only the "
+        "in-flight forward writes, one more than prompt + output - 1",
+        "a trimmed finish's cell caches owned_kv_len, the release's rule",
+        ("KV9",), lambda cell: cell.trimmed_finish and not cell.is_spec,
+        current_upstream="every non-spec overlap cell: Req.owned_kv_len() "
+                         "(schedule_batch.py:1552) keys prompt + the visible output at a stop "
+                         "(#24590 closed, its fix #24745 unmerged)"),
+    # A run committed past the visible output: only a verify accepts more than one token (a
+    # non-spec decode commits at most prompt + output, which owned_kv_len does not cut).
     Bug("B11", "finishing-round overshoot cached", "#22897, M2, Req.owned_kv_len",
         "the finishing verify accepts tokens past the stop or max_new_tokens; the whole run is "
         "committed, and the release caches kv_committed_len instead of cutting it at the "
         "visible output (finished_len)",
         "cache kv_committed_len, not owned_kv_len (with the trimmed finish, also commit the "
-        "uncut run)", ("KV9",), _finish_overshoot),
+        "uncut run)", ("KV9",), lambda cell: cell.is_spec),
+    # A reserve that shrinks on an adaptive down-switch: the rung reserve proposal only
+    # (since PR 26354 the release's reserve does not depend on the rung).
     Bug("B12", "v2 reserve without the max clamp", "#23336 (the clamp); rung reserve cells",
         "after an adaptive step down-switch committed + reserve < allocated (reachable only "
         "where the reserve shrinks with the rung: the rung reserve proposal)",
         "nxt = page_align(committed + reserve) without max(cur, ...)", ("KV1", "KV4", "KV7"),
-        _rung_reserve,
+        lambda cell: cell.spec_mode is SpecMode.V2_CHAIN and cell.rung_reserve,
         representative_cells=("ov-p1-v2chain-cpu-honest-rungreserve",
                               "nov-p1-v2chain-cpu-honest-rungreserve")),
     Bug("B13", "schedule stream reads forward-produced spec state", "#35198",
         "spec_info carries a forward-written accept_lens tensor that filter_batch gathers on S",
         # ST4 too: the forward-allocated tensor now lives on the schedule side, so its free
         # can race S's last read of it (gpu_impl's race detector finds that one first).
-        "filter_batch slices the forward-produced accept_lens", ("FM1", "ST4"), _spec_overlap,
-        stream_level=True),
+        "filter_batch slices the forward-produced accept_lens", ("FM1", "ST4"),
+        lambda cell: cell.is_spec and cell.overlap, stream_level=True),
     Bug("B14", "a released request launched again", "#28986, #28682",
         "overlap disabled for a batch processes the pending result between prepare and launch"
         " and a request it finished and released stays in the batch",
-        "no re-filter after the early result processing", ("RP1", "KV4"), _overlap,
+        "no re-filter after the early result processing", ("RP1", "KV4"),
+        lambda cell: cell.overlap,
         current_upstream="the need_grammar_sync path (host-draft or ngram with a grammar): "
                          "event_loop_overlap processes early and launches without a re-filter "
                          "(#32353; #28986 open)"),
     Bug("B15", "tensor lifetime across streams", "#11210, #36661",
         "tensors read by F_i are dropped before F_i completes and their memory reused",
-        "the batch_record_buf ring has one slot", ("ST4",), _overlap, stream_level=True),
+        "the batch_record_buf ring has one slot", ("ST4",), lambda cell: cell.overlap,
+        stream_level=True),
     Bug("B16", "2A reserve of the current rung under an adaptive down-switch",
         "before #26354 (fixed upstream 2026-05-28)",
         "the in-flight verify ran a wider rung than the one being prepared, so the lag can "
         "exceed A of the new rung and 2A of it does not cover lag + W",
         "reserve = 2 * A(current rung) instead of 2 * A(widest rung)", ("KV3",),
-        _adaptive_chain_overlap,
+        lambda cell: cell.spec_mode is SpecMode.V2_CHAIN and cell.overlap,
         representative_cells=("ov-p1-v2chain-cpu-honest", "ov-p1-v2chain-nocpu-honest")),
 )
 

@@ -32,13 +32,16 @@ Defaults are sglang 0.5.23's. Five switches name what the release does not do:
   adaptive down-switch, which is what B12 needs. Its cells fix everything the reserve
   does not touch (page 1, the host mirror on, the honest claim).
 - ``trimmed_finish``: a proposal (#35694, open: keep the finishing overshoot out of what is
-  cached; #24590 asked the same of the non-spec overlap +1): cut the accepted run at the
-  stop and ``max_new_tokens`` before committing it, and cache only the positions whose KV
-  a forward wrote (prompt + output - 1). The release commits and appends the whole
-  accepted run (``_resolve_spec_v2_tokens``), hides the overrun behind ``finished_len``
-  and caches ``Req.owned_kv_len()`` (``schedule_batch.py:1552``): at most prompt + the
-  visible output, the newest token included, and all of ``kv_committed_len`` for an abort
-  (no ``finished_len``). One cell (the chain, overlap, page 1) carries it.
+  cached; #24590, closed, and its fix #24745, closed unmerged, asked the same of the
+  non-spec overlap +1): cut the accepted run at the stop and ``max_new_tokens`` before
+  committing it, and cache only the positions whose KV a forward wrote (prompt + output -
+  1). The release commits and appends the whole accepted run (``_resolve_spec_v2_tokens``),
+  hides the overrun behind ``finished_len`` and caches ``Req.owned_kv_len()``
+  (``schedule_batch.py:1552``): at most prompt + the visible output, the newest token
+  included (under overlap a non-spec stop leaves the next decode's claim on that token's
+  slot in ``kv_committed_len``: #24590), and all of ``kv_committed_len`` for an abort (no
+  ``finished_len``). Two cells carry it: the chain (overlap, page 1) and non-spec (overlap,
+  page 1).
 - ``cpu_ub``: a proposal (the closed PR #27979): with the host mirror off, keep
   ``seq_len_cpu_ub``, a host upper bound of ``seq_lens`` (the batch's largest
   ``kv_allocated_len``), for host code that needs one. The release keeps no host length at
@@ -303,7 +306,7 @@ def get_departures(cell: Cell) -> tuple[str, ...]:
     if cell.trimmed_finish:
         departures.append("proposal: the trimmed finish, the accepted run cut at the stop and "
                           "max_new_tokens before it is committed, prompt + output - 1 cached "
-                          "(#35694, open; #24590)")
+                          "(#35694, open; #24590 and its fix #24745, closed)")
     if cell.cpu_ub:
         departures.append("proposal: seq_len_cpu_ub, a host upper bound of seq_lens kept with "
                           "the host mirror off (the closed PR #27979)")
@@ -330,9 +333,10 @@ def is_valid_cell(cell: Cell) -> bool:
     if cell.overshoot and not cell.preclaim and (cell.is_spec or cell.page_size != 1):
         return False  # outside the pre-claim era, ov-p1-none-overshoot alone
     chain_p1 = cell.spec_mode is SpecMode.V2_CHAIN and cell.page_size == 1 and not cell.preclaim
-    if cell.trimmed_finish and not (chain_p1 and cell.overlap and cell.needs_cpu_seq_lens
-                                    and not cell.rung_reserve):
-        return False  # the proposal's one cell: ov-p1-v2chain-cpu-honest-trimmed
+    plain_p1 = not cell.is_spec and cell.page_size == 1 and not cell.overshoot
+    if cell.trimmed_finish and not (cell.overlap and cell.needs_cpu_seq_lens
+                                    and not cell.rung_reserve and (chain_p1 or plain_p1)):
+        return False  # the proposal's cells: ov-p1-none-trimmed, ov-p1-v2chain-cpu-honest-trimmed
     if cell.cpu_ub and not (chain_p1 and cell.overlap and not cell.needs_cpu_seq_lens
                             and not cell.rung_reserve and not cell.trimmed_finish):
         return False  # the proposal's one cell: ov-p1-v2chain-nocpu-honest-ub

@@ -268,17 +268,12 @@ def _require_decodable(name: str, req: RequestRecord) -> None:
 
 
 @transition("kv_allocated_len", "kv_committed_len", "ghost.prepared_steps")
-def prepare_for_decode(req: RequestRecord, seq_len: int,
-                       faults: frozenset[str] = NO_FAULTS) -> RequestRecord:
+def prepare_for_decode(req: RequestRecord, seq_len: int) -> RequestRecord:
     """Non-spec ``prepare_for_decode`` / ``alloc_for_decode``: one slot at column seq_len,
-    so allocated = seq_len + 1, and the slot is claimed now: committed += 1.
-
-    B10 moves the claim to result time (settle-at-result, #27971).
-    """
+    so allocated = seq_len + 1, and the slot is claimed now: committed += 1."""
     _require_decodable("prepare_for_decode", req)
-    claim = 0 if "B10" in faults else 1
     return replace(req, kv_allocated_len=compute_decode_seq_len_ns(seq_len),
-                   kv_committed_len=req.kv_committed_len + claim,
+                   kv_committed_len=req.kv_committed_len + 1,
                    ghost=ghost_prepare_decode(req.ghost))
 
 
@@ -355,21 +350,26 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
     and updates the finish state; a stale row only settles its pre-claim. The release of a
     finished request is :func:`release_kv_cache`, next.
 
-    Faults: B3 processes stale rows as live; B11 commits the uncut run (the trimmed finish's
-    cell too); B10 commits the non-spec slot here instead of at prepare time.
+    Faults: B3 commits a stale row's run as if live (the pre-claim era's commit loop
+    before #23456; output, finish and release kept their skip); B11 commits the uncut run
+    (the trimmed finish's cell too).
     """
     name = "process_result"
     require(accept_len >= 1, name, req, "output_ids", f"accept_len={accept_len} < 1")
     verified = cell.is_spec and forward_mode == "decode"
     ghost = ghost_result(req.ghost, step, req.max_new_tokens, accept_len, eos_at, verified)
     finished_before = req.is_finished()
-    stale = is_stale(req) and "B3" not in faults
+    stale = is_stale(req)
     run_len = compute_run_len(accept_len, compute_output_budget(
         req.max_new_tokens, req.output_len, req.to_finish is not None), eos_at)
     decode = forward_mode == "decode"
     if stale:
         committed = req.kv_committed_len
-        if decode:
+        if decode and "B3" in faults and cell.is_spec and cell.preclaim:
+            # Before #23456 the commit loop had no skip: accept_len - 1 for every row.
+            committed = compute_committed_after_result(cell, committed, accept_len, False,
+                                                       False)
+        elif decode:
             committed = compute_committed_after_result(cell, committed, run_len, True,
                                                        finished_before)
         return replace(req, kv_committed_len=committed, ghost=ghost)
@@ -380,8 +380,6 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
         settled = accept_len if "B11" in faults else compute_committed_run(cell, accept_len,
                                                                             run_len)
         committed = compute_committed_after_result(cell, committed, settled, False, False)
-        if "B10" in faults and not cell.is_spec:
-            committed += 1  # settle at result time
     grown = replace(req, output_ids=req.output_ids + tokens[:run_len],
                     kv_committed_len=committed, ghost=ghost,
                     spec_verify_ct=req.spec_verify_ct + (1 if verified else 0),
@@ -400,7 +398,8 @@ def release_kv_cache(req: RequestRecord, cell: Cell, is_insert: bool,
     At a finish (``is_insert``) the tree caches ``Req.owned_kv_len()``, never past the
     allocation (compute_cached_len). kv_committed_len is unchanged; kv_allocated_len
     becomes 0 (``ReqKvInfo.mark_kv_released``, the end of upstream's release). B11 caches
-    kv_committed_len itself, past the stop.
+    kv_committed_len itself, past the stop; B10 caches ``owned_kv_len`` in a trimmed
+    finish's cell, the newest token's unwritten slot included (#24590).
     """
     name = "release_kv_cache"
     require(req.holds_kv, name, req, "holds_kv", "released twice")
@@ -413,7 +412,8 @@ def release_kv_cache(req: RequestRecord, cell: Cell, is_insert: bool,
     if "B11" in faults:
         cached = committed
     else:
-        cached = compute_cached_len(cell, committed, req.prompt_len, req.output_len,
+        rule = replace(cell, trimmed_finish=False) if "B10" in faults else cell
+        cached = compute_cached_len(rule, committed, req.prompt_len, req.output_len,
                                     req.finished_reason == "abort")
     return replace(released, cached_len=max(0, min(cached, req.kv_allocated_len)),
                    committed_at_release=committed, ghost=ghost_release(req.ghost))

@@ -219,7 +219,8 @@ def test_every_reference_run_is_a_bmc_run_with_the_same_state(cell: str) -> None
 
 # B12 needs a rung down-switch after the allocation grew: 24 random runs find it here
 # (12 do not, with this seed).
-@pytest.mark.parametrize("cell,bug,runs", [("ov-p1-none", "B10", 2 * RUNS_PER_CELL),
+@pytest.mark.parametrize("cell,bug,runs", [("ov-p1-v2chain-cpu-preclaim", "B3",
+                                            2 * RUNS_PER_CELL),
                                            ("ov-p1-v2chain-cpu-honest-rungreserve", "B12",
                                             4 * RUNS_PER_CELL),
                                            ("ov-p1-v2chain-cpu-honest-trimmed", "B11",

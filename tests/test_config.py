@@ -18,7 +18,7 @@ from overlap_spec.spec.transitions import compute_admission
 def test_every_cell_is_valid_named_once_and_covers_each_switch() -> None:
     cells = enumerate_cells()
     names = [c.name for c in cells]
-    assert len(names) == len(set(names)) == 27
+    assert len(names) == len(set(names)) == 28
     assert {c.spec_mode for c in cells} == set(SpecMode)
     assert {c.overlap for c in cells} == {True, False}
     assert {c.page_size for c in cells} == {1, 4}
@@ -29,8 +29,9 @@ def test_every_cell_is_valid_named_once_and_covers_each_switch() -> None:
     # the overshoot era: every pre-claim overlap cell, and one non-spec cell by name
     assert [c.name for c in cells if c.overshoot and not c.preclaim] == ["ov-p1-none-overshoot"]
     assert all(c.overshoot == c.overlap for c in cells if c.preclaim)
-    # the trimmed finish proposal: one cell, the release's chain overlap cell otherwise
-    assert [c.name for c in cells if c.trimmed_finish] == ["ov-p1-v2chain-cpu-honest-trimmed"]
+    # the trimmed finish proposal: the release's non-spec and chain overlap cells otherwise
+    assert [c.name for c in cells if c.trimmed_finish] == ["ov-p1-none-trimmed",
+                                                           "ov-p1-v2chain-cpu-honest-trimmed"]
     # seq_len_cpu_ub (#27979): one cell, the release's chain overlap no-mirror cell otherwise
     assert [c.name for c in cells if c.cpu_ub] == ["ov-p1-v2chain-nocpu-honest-ub"]
 

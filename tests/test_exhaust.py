@@ -65,10 +65,10 @@ KILL_PAIRS = [(bug.id, cell.name) for bug in BUGS for cell in enumerate_cells()
 # One cheap cell per bug (measured on 2 shared cores: B16 about 30 s of CPU, the rest a few
 # seconds together); the slow matrix runs every applicable cell.
 FAST_KILLS = [
-    ("B1", "ov-p1-none"), ("B2", "nov-p1-v2tree-cpu-honest"), ("B3", "ov-p4-none"),
+    ("B1", "ov-p1-none"), ("B2", "nov-p1-v2tree-cpu-honest"), ("B3", "ov-p1-v2tree-nocpu-preclaim"),
     ("B4", "ov-p1-v2tree-cpu-preclaim"), ("B5", "ov-p1-v2tree-cpu-honest"),
     ("B6", "ov-p4-v2chain-nocpu-preclaim"), ("B7", "nov-p1-v2chain-cpu-honest"),
-    ("B8", "ov-p4-none"), ("B9", "ov-p1-v2tree-cpu-preclaim"), ("B10", "nov-p4-none"),
+    ("B8", "ov-p4-none"), ("B9", "ov-p1-v2tree-cpu-preclaim"), ("B10", "ov-p1-none-trimmed"),
     ("B11", "ov-p1-v2tree-cpu-honest"), ("B12", "nov-p1-v2chain-cpu-honest-rungreserve"),
     ("B13", "ov-p1-v2tree-nocpu-preclaim"), ("B14", "ov-p1-v2tree-nocpu-honest"),
     ("B15", "ov-p1-v2tree-nocpu-honest"), ("B16", "ov-p1-v2chain-cpu-honest"),
@@ -165,12 +165,12 @@ def test_counts_are_deterministic(cell: str, depth: int) -> None:
 def test_a_counterexample_replays_through_the_cli(tmp_path: Path,
                                                   capsys: pytest.CaptureFixture[str]) -> None:
     report_path = tmp_path / "report.json"
-    code = main(["exhaust", "--cells", "ov-p1-none", "--faults", "B10", "-j", "1",
+    code = main(["exhaust", "--cells", "ov-p1-none-trimmed", "--faults", "B10", "-j", "1",
                  "--out", str(tmp_path), "--json", str(report_path)])
     out = capsys.readouterr().out
     assert code == 1
     document = json.loads(report_path.read_text())
-    cell = document["cells"]["ov-p1-none@minimal"]
+    cell = document["cells"]["ov-p1-none-trimmed@minimal"]
     assert cell["kill"] == KILLED and cell["stopped"]["invariant"] in get_bug("B10").invariants
     replay = cell["stopped"]["replay"]
     assert f"replay: {replay}" in out

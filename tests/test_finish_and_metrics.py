@@ -114,8 +114,11 @@ def test_a_stale_verify_row_feeds_no_per_request_metrics() -> None:
     assert checker.exercised["RP6"] > 0
 
 
-def test_rp6_catches_a_stale_row_processed_as_live() -> None:
-    outcome = run_script(Script(CELL, "minimal", STALE_VERIFY, ("B3",)))
+def test_rp6_catches_a_stale_row_processed_as_live(monkeypatch: pytest.MonkeyPatch) -> None:
+    # No catalogue bug does this (B3 commits a stale row's run but keeps its output and
+    # metrics skip): a mutant of the staleness test itself, every row processed as live.
+    monkeypatch.setattr(relation, "is_stale", lambda req: False)
+    outcome = run_script(Script(CELL, "minimal", STALE_VERIFY))
     assert outcome.violation is not None
     assert "RP6" in outcome.violation.all_ids
     assert "spec_verify_ct=2, spec_num_correct_drafts=6; its live verifies were 1" in str(

@@ -79,16 +79,18 @@ def test_a_divergence_names_step_field_and_both_values() -> None:
 
 def test_a_faulted_gpu_impl_diverges_and_the_report_is_replayable(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    # Overlap: B10 settles a step late, which shows between the claim and the result.
-    script = Script("ov-p1-none", "minimal",
-                    [Admit(3, 6), Iterate(IterationChoices()), Iterate(IterationChoices())],
-                    ("B10",), implementation="gpu_impl")
+    # B3 in the pre-claim era: the late verify of a request retracted since is committed.
+    verify = IterationChoices(accept_lens=(2, 2))
+    script = Script("ov-p1-v2chain-cpu-preclaim", "minimal",
+                    [Admit(2, 8), Admit(2, 8), Iterate(verify), Iterate(verify),
+                     Iterate(IterationChoices(retract=1, accept_lens=(2, 2)))],
+                    ("B3",), implementation="gpu_impl")
     outcome = run_differential(script)
     assert outcome.divergence is not None, outcome.describe()
     assert outcome.divergence.field.endswith("kv_committed_len"), outcome.describe()
     text = outcome.describe()
     assert f"step {outcome.divergence.step}" in text and "reference=" in text
-    path = save_script(script, tmp_path / "b10.json")
+    path = save_script(script, tmp_path / "b3.json")
     assert main(["replay", str(path)]) == 1
     assert "divergence at step" in capsys.readouterr().out
 
@@ -112,6 +114,7 @@ def test_sync_contract_per_steady_state_iteration(cell: object) -> None:
 # ``overlap-spec syncs`` and update both.
 LAUNCHES: dict[str, dict[str, int]] = {
     "ov-p1-none": {'copy': 2, 'forward': 67, 'schedule': 3},
+    "ov-p1-none-trimmed": {'copy': 2, 'forward': 67, 'schedule': 3},
     "ov-p1-none-overshoot": {'copy': 2, 'forward': 67, 'schedule': 3},
     "ov-p4-none": {'copy': 2, 'forward': 67, 'schedule': 2},
     "nov-p1-none": {'copy': 2, 'schedule': 68},

@@ -16,8 +16,8 @@ from overlap_spec.spec.bugs import get_bug
 from overlap_spec.spec.config import MINIMAL, ModelConfig, get_cell
 
 CASES = [
-    ("B3", "ov-p1-v2chain-cpu-honest"),  # stale-result skip removed
-    ("B3", "ov-p1-none"),
+    ("B3", "ov-p1-v2chain-cpu-preclaim"),  # stale rows' runs committed (pre-claim era)
+    ("B3", "ov-p4-v2chain-nocpu-preclaim"),
     ("B4", "ov-p4-v2chain-nocpu-preclaim"),  # counters over stale rows
     ("B5", "ov-p1-v2tree-cpu-honest"),  # read new_seq_lens without publish_ready
     ("B7", "nov-p4-v2chain-cpu-honest"),  # draft-extend +D_tok written to SB
@@ -45,7 +45,7 @@ def test_fault_is_caught_with_its_invariant(fault: str, cell: str) -> None:
 
 
 def test_failure_message_names_id_request_values_and_replay() -> None:
-    config = ModelConfig(get_cell("ov-p1-v2chain-cpu-honest"), MINIMAL)
+    config = ModelConfig(get_cell("ov-p1-v2chain-cpu-preclaim"), MINIMAL)
     result = check_cell(config, get_profile("ci"), 1, frozenset({"B3"}))
     assert result.violation is not None
     text = str(result.violation)

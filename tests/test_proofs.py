@@ -105,7 +105,7 @@ def _random_args(function: Callable[..., Any], rng: random.Random) -> tuple[Any,
         elif name in ("stale", "finished", "spec", "preclaim", "aborted"):
             values.append(rng.random() < 0.5)
         elif name == "faults":
-            values.append(frozenset(b for b in ("B10", "B12", "B16") if rng.random() < 0.3))
+            values.append(frozenset(b for b in ("B10", "B11", "B12", "B16") if rng.random() < 0.3))
         elif name == "eos_at":
             values.append(None if rng.random() < 0.4 else rng.randint(-1, 6))
         elif name == "seq_lens":

@@ -291,9 +291,9 @@ def test_inductive_step_is_not_vacuous(cell: str) -> None:
 
 
 def test_inductive_step_fails_under_a_bug_and_the_unrolling_finds_it() -> None:
-    """B10 (committed not bumped at a non-spec decode): the step is sat, so check_bounded
-    falls back to the unrolling, whose counterexample is real."""
-    ctx = Context(ModelConfig(get_cell("ov-p1-none"), MINIMAL), frozenset({"B10"}))
+    """B10 (a stop's claimed slot cached in the trimmed finish's non-spec cell): the step is
+    sat, so check_bounded falls back to the unrolling, whose counterexample is real."""
+    ctx = Context(ModelConfig(get_cell("ov-p1-none-trimmed"), MINIMAL), frozenset({"B10"}))
     step = bmc.check_inductive_step(ctx, 4, 2, True)
     assert step.verdict == zs.SATISFIABLE
     result = bmc.check_bounded(ctx, 4, 2)

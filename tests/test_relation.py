@@ -28,6 +28,7 @@ NON_SPEC = get_cell("ov-p1-none")
 PRECLAIM = get_cell("ov-p1-v2chain-cpu-preclaim")
 HONEST = get_cell("ov-p1-v2chain-cpu-honest")
 TRIMMED = get_cell("ov-p1-v2chain-cpu-honest-trimmed")
+NS_TRIMMED = get_cell("ov-p1-none-trimmed")
 S0, S1, S2 = StepId(0), StepId(1), StepId(2)
 
 
@@ -245,11 +246,6 @@ def test_abort_waiting_finishes_at_once_running_at_the_next_result() -> None:
 
 # --- bug switches ------------------------------------------------------------------------------
 def test_faults_change_the_relation_where_the_catalogue_says() -> None:
-    b10 = relation.prepare_for_decode(prefilled(), 4, frozenset({"B10"}))
-    assert b10.kv_committed_len == 4  # the claim moves to result time
-    after = relation.process_result(relation.forward_decode(relation.launch(b10, S1), S1, 1),
-                                    NON_SPEC, S1, "decode", 1, None, (12,), frozenset({"B10"}))
-    assert after.kv_committed_len == 5
     shrunk = replace(relation.prepare_for_decode_spec_v2(prefilled(), 8, 1, False),
                      kv_committed_len=4)
     assert relation.prepare_for_decode_spec_v2(shrunk, 2, 1, False).kv_allocated_len == 12
@@ -269,13 +265,25 @@ def test_faults_change_the_relation_where_the_catalogue_says() -> None:
         TRIMMED, S1, "decode", 3, None, (12, 13, 14))
     assert trimmed.kv_committed_len == 4 + 1
     assert relation.release_kv_cache(trimmed, TRIMMED, True).cached_len == 4 + 2 - 1
-    stale = relation.launch(relation.prepare_for_decode(prefilled(), 4), S1)
+    # B10 (#24590): under overlap the next decode has claimed the newest token's slot when
+    # a stop finishes a non-spec request; owned_kv_len caches it, the trimmed finish not.
+    claimed = relation.prepare_for_decode(relation.launch(relation.prepare_for_decode(
+        prefilled(), 4), S1), 5)
+    stopped = relation.process_result(relation.forward_decode(claimed, S1, 1), NS_TRIMMED, S1,
+                                      "decode", 1, 0, (12,))
+    assert (stopped.finished_reason, stopped.kv_committed_len) == ("stop", 4 + 2)
+    assert relation.release_kv_cache(stopped, NS_TRIMMED, True).cached_len == 4 + 2 - 1
+    assert relation.release_kv_cache(stopped, NS_TRIMMED, True,
+                                     frozenset({"B10"})).cached_len == 4 + 2
+    # B3 (before #23456): a stale row's run committed all the same; its output still skipped.
+    stale = relation.launch(relation.prepare_for_decode_spec_v2(prefilled(), 8, 1, True), S1)
     stale = replace(stale, finished_reason="abort")
-    kept = relation.process_result(stale, NON_SPEC, S1, "decode", 1, None, (12,))
-    assert kept.output_ids == (11,)
-    b3 = relation.process_result(stale, NON_SPEC, S1, "decode", 1, None, (12,),
+    assert stale.kv_committed_len == 5  # the pre-claimed bonus
+    kept = relation.process_result(stale, PRECLAIM, S1, "decode", 3, None, (12, 13, 14))
+    assert (kept.output_ids, kept.kv_committed_len) == ((11,), 4)  # the refund
+    b3 = relation.process_result(stale, PRECLAIM, S1, "decode", 3, None, (12, 13, 14),
                                  frozenset({"B3"}))
-    assert b3.output_ids == (11, 12)
+    assert (b3.output_ids, b3.kv_committed_len) == ((11,), 5 + 3 - 1)
 
 
 # --- the reference goes through the relation ---------------------------------------------------

@@ -19,7 +19,8 @@ from overlap_spec.harness.report import get_failure_signature, render_failures
 from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
 from overlap_spec.spec.invariants import INVARIANT_IDS, InvariantViolation
 
-CELLS = "ov-p1-none,ov-p1-v2chain-cpu-honest,ov-p1-v2tree-cpu-honest"  # B3 lives in each
+# B3 lives in each (the pre-claim era's spec overlap cells)
+CELLS = "ov-p1-v2chain-cpu-preclaim,ov-p4-v2chain-cpu-preclaim,ov-p1-v2tree-cpu-preclaim"
 
 
 def test_review_of_the_reference_passes(tmp_path: Path,
@@ -40,9 +41,9 @@ def test_review_groups_one_bug_seen_in_several_cells_into_one_block(
                  "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert code == 1
-    # B3 shows as RP1 (a stale row gets output) where the search reaches a stale row of a
-    # finished request, and may show as RP3/RP6 alone (a stale verify counted) elsewhere:
-    # one block per mechanism, each cell in exactly one, one replay line per block.
+    # B3 shows as KV6 (a request finished since loses its refund) or KV5 (one retracted
+    # since gains committed KV), each with RP1 (a stale row's commit changed): one block per
+    # mechanism, each cell in exactly one, one replay line per block.
     # A long cell list wraps onto indented lines of cell names.
     name = r"[\w.\[\]=,-]+@\w+(?:\[[^\]]*\])?"
     blocks = re.findall(rf"^\[(\d+)\] in (\d+) cells?: ((?:{name},? ?)+(?:\n +(?:{name},? ?)+)*)$",

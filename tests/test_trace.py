@@ -88,12 +88,12 @@ def test_violation_report_names_event_id_request_and_values(tmp_path: Path,
                                                             capsys: pytest.CaptureFixture[str]
                                                             ) -> None:
     path = tmp_path / "b3.ndjson"
-    script = load_script(CORPUS / "ov-p1-none-minimal-B3.json")
+    script = load_script(CORPUS / "ov-p1-v2chain-nocpu-preclaim-minimal-B3.json")
     record_script_trace(script, path)
     assert main(["check", str(path)]) == 1
     out = capsys.readouterr().out
     assert out.startswith("VIOLATION")
-    assert "RP1 violated for request r" in out and "expected:" in out and "actual:" in out
+    assert "KV5 violated for request r1" in out and "expected:" in out and "actual:" in out
     assert "preceding events:" in out and "(line " in out
 
 

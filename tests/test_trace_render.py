@@ -217,10 +217,11 @@ def test_mermaid_escapes_what_would_break_a_statement(tmp_path: Path) -> None:
 
 
 # --------------------------------------------------------------------------- length plot
-def _b10_trace(tmp_path: Path) -> Path:
-    """SL7 for request r0 (B10: non-spec committed settled at result time)."""
-    path = tmp_path / "b10.trace.ndjson"
-    record_script_trace(load_script(CORPUS / "ov-p1-none-minimal-B10.json"), path)
+def _b3_trace(tmp_path: Path) -> Path:
+    """KV5 for request r1 (B3: the late verify of a request retracted since committed)."""
+    path = tmp_path / "b3.trace.ndjson"
+    record_script_trace(load_script(CORPUS / "ov-p1-v2chain-nocpu-preclaim-minimal-B3.json"),
+                        path)
     return path
 
 
@@ -241,24 +242,24 @@ def _path_points(d: str) -> list[tuple[float, float, float]]:
 
 @pytest.mark.parametrize("snapshots", [True, False], ids=["snapshots", "inferred"])
 def test_plot_marks_the_violating_point(tmp_path: Path, snapshots: bool) -> None:
-    path = _b10_trace(tmp_path)
+    path = _b3_trace(tmp_path)
     text = path.read_text() if snapshots else strip_snapshots(path.read_text())
     parsed = parse_trace(text)
     verdict = check_trace(parsed)
-    assert verdict.violation is not None and verdict.invariant_id == "SL7"
+    assert verdict.violation is not None and verdict.invariant_id == "KV5"
     observe_ids = [e.id for e in parsed.events if e.event == "observe"]
     expected_index = observe_ids.index(verdict.violation.event_id)
     plot = compute_length_plot(parsed, verdict)
     assert plot.violation_index == expected_index
-    assert [p.title for p in plot.panels] == ["request r0"]
-    assert set(plot.panels[0].marked) == {"seq_lens", "kv_committed_len", "kv_allocated_len"}
+    assert [p.title for p in plot.panels] == ["request r1"]
+    assert set(plot.panels[0].marked) == {"kv_committed_len", "kv_allocated_len"}
     svg = draw_length_plot(plot)
     root = ElementTree.fromstring(svg)
     markers = root.findall(f".//{SVG}circle[@class='violation']")
     paths = {p.get("data-series"): p.get("d", "")
              for p in root.findall(f".//{SVG}path[@class='series']")}
     assert {m.get("data-series") for m in markers} == set(plot.panels[0].marked)
-    values = {"seq_lens": 2, "kv_committed_len": 1, "kv_allocated_len": 2}  # the message's
+    values = {"kv_committed_len": 1, "kv_allocated_len": 0}  # the message's
     for marker in markers:
         series = marker.get("data-series", "")
         cx, cy = float(marker.get("cx", "")), float(marker.get("cy", ""))
@@ -271,13 +272,13 @@ def test_plot_marks_the_violating_point(tmp_path: Path, snapshots: bool) -> None
     line = root.find(f".//{SVG}line[@class='violation-line']")
     assert line is not None and float(line.get("x1", "")) == pytest.approx(cx, abs=0.06)
     labels = [t for e, t in _svg_texts(svg)[2] if e.get("class") == "violation-label"]
-    assert labels[0] == f"SL7 at observation {expected_index} (prepare_for_decode, op 2)"
-    assert "seq_lens=2, kv_committed_len=1, kv_allocated_len=2" in " ".join(labels)
+    assert labels[0] == f"KV5 at observation {expected_index} (process_result, op 4)"
+    assert "kv_committed_len=1, kv_allocated_len=0, expected 0 and 0" in " ".join(labels)
     assert_text_inside_viewbox(svg)
 
 
 def test_plot_labels_fit_for_a_long_message_on_a_wide_plot(tmp_path: Path) -> None:
-    parsed = read_trace(_b10_trace(tmp_path))
+    parsed = read_trace(_b3_trace(tmp_path))
     plot = compute_length_plot(parsed, check_trace(parsed))
     count, index = 75, 40  # the widest plot; the violation just right of its middle
     message = "KV1 violated for request r0: kv_committed_len=74 " + "and more words " * 30
@@ -302,14 +303,12 @@ def test_plot_of_a_batch_sum_and_a_stale_request(tmp_path: Path) -> None:
     assert plot.panels[0].title == "the ScheduleBatch"
     assert plot.panels[0].marked == ("seq_lens_sum", "sum(seq_lens_cpu)")
     assert [p.title for p in plot.panels[1:]] == ["request r0"]
-    path = tmp_path / "b3.trace.ndjson"
-    record_script_trace(load_script(CORPUS / "ov-p1-none-minimal-B3.json"), path)
-    parsed = read_trace(path)
+    parsed = read_trace(_b3_trace(tmp_path))
     plot = compute_length_plot(parsed, check_trace(parsed))
-    assert plot.violation.invariant_id == "RP1"
+    assert plot.violation.invariant_id == "KV5"
     stale = next(p for p in plot.panels if p.title == "request r1")
-    assert {s.name for s in stale.series} >= {"output_len", "kv_committed_len"}
-    assert "output_len" in stale.marked
+    assert {s.name for s in stale.series} >= {"kv_allocated_len", "kv_committed_len"}
+    assert "kv_committed_len" in stale.marked
     assert_text_inside_viewbox(draw_length_plot(plot))
 
 
@@ -336,12 +335,12 @@ def test_plot_refuses_a_trace_without_an_arithmetic_violation(
 
 def test_plot_and_render_cli_write_the_length_plot(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    trace = _b10_trace(tmp_path)
+    trace = _b3_trace(tmp_path)
     assert main(["plot", str(trace)]) == 0
-    default = tmp_path / "b10.trace.lengths.svg"
+    default = tmp_path / "b3.trace.lengths.svg"
     assert f"wrote {default}" in capsys.readouterr().out
     assert main(["render", str(trace), "--out", str(tmp_path / "pics")]) == 0
-    written = (tmp_path / "pics" / "b10.trace.lengths.svg").read_text()
+    written = (tmp_path / "pics" / "b3.trace.lengths.svg").read_text()
     assert written == default.read_text()
 
 

@@ -62,8 +62,9 @@ def is_drivable(config: ModelConfig) -> str | None:
         return ("the overshoot decode is an earlier era: 0.5.23's overlap loop sets "
                 "enable_skip_finishing_decode (scheduler.py:2063)")
     if cell.trimmed_finish:
-        return ("the trimmed finish is a proposal (#35694, open); 0.5.23 commits the whole "
-                "accepted run and caches Req.owned_kv_len() (schedule_batch.py:1552)")
+        return ("the trimmed finish is a proposal (#35694, open; #24745, closed); 0.5.23 "
+                "commits the whole accepted run and caches Req.owned_kv_len() "
+                "(schedule_batch.py:1552)")
     if cell.cpu_ub:
         return ("seq_len_cpu_ub is a proposal (the closed PR #27979); 0.5.23 keeps no host "
                 "length without the mirror")
