@@ -55,6 +55,7 @@ class ScheduleBatch:
     input_ids: torch.Tensor | None = None  # set at forward entry, None between iterations
     spec_extra: dict[str, torch.Tensor] = field(default_factory=dict)
     is_prefill_only: bool = False  # never decoded (reference/schedule_batch.py)
+    batch_is_full: bool = False  # admission's latch, while this is the running batch
 
     @classmethod
     def prepare_for_extend(cls, rt: Runtime, reqs: list[Req]) -> ScheduleBatch:

@@ -48,14 +48,20 @@ from overlap_spec.spec.happens_before import COPY, FORWARD, SCHEDULE
 from overlap_spec.spec.interface import BatchState, ObservableState, Observer, RequestState
 from overlap_spec.spec.state import IterationChoices, compute_env_token, get_last_prompt_token
 from overlap_spec.spec.transitions import (
+    INIT_NEW_TOKEN_RATIO,
     compute_admission,
     compute_committed_after_result,
     compute_committed_run,
+    compute_decayed_ratio,
     compute_fill_len,
     compute_output_budget,
     compute_pages_for_len,
+    compute_prefill_check_tokens,
+    compute_prefill_reserved_tokens,
+    compute_ratio_after_retract,
     compute_retraction_order,
     compute_run_len,
+    compute_running_token_offset,
     is_next_output_finishing_by_length,
 )
 from overlap_spec.spec.units import RequestId, StepId, TokenCount
@@ -72,6 +78,27 @@ ISOLATED_FIELDS = ("forward_mode", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "
 class QueuedResult:
     batch: ResultBatch
     result: ForwardResult
+
+
+@dataclass
+class PrefillBudget:
+    """``PrefillBudget`` with a disabled tree (nothing evictable): offsets against the free
+    tokens, the running requests' estimate first (a float), then each admission's."""
+
+    available: int
+    total_offset: float = 0
+    current_offset: int = 0
+
+    def admits(self, asked: int) -> bool:
+        return asked < self.available - self.total_offset
+
+    def reserve(self, reserved: int, immediate: int) -> None:
+        self.total_offset += reserved
+        self.current_offset += immediate
+
+    def has_capacity(self) -> bool:
+        return (self.available - self.total_offset > 0
+                and self.available - self.current_offset > 0)
 
 
 class Scheduler:
@@ -111,6 +138,7 @@ class Scheduler:
         # The global accept counters of the last processed result (RP3; B4 counts stale rows).
         self.num_correct_drafts = 0
         self.metrics_batch_size = 0
+        self.ratio = INIT_NEW_TOKEN_RATIO  # NewTokenRatioTracker.current
 
     # ------------------------------------------------------------------ interface
     def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False) -> RequestId:
@@ -173,8 +201,16 @@ class Scheduler:
                 self.result_queue.append(QueuedResult(batch.copy(), result))
             if not early and self.last_batch is not None and self.result_queue:
                 self.pop_and_process()
+        if batch is None and (self.last_batch is None or not self.config.cell.overlap):
+            self._reset_ratio_if_idle()
         self.last_batch = batch
         self.cur_batch = None
+
+    def _reset_ratio_if_idle(self) -> None:
+        """``on_idle`` past its fully-idle gate resets the new-token ratio."""
+        busy = [b for b in (self.running_batch, self.last_batch) if b is not None and b.reqs]
+        if not busy and not self.result_queue and not self.waiting_queue:
+            self.ratio = INIT_NEW_TOKEN_RATIO
 
     def get_request_ids(self) -> tuple[RequestId, ...]:
         return tuple(self.requests)
@@ -206,6 +242,9 @@ class Scheduler:
             free_pages=get_available_pages(self.rt),
             kv_write_faults=streams.read_for_observation(self.kv_write_faults)[0],
             accept_counters=(self.num_correct_drafts, self.metrics_batch_size),
+            new_token_ratio=self.ratio,
+            batch_is_full=bool(self.running_batch is not None and self.running_batch.reqs
+                               and self.running_batch.batch_is_full),
         )
 
     def _get_batch_state(self, batch: ScheduleBatch | None) -> BatchState | None:
@@ -221,12 +260,17 @@ class Scheduler:
         self.process_prebuilt()
         last = self.last_batch
         if last is not None and last.forward_mode == "extend":
+            size = len(last.reqs)
             last.filter_batch()
+            if self.running_batch is not None and len(last.reqs) != size:
+                self.running_batch.batch_is_full = False  # a request left
             if not last.is_empty():
                 self._merge_into_running(last)
         running = self.running_batch
         if not self.config.cell.overshoot and running is not None:
+            size = len(running.reqs)
             running.filter_batch()  # the release: at every step, before admission
+            running.batch_is_full = running.batch_is_full and len(running.reqs) == size
         if choices.allow_prefill:
             new_batch = self.get_new_batch_prefill()
             if new_batch is not None:
@@ -242,14 +286,15 @@ class Scheduler:
         else:
             self.running_batch.merge_batch(batch)
 
-    def _choose_admissions(self, prebuilt: bool) -> list[Req]:
-        """Waiting requests in queue order while a pool row and their pages are free."""
+    def _choose_prebuilt(self) -> list[Req]:
+        """PD-decode requests in queue order while a pool row and their pages are free (the
+        model's own rule: the release's prealloc queue is not modelled)."""
         limit = self.config.preset.max_running_requests
         running = 0 if self.running_batch is None else len(self.running_batch.reqs)
         free_rows = len(self.rt.req_to_token_pool.free_slots)
         budget = get_available_pages(self.rt)
         chosen: list[Req] = []
-        for req in (r for r in self.waiting_queue if r.prebuilt == prebuilt):
+        for req in (r for r in self.waiting_queue if r.prebuilt):
             if running + len(chosen) >= limit or free_rows <= len(chosen):
                 break
             fill_len = compute_fill_len(req.prompt_len, len(req.output_ids))
@@ -269,7 +314,7 @@ class Scheduler:
         ``publish_ready`` is recorded there; the caller fence ``S.wait_stream(F)``
         (#35748) orders them after the in-flight forward's relay writes. B9 drops it.
         """
-        chosen = self._choose_admissions(prebuilt=True)
+        chosen = self._choose_prebuilt()
         if not chosen:
             return
         streams = self.streams
@@ -290,21 +335,70 @@ class Scheduler:
         self._merge_into_running(batch)
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        chosen = self._choose_admissions(prebuilt=False)
+        """``PrefillAdder`` over the waiting queue (FCFS, no skipping): the batch of what it
+        admitted, or None; ``batch_is_full`` latched when it ran out of rows or budget."""
+        running = self.running_batch
+        if running is not None and running.is_empty():
+            running.batch_is_full = False
+        full = running is not None and running.batch_is_full
+        queue = [r for r in self.waiting_queue if not r.prebuilt]
+        if full or not queue:
+            return None
+        members = running.reqs if running is not None else []
+        slots = min(self.config.preset.max_running_requests - len(members),
+                    len(self.rt.req_to_token_pool.free_slots))
+        chosen, full = self._add_requests(queue, members, slots)
+        if running is not None:
+            running.batch_is_full = full
+        for req in chosen:
+            self.waiting_queue.remove(req)
         return ScheduleBatch.prepare_for_extend(self.rt, chosen) if chosen else None
+
+    def _add_requests(self, queue: list[Req], members: list[Req], slots: int
+                      ) -> tuple[list[Req], bool]:
+        """(admitted, latch): ``add_one_req`` until one does not fit or nothing is left."""
+        if slots <= 0:
+            return [], True
+        page = self.config.page_size
+        budget = PrefillBudget(get_available_pages(self.rt) * page)
+        budget.total_offset += sum([
+            compute_running_token_offset(r.max_new_tokens, len(r.output_ids), self.ratio)
+            for r in members])
+        admitted: list[Req] = []
+        for req in queue:
+            if len(admitted) == slots:
+                return admitted, True
+            out = len(req.output_ids)
+            fill = compute_fill_len(req.prompt_len, out)
+            if not budget.admits(compute_prefill_check_tokens(fill, req.max_new_tokens, out,
+                                                              page)):
+                return admitted, bool(admitted or members)  # NO_TOKEN
+            admitted.append(req)
+            budget.reserve(compute_prefill_reserved_tokens(fill, req.max_new_tokens, page),
+                           compute_pages_for_len(fill, page) * page + page)
+            if not budget.has_capacity():
+                return admitted, True
+        return admitted, False
 
     def update_running_batch(self, batch: ScheduleBatch, forced_retracts: int) -> bool:
         """False: no decode this step (only requests the queued result finishes by
-        length are short of KV, and that result frees theirs)."""
+        length are short of KV, and that result frees theirs). A retraction re-estimates
+        the new-token ratio, a decode without one decays it."""
+        size = len(batch.reqs)
         finishing = self._reqs_finishing_inflight(batch)
         left_out = {id(req) for req in finishing}
         batch.filter_batch([j for j, req in enumerate(batch.reqs)
                             if not req.finished() and id(req) not in left_out])
-        if batch.is_empty():
+        short = sum(self._decode_pages_needed(batch)) > get_available_pages(self.rt)
+        if batch.is_empty() or (finishing and short):
+            batch.batch_is_full = False
             return False
-        if finishing and sum(self._decode_pages_needed(batch)) > get_available_pages(self.rt):
-            return False
-        self.retract_decode(batch, forced_retracts)
+        if short or forced_retracts > 0:
+            self.retract_decode(batch, forced_retracts)
+        else:
+            self.ratio = compute_decayed_ratio(self.ratio)
+        if len(batch.reqs) != size:
+            batch.batch_is_full = False
         if batch.is_empty():
             return False
         batch.prepare_for_decode()
@@ -329,8 +423,6 @@ class Scheduler:
         (#32023), or from the back of the batch in the pre-claim era's spec cells.
         """
         needs = self._decode_pages_needed(batch)
-        if forced == 0 and sum(needs) <= get_available_pages(self.rt):
-            return
         order = compute_retraction_order(self.config.cell,
                                          [len(req.output_ids) for req in batch.reqs],
                                          [req.prompt_len for req in batch.reqs])
@@ -350,6 +442,8 @@ class Scheduler:
             req.waiting = False
             req.is_retracted = False
             req.finished_reason = "abort"
+        self.ratio = compute_ratio_after_retract([len(batch.reqs[j].output_ids) for j in order],
+                                                 [batch.reqs[j].max_new_tokens for j in order])
         if retracted or aborted:
             batch.filter_batch(keep_indices=order)  # in the policy's order
             self.waiting_queue.extend(retracted)

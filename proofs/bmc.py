@@ -7,8 +7,8 @@ requests each transition fires on in each iteration, decided the way
 
     admissions (Admit ops before iteration i)
     1. the last extend batch is filtered and merged into the running batch
-    2. prefill first: the waiting queue FIFO, while a row, the running cap and the
-       pages of fill_len fit (``_choose_admissions``); else the decode path:
+    2. prefill first: the waiting queue FIFO by the release's PrefillAdder budget, its
+       batch_is_full latch and new-token ratio (``admit_by_budget``); else the decode path:
        filter_batch, retract_decode (memory or forced; spec and non-spec
        fewest outputs / longest prompt first), prepare_for_decode at this rung
     3. overlap with disable_overlap: the pending result first, then the re-filter
@@ -87,6 +87,16 @@ MODEL_ID: Final = "MODEL"
 LOOP_ID: Final = "LOOP"
 # Order keys: a batch merged at iteration i sorts after everything merged before it.
 _ORDER_STRIDE: Final = 1000
+# Admission's new-token ratio in exact units of 1/300000: the release's 0.7 is 210000, its
+# decay step (0.7 - 0.098) / 600 is 301, its floor 0.098 is 29400, a retraction's estimate
+# 1.0 is 300000 (tests/test_proofs_bmc.py checks these against spec.transitions). The
+# floats the release sums differ from these exact values by far less than one unit, so a
+# comparison can come out otherwise only where the exact values are equal: there the BMC
+# lets it go either way.
+RATIO_SCALE: Final = 300_000
+RATIO_INIT: Final = round(tr.INIT_NEW_TOKEN_RATIO * RATIO_SCALE)
+RATIO_DECAY: Final = round(tr.NEW_TOKEN_RATIO_DECAY * RATIO_SCALE)
+RATIO_MIN: Final = round(tr.MIN_NEW_TOKEN_RATIO * RATIO_SCALE)
 
 EXTRA_INT: Final = (
     "admit_at",
@@ -203,6 +213,8 @@ class _Builder:
             "extend_sum_present": zs.BoolVal(False),
             "extend_seq_lens_sum": zs.IntVal(0),
             "waiting_counter": zs.IntVal(requests),
+            "new_token_ratio": zs.IntVal(RATIO_INIT),  # NewTokenRatioTracker, scaled
+            "batch_is_full": zs.BoolVal(False),  # the running batch's admission latch
         }
         if symbolic_start:  # any state: the caller constrains it (check_inductive_step)
             self.glob = {
@@ -434,6 +446,10 @@ class _Builder:
                 )
             for what, fact in facts.items():
                 self.violate(LOOP_ID, i, f"end of iteration r{b} {what}", zs.Not(fact))
+        admission = zs.And(RATIO_MIN <= g["new_token_ratio"], g["new_token_ratio"] <= RATIO_SCALE,
+                           zs.Implies(g["batch_is_full"],
+                                      zs.Or(*[r["in_running_batch"] for r in self.reqs])))
+        self.violate(LOOP_ID, i, "end of iteration admission state", zs.Not(admission))
 
     def check_point(
         self, transition: str, iteration: int, fires: Term, b: int, r: Record, step: Step
@@ -557,7 +573,7 @@ class _Builder:
 
     def filter_running(self, when: Term, leave_out: list[Term] | None = None) -> None:
         """filter_batch on the running batch: drop finished (and ``leave_out``); sum reset
-        if anything left."""
+        and the admission latch cleared if anything left."""
         drop = [
             zs.And(when, zs.Or(r["finished"], leave_out[b]) if leave_out else r["finished"])
             for b, r in enumerate(self.reqs)
@@ -566,6 +582,7 @@ class _Builder:
                                                                             strict=True)])
         for r, d in zip(self.reqs, drop, strict=True):
             r["in_running_batch"] = zs.And(r["in_running_batch"], zs.Not(d))
+        self.glob["batch_is_full"] = zs.And(self.glob["batch_is_full"], zs.Not(removed))
         if not self.ctx.has("B1"):
             self.glob["running_sum_present"] = zs.And(
                 self.glob["running_sum_present"], zs.Not(removed)
@@ -612,6 +629,7 @@ class _Builder:
         for b, r in enumerate(self.reqs):
             r["in_extend_batch"] = survivors[b]
         g["extend_sum_present"] = x_sum
+        g["batch_is_full"] = zs.And(g["batch_is_full"], zs.Not(removed))
         self.check_state(i, "filter_batch(last extend)")
         any_survivor = zs.Or(*survivors)
         running_empty = zs.Not(zs.Or(*[r["in_running_batch"] for r in self.reqs]))
@@ -648,34 +666,8 @@ class _Builder:
             self.filter_running(zs.BoolVal(True))
             self.snapshot()
             self.check_state(i, "filter_batch(every step)")
-        # 2a. prefill first: FIFO admissions while the cap, a row and the pages fit.
-        running = _count([r["in_running_batch"] for r in self.reqs])
-        free_rows = self.rows - _count([r["holds_kv"] for r in self.reqs])
-        avail = self.available_pages()
-        need = [
-            lift(
-                tr.compute_pages_for_len,
-                lift(tr.compute_fill_len, r["prompt_len"], r["output_len"]),
-                self.page,
-            )
-            for r in self.reqs
-        ]
-        chosen: list[Term] = []
-        for r in self.reqs:
-            ahead = [
-                zs.And(c["waiting"], c["waiting_order"] <= r["waiting_order"]) for c in self.reqs
-            ]
-            count = _count(ahead)
-            pages = zs.Sum([zs.If(a, need[c], 0) for c, a in enumerate(ahead)])
-            chosen.append(
-                zs.And(
-                    allow,
-                    r["waiting"],
-                    running + count <= self.rows,
-                    count <= free_rows,
-                    pages <= avail,
-                )
-            )
+        # 2a. prefill first: the release's PrefillAdder (admit).
+        chosen = self.admit(i, allow)
         prefill = zs.Or(*chosen)
         posts = []
         for b, r in enumerate(self.reqs):
@@ -762,6 +754,14 @@ class _Builder:
             self.process(i, [zs.And(late, p) for p in pending], "process_result")
         else:
             self.process(i, launched, "process_result")
+        # on_idle once nothing runs, waits or is in flight: the ratio starts over.
+        quiet = zs.Not(zs.Or(*launched))
+        if ctx.overlap:
+            quiet = zs.And(quiet, zs.Not(g["last_launched"]))
+        busy = zs.Or(*[zs.Or(r["in_running_batch"], r["in_extend_batch"], r["waiting"],
+                             r["launched_steps"] >= 1) for r in self.reqs])
+        g["new_token_ratio"] = zs.If(zs.And(quiet, zs.Not(busy)), RATIO_INIT,
+                                     g["new_token_ratio"])
         g["last_was_extend"] = prefill
         g["last_launched"] = zs.Or(*launched)
         self.snapshot()
@@ -784,6 +784,95 @@ class _Builder:
                 prefill,
             )
         )
+
+    def admit(self, i: int, allow: Term) -> list[Term]:
+        """``get_new_batch_prefill`` with ``PrefillAdder`` (as ``Scheduler.admit_by_budget``):
+        which waiting requests this iteration admits, and the latch it leaves.
+
+        In queue order, no skipping, a request is admitted while a row is left, it asks
+        (fill + remaining max_new_tokens + a page) for less than the free tokens less the
+        running requests' remaining max_new_tokens x ratio and the earlier admissions'
+        reservations (paged fill + a page + max_new_tokens), and after an admission some
+        budget is left. Each comparison is a choice (``fits``, ``room``) pinned to the exact
+        arithmetic except where that is an equality (see ``RATIO_SCALE``)."""
+        g, page, scale = self.glob, self.page, RATIO_SCALE
+        reqs = self.reqs
+        n = len(reqs)
+        running = _count([r["in_running_batch"] for r in reqs])
+        free_rows = self.rows - _count([r["holds_kv"] for r in reqs])
+        rows = zs.If(self.rows - running < free_rows, self.rows - running, free_rows)
+        free = self.available_pages() * page * scale
+        latched = zs.And(g["batch_is_full"], running > 0)  # an empty batch's latch is dropped
+        ratio = g["new_token_ratio"]
+        top = self.ctx.config.preset.max_new_tokens
+        offset = []
+        for b, r in enumerate(reqs):
+            left = r["max_new_tokens"] - r["output_len"]
+            # rem x ratio, linear: one term per value rem can take (0..max_new_tokens).
+            offset.append(zs.Sum([zs.If(zs.And(r["in_running_batch"], left == v), v * ratio, 0)
+                                  for v in range(1, top + 1)]))
+            self.violate(MODEL_ID, i, f"admission r{b} remaining max_new_tokens",
+                         zs.And(r["in_running_batch"], zs.Or(left < 0, left > top)))
+        running_offset = zs.Sum(offset)
+        fill = [lift(tr.compute_fill_len, r["prompt_len"], r["output_len"]) for r in reqs]
+        asked = [lift(tr.compute_prefill_check_tokens, f, r["max_new_tokens"], r["output_len"],
+                      page) for f, r in zip(fill, reqs, strict=True)]
+        reserved = [lift(tr.compute_prefill_reserved_tokens, f, r["max_new_tokens"], page)
+                    for f, r in zip(fill, reqs, strict=True)]
+        paged = [lift(tr.compute_page_align_up, f, page) + page for f in fill]
+
+        def budget(among: list[Term]) -> tuple[Term, Term]:
+            """(free - total offset, free - current offset) after admitting ``among``."""
+            total = running_offset + scale * zs.Sum(
+                [zs.If(a, reserved[c], 0) for c, a in enumerate(among)])
+            current = scale * zs.Sum([zs.If(a, paged[c], 0) for c, a in enumerate(among)])
+            return free - total, free - current
+
+        def room_after(among: list[Term], name: str) -> Term:
+            left_total, left_current = budget(among)
+            room = zs.Bool(name)
+            self.add(zs.Implies(room, zs.And(left_total >= 0, left_current > 0)))
+            self.add(zs.Implies(zs.Not(room), zs.Or(left_total <= 0, left_current <= 0)))
+            return room
+
+        ahead = [[zs.And(c["waiting"], c["waiting_order"] < r["waiting_order"]) if c is not r
+                  else zs.BoolVal(False) for c in reqs] for r in reqs]
+        attempted = zs.And(allow, zs.Not(latched), zs.Or(*[r["waiting"] for r in reqs]))
+        fits, room, step_ok = [], [], []
+        for b, r in enumerate(reqs):
+            left_total, _ = budget(ahead[b])
+            fit = zs.Bool(f"i{i}.r{b}.fits")
+            self.add(zs.Implies(fit, scale * asked[b] <= left_total))
+            self.add(zs.Implies(zs.Not(fit), scale * asked[b] >= left_total))
+            fits.append(fit)
+            room.append(room_after(ahead[b], f"i{i}.r{b}.room"))
+            count = _count(ahead[b])
+            step_ok.append(zs.And(r["waiting"], count < rows, fit,
+                                  zs.Or(count == 0, room[b])))
+        chosen = [zs.And(attempted, step_ok[b],
+                         *[zs.Implies(ahead[b][c], step_ok[c]) for c in range(n) if c != b])
+                  for b in range(n)]
+        # The latch: no row at all; the first request left waiting found no row, no budget
+        # left after the one before it, or (with something running or admitted) did not fit;
+        # or no budget is left after the last one admitted.
+        admitted = _count(chosen)
+        latch = zs.BoolVal(False)
+        stopped = zs.BoolVal(False)
+        for b, r in enumerate(reqs):
+            first_left = zs.And(r["waiting"], zs.Not(chosen[b]),
+                                *[zs.Implies(ahead[b][c], chosen[c]) for c in range(n)
+                                  if c != b])
+            count = _count(ahead[b])
+            why = zs.Or(count >= rows, zs.And(count > 0, zs.Not(room[b])),
+                        zs.And(zs.Not(fits[b]), zs.Or(count > 0, running > 0)))
+            latch = zs.Or(latch, zs.And(first_left, why))
+            stopped = zs.Or(stopped, first_left)
+        spent = zs.And(zs.Not(stopped), admitted > 0,
+                       zs.Not(room_after(chosen, f"i{i}.room_after")))
+        after = zs.If(rows <= 0, zs.BoolVal(True), zs.Or(latch, spent))
+        # Set on an empty running batch it is dropped before it is read again.
+        g["batch_is_full"] = zs.And(zs.If(attempted, after, latched), running > 0)
+        return chosen
 
     def retract_decode(self, i: int, decode: Term, forced: Term, rung: Term, now: Term) -> None:
         """Victims in retract order until the rest fits, plus ``forced``; keep one; the
@@ -819,6 +908,9 @@ class _Builder:
             return zs.Or(lower, tie)
 
         trigger = zs.Not(zs.And(forced == 0, needed(member) <= avail))
+        # The new-token ratio: re-estimated over the kept requests when retract_decode runs,
+        # else decayed by the decode (update_running_batch).
+        retracting = zs.And(zs.Or(*member), trigger)
         victims: list[Term] = []
         for b in range(n):
             earlier = [
@@ -857,6 +949,18 @@ class _Builder:
                 zs.And(reorder, kept[b]), _ORDER_STRIDE * now + rank, post["running_order"]
             )
         self.reqs = posts
+        # min(1, (outputs + 20 x kept) / (max_new_tokens + 1)) is 1 here unless the kept
+        # requests' max_new_tokens exceed 19 each on average: flagged, not modelled.
+        estimate = zs.Sum([zs.If(k, reqs[b]["output_len"] + tr.RETRACT_DECODE_STEPS
+                                 - reqs[b]["max_new_tokens"], 0) for b, k in enumerate(kept)])
+        self.violate(MODEL_ID, i, "retract_decode new_token_ratio below 1",
+                     zs.And(retracting, estimate < 1))
+        g_ratio = self.glob["new_token_ratio"]
+        decayed = zs.If(g_ratio - RATIO_DECAY < RATIO_MIN, RATIO_MIN, g_ratio - RATIO_DECAY)
+        self.glob["new_token_ratio"] = zs.If(
+            retracting, RATIO_SCALE, zs.If(zs.Or(*member), decayed, g_ratio))
+        self.glob["batch_is_full"] = zs.And(self.glob["batch_is_full"],
+                                            zs.Not(zs.Or(*victims)))
         # The rest fits, else the reference aborts the last request for want of memory:
         # excluded (module header). Stated over the post records (a kept request's post is
         # its pre record), the terms prepare_for_decode and ALLOC use next.

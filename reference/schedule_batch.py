@@ -39,6 +39,9 @@ class ScheduleBatch:
     # (Req.is_prefill_only): the release never decodes such a batch. Set at prepare time,
     # AND-ed at a merge, kept through a filter, as the release keeps it.
     is_prefill_only: bool = False
+    # The release's admission latch on the running batch: set when a prefill found no row or
+    # no budget left, cleared when a request leaves; while set, no admission is tried.
+    batch_is_full: bool = False
 
     # -- construction ---------------------------------------------------------
     @classmethod

@@ -38,6 +38,7 @@ from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.happens_before import COPY, FORWARD, HOST, SCHEDULE
 from overlap_spec.spec.interface import BatchState, ObservableState, Observer, RequestState
 from overlap_spec.spec.state import (
+    AdmissionView,
     BatchView,
     IsolationView,
     IterationChoices,
@@ -51,13 +52,20 @@ from overlap_spec.spec.state import (
     compute_env_token,
 )
 from overlap_spec.spec.transitions import (
+    INIT_NEW_TOKEN_RATIO,
     compute_admission,
+    compute_decayed_ratio,
     compute_fill_len,
     compute_forward_write_width,
     compute_output_budget,
+    compute_page_align_up,
     compute_pages_for_len,
+    compute_prefill_check_tokens,
+    compute_prefill_reserved_tokens,
+    compute_ratio_after_retract,
     compute_retraction_order,
     compute_run_len,
+    compute_running_token_offset,
     is_next_output_finishing_by_length,
 )
 from overlap_spec.spec.units import PoolRow, RequestId, StepId, TokenCount
@@ -101,6 +109,7 @@ class Scheduler:
         self.isolation_entry: BatchView | None = None
         self.kv_write_fault_count = 0
         self.accept_counters = (0, 0)
+        self.new_token_ratio = INIT_NEW_TOKEN_RATIO  # NewTokenRatioTracker.current
 
     # ------------------------------------------------------------------ interface
     def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False) -> RequestId:
@@ -152,10 +161,14 @@ class Scheduler:
                 self.result_queue.append(QueuedResult(batch.copy(), result))
             if self.last_batch is not None and self.result_queue and not early:
                 self.pop_and_process()
+            elif self.last_batch is None and batch is None:
+                self.on_idle()
         elif batch is not None:
             result = self.run_batch(batch, choices)
             self.result_queue.append(QueuedResult(batch.copy(), result))
             self.pop_and_process()
+        else:
+            self.on_idle()
         launched = batch is not None
         self.last_batch = batch
         self.cur_batch = None
@@ -163,6 +176,13 @@ class Scheduler:
         syncs = tuple(":".join(s.split(":")[:2]) for s in hb.host_syncs[syncs_before:])
         self.refinement.observe(ObservationPoint.ITERATION_END, self, host_syncs=syncs,
                                 launched_this_iteration=launched)
+
+    def on_idle(self) -> None:
+        """``Scheduler.on_idle``: once nothing runs, waits or is in flight, the new-token
+        ratio starts over."""
+        if (all(b is None or b.is_empty() for b in (self.running_batch, self.last_batch))
+                and not self.result_queue and not self.waiting_queue):
+            self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 
     def get_request_ids(self) -> tuple[RequestId, ...]:
         return tuple(self.requests)
@@ -191,6 +211,9 @@ class Scheduler:
             free_pages=get_available_pages(rt),
             kv_write_faults=self.kv_write_fault_count,
             accept_counters=self.accept_counters,
+            new_token_ratio=self.new_token_ratio,
+            batch_is_full=bool(self.running_batch and self.running_batch.reqs
+                               and self.running_batch.batch_is_full),
         )
 
     @staticmethod
@@ -206,8 +229,11 @@ class Scheduler:
         self.process_prebuilt()
         last = self.last_batch
         if last is not None and last.forward_mode == "extend":
+            before = len(last.reqs)
             last.filter_batch()
             self._observe_batch(ObservationPoint.FILTER_BATCH, last)
+            if len(last.reqs) < before and self.running_batch is not None:
+                self.running_batch.batch_is_full = False
             if not last.is_empty():
                 if self.running_batch is None or self.running_batch.is_empty():
                     self.running_batch = last
@@ -220,6 +246,7 @@ class Scheduler:
             before = len(running.reqs)
             running.filter_batch()
             if len(running.reqs) != before:
+                running.batch_is_full = False
                 self._observe_batch(ObservationPoint.FILTER_BATCH, running)
         if choices.allow_prefill:
             new_batch = self.get_new_batch_prefill()
@@ -231,14 +258,15 @@ class Scheduler:
                 return running
         return None
 
-    def _choose_admissions(self, prebuilt: bool) -> list[Req]:
-        """Waiting requests, in order, while a row and their pages are free."""
+    def _choose_prebuilt(self) -> list[Req]:
+        """PD-decode requests, in order, while a row and their pages are free (the release's
+        prealloc queue is not modelled; this is the model's own rule for them)."""
         rt = self.rt
         running = 0 if self.running_batch is None else len(self.running_batch.reqs)
         chosen: list[Req] = []
         pages = 0
         for req in self.waiting_queue:
-            if req.prebuilt != prebuilt:
+            if not req.prebuilt:
                 continue
             if running + len(chosen) >= self.config.preset.max_running_requests:
                 break
@@ -262,7 +290,7 @@ class Scheduler:
         capture after the in-flight forward's publishes; B9 drops it.
         """
         rt = self.rt
-        chosen = self._choose_admissions(prebuilt=True)
+        chosen = self._choose_prebuilt()
         if not chosen:
             return
         if not rt.has_fault("B9"):
@@ -287,28 +315,91 @@ class Scheduler:
             self._observe_batch(ObservationPoint.MERGE_BATCH, self.running_batch)
 
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        chosen = self._choose_admissions(prebuilt=False)
+        chosen, view = self.admit_by_budget()
         if not chosen:
             return None
         rt = self.rt
         batch = ScheduleBatch.prepare_for_extend(rt, chosen)
         for req in chosen:
             self.future_map.on_row_acquired(req)
-        self._observe_batch(ObservationPoint.PREPARE_FOR_EXTEND, batch)
+        self._observe_batch(ObservationPoint.PREPARE_FOR_EXTEND, batch, admission=view)
         return batch
 
+    def admit_by_budget(self) -> tuple[list[Req], AdmissionView | None]:
+        """``get_new_batch_prefill`` with the release's ``PrefillAdder``: waiting requests in
+        order, no skipping, while a row is left and each one asks for less than the budget
+        has left (``spec.transitions``: the free KV, less each running request's remaining
+        ``max_new_tokens`` x ``new_token_ratio`` and what the admitted ones reserved). The
+        first that does not fit, or no row or no budget left after one, stops admission and,
+        with anything running or admitted, latches ``batch_is_full`` until a request leaves."""
+        rt, cfg = self.rt, self.config
+        running = self.running_batch
+        members = [] if running is None else running.reqs
+        if running is not None and not members:
+            running.batch_is_full = False
+        waiting = [req for req in self.waiting_queue if not req.prebuilt]
+        if (running is not None and running.batch_is_full) or not waiting:
+            return [], None
+        rows = min(cfg.preset.max_running_requests - len(members),
+                   len(rt.req_to_token.free_slots))
+        page = cfg.page_size
+        available = get_available_pages(rt) * page
+        # As PrefillBudget adds them: 0, then the running offsets' sum, then each reservation.
+        total: float = 0
+        total += sum([compute_running_token_offset(req.max_new_tokens, len(req.output_ids),
+                                                   self.new_token_ratio) for req in members])
+        current = 0
+        chosen: list[Req] = []
+        latch = rows <= 0
+        for req in waiting if rows > 0 else []:
+            if len(chosen) >= rows:
+                latch = True
+                break
+            fill = compute_fill_len(req.prompt_len, len(req.output_ids))
+            asked = compute_prefill_check_tokens(fill, req.max_new_tokens, len(req.output_ids),
+                                                 page)
+            if not asked < available - total:
+                latch = bool(chosen) or bool(members)
+                break
+            chosen.append(req)
+            total += compute_prefill_reserved_tokens(fill, req.max_new_tokens, page)
+            current += compute_page_align_up(fill, page) + page
+            if not (available - total > 0 and available - current > 0):
+                latch = True
+                break
+        if running is not None and latch:
+            running.batch_is_full = True
+        for req in chosen:
+            self.waiting_queue.remove(req)
+        view = AdmissionView(
+            self.new_token_ratio, available, rows,
+            tuple((req.max_new_tokens, len(req.output_ids)) for req in members),
+            tuple((req.rid, compute_fill_len(req.prompt_len, len(req.output_ids)),
+                   req.max_new_tokens, len(req.output_ids)) for req in waiting),
+            len(chosen))
+        return chosen, view
+
     def update_running_batch(self, batch: ScheduleBatch, forced_retracts: int) -> bool:
-        """Filter, retract, prepare the decode; False: no decode this step (the release
-        returns None when only the requests left out below are short of KV)."""
+        """Filter, retract (or decay the new-token ratio), prepare the decode; False: no
+        decode this step (the release returns None when only the requests left out below
+        are short of KV). A batch that shrinks clears its admission latch."""
+        initial = len(batch.reqs)
         finishing = self._reqs_finishing_inflight(batch)
         batch.filter_batch([j for j, req in enumerate(batch.reqs)
                             if not req.finished() and j not in finishing])
         self._observe_batch(ObservationPoint.FILTER_BATCH, batch)
         if batch.is_empty():
+            batch.batch_is_full = False
             return False
         if finishing and not self._fits(batch, set(range(len(batch.reqs)))):
+            batch.batch_is_full = False
             return False  # their queued result frees KV at the end of this step
-        self.retract_decode(batch, forced_retracts)
+        if forced_retracts or not self._fits(batch, set(range(len(batch.reqs)))):
+            self.retract_decode(batch, forced_retracts)
+        else:
+            self.new_token_ratio = compute_decayed_ratio(self.new_token_ratio)
+        if len(batch.reqs) < initial:
+            batch.batch_is_full = False
         if batch.is_empty():
             return False
         batch.prepare_for_decode()
@@ -330,13 +421,12 @@ class Scheduler:
 
     def retract_decode(self, batch: ScheduleBatch, forced: int) -> None:
         """Retract until the next decode fits, plus ``forced`` more; keep at least one, and
-        abort that one when it alone does not fit (the release's out-of-memory abort).
+        abort that one when it alone does not fit (the release's out-of-memory abort). The
+        new-token ratio is then re-estimated over the requests kept, whatever was retracted.
 
         Victims in ``transitions.compute_retraction_order``: the release's policy sort
         (#32023), or from the back of the batch in the pre-claim era's spec cells.
         """
-        if forced == 0 and self._fits(batch, set(range(len(batch.reqs)))):
-            return
         retracted: list[Req] = []
         order = compute_retraction_order(self.config.cell,
                                          [len(req.output_ids) for req in batch.reqs],
@@ -360,6 +450,9 @@ class Scheduler:
             req = batch.reqs[order.pop()]
             self.release_req(req)
             req.apply(relation.abort)
+        kept = [batch.reqs[j] for j in order]
+        self.new_token_ratio = compute_ratio_after_retract(
+            [len(req.output_ids) for req in kept], [req.max_new_tokens for req in kept])
         if not retracted and not aborted:
             return
         batch.filter_batch(keep_indices=order)  # the policy's order, as the release keeps it

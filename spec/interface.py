@@ -53,6 +53,11 @@ class ObservableState:
     # (num_correct_drafts, metrics batch size) the last processed result fed the spec
     # metrics; (0, 0) when it fed none (non-spec, or a prefill result with spec).
     accept_counters: tuple[int, int]
+    # Admission's state (PrefillAdder): NewTokenRatioTracker.current, and the running
+    # batch's batch_is_full latch (False when that batch is empty: admission drops an empty
+    # batch's latch before reading it, and a merge replaces an empty batch).
+    new_token_ratio: float
+    batch_is_full: bool
 
 
 class SchedulerModel(Protocol):

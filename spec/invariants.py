@@ -79,6 +79,38 @@ def _non_spec(cell: Cell) -> bool:
     return not cell.is_spec
 
 
+def _spec_overlap(cell: Cell) -> bool:
+    return cell.is_spec and cell.overlap
+
+
+def _spec_overlap_no_mirror(cell: Cell) -> bool:
+    return cell.is_spec and cell.overlap and not cell.needs_cpu_seq_lens
+
+
+def _preclaim(cell: Cell) -> bool:
+    return cell.is_spec and cell.preclaim
+
+
+def _overlap(cell: Cell) -> bool:
+    return cell.overlap
+
+
+def _no_overshoot(cell: Cell) -> bool:
+    return not cell.overshoot
+
+
+_REGISTERED: list[Invariant] = []
+
+
+def invariant(invariant_id: str, claim: str, source: str,
+              applies: Callable[[Cell], bool] = _always) -> Callable[[Check], Check]:
+    """Registers the predicate it decorates under its ID (INVARIANTS: definition order)."""
+    def register(check: Check) -> Check:
+        _REGISTERED.append(Invariant(invariant_id, claim, source, applies, check))
+        return check
+    return register
+
+
 def _holding(obs: Observation) -> Iterable[RequestView]:
     return (r for r in obs.requests if r.holds_kv)
 
@@ -98,6 +130,7 @@ def _schedule_batches(obs: Observation) -> list[BatchView]:
 
 
 # ---------------------------------------------------------------- SL: mirror
+@invariant("SL1", "init_new sum matches seq_lens_cpu", "forward_batch_info.py")
 def check_sl1(config: ModelConfig, obs: Observation) -> int:
     """SL1: at init_new, FB.seq_lens_cpu is None or FB.seq_lens_sum == sum(FB.seq_lens_cpu)
     with matching lengths (forward_batch_info.py init_new, PR 25818)."""
@@ -114,6 +147,7 @@ def check_sl1(config: ModelConfig, obs: Observation) -> int:
     return 1
 
 
+@invariant("SL2", "GPU seq_lens mirrors seq_lens_cpu", "schedule_batch.py #26020")
 def check_sl2(config: ModelConfig, obs: Observation) -> int:
     """SL2: wherever SB.seq_lens_cpu is present, SB.seq_lens equals it elementwise
     (schedule_batch.py, PR 26020 mirror)."""
@@ -129,6 +163,7 @@ def check_sl2(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
+@invariant("SL3", "seq_lens_sum is None or the sum", "schedule_batch.py #25818")
 def check_sl3(config: ModelConfig, obs: Observation) -> int:
     """SL3: SB.seq_lens_sum is None or equals sum(SB.seq_lens_cpu) (PR 25818 lazy sum)."""
     count = 0
@@ -145,6 +180,7 @@ def check_sl3(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
+@invariant("SL4", "batch fields share one length", "schedule_batch.py")
 def check_sl4(config: ModelConfig, obs: Observation) -> int:
     """SL4: reqs, seq_lens, req_pool_indices(_cpu) and seq_lens_cpu have one length, and
     spec_info.future_indices equals req_pool_indices (schedule_batch.py filter/merge)."""
@@ -169,6 +205,7 @@ def check_sl4(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
+@invariant("SL5", "no sentinel seq_lens", "#25962 / #26020")
 def check_sl5(config: ModelConfig, obs: Observation) -> int:
     """SL5: seq_lens is never a sentinel: >= 0, and >= 1 in decode (PR 25962, 26020)."""
     count = 0
@@ -189,6 +226,7 @@ def check_sl5(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
+@invariant("SL6", "spec seq_lens at launch is the truth", "overlap_utils.py", _spec)
 def check_sl6(config: ModelConfig, obs: Observation) -> int:
     """SL6: at a spec decode launch, SB.seq_lens[j] equals the latest published
     new_seq_lens of the request and its true KV length (overlap_utils.py resolve)."""
@@ -207,6 +245,7 @@ def check_sl6(config: ModelConfig, obs: Observation) -> int:
     return len(launch.members)
 
 
+@invariant("SL7", "non-spec decode seq_lens arithmetic", "schedule_batch.py", _non_spec)
 def check_sl7(config: ModelConfig, obs: Observation) -> int:
     """SL7: after a non-spec prepare_for_decode, seq_lens == kv_committed_len ==
     kv_allocated_len == prompt + output + in-flight steps (schedule_batch.py)."""
@@ -223,6 +262,7 @@ def check_sl7(config: ModelConfig, obs: Observation) -> int:
     return len(obs.batch.rids)
 
 
+@invariant("SL8", "verify publishes s + accept_len", "eagle worker v2", _spec)
 def check_sl8(config: ModelConfig, obs: Observation) -> int:
     """SL8: verify at seq_lens=s publishes s + accept_len with 1 <= accept_len <= max;
     extend publishes s (multi_layer_eagle_worker_v2.py on_publish)."""
@@ -255,6 +295,7 @@ def _mirror_fields(batch: BatchView) -> dict[str, object]:
     }
 
 
+@invariant("SL9", "run_batch isolation restores SB", "scheduler.py", _spec)
 def check_sl9(config: ModelConfig, obs: Observation) -> int:
     """SL9: a spec run_batch leaves every SB field as it found it except input_ids and
     spec_info; without overlap it re-applies new_seq_lens consistently (scheduler.py)."""
@@ -275,6 +316,7 @@ def check_sl9(config: ModelConfig, obs: Observation) -> int:
     return 1
 
 
+@invariant("SL10", "draft-extend mutation stays on FB", "eagle_info_v2.py #26020", _spec)
 def check_sl10(config: ModelConfig, obs: Observation) -> int:
     """SL10: the draft-extend +D_tok lands on the ForwardBatch (seq_lens, cpu, sum) and
     never on the ScheduleBatch (eagle_info_v2.py, PR 26020)."""
@@ -312,6 +354,8 @@ def check_sl10(config: ModelConfig, obs: Observation) -> int:
     return 1
 
 
+@invariant("SL11", "no host length without the mirror (#27979: an upper bound)",
+           "PR 26128; #27979 (closed; not in 0.5.23)", _spec_overlap_no_mirror)
 def check_sl11(config: ModelConfig, obs: Observation) -> int:
     """SL11: with no host mirror the release keeps no host length after a resolve
     (``seq_lens_cpu``, ``seq_lens_sum`` None: the no-D2H path of PR 26128); under the
@@ -336,6 +380,7 @@ def check_sl11(config: ModelConfig, obs: Observation) -> int:
 
 
 # ---------------------------------------------------------------- KV: accounting
+@invariant("KV1", "committed <= allocated <= width", "schedule_batch.py #23456")
 def check_kv1(config: ModelConfig, obs: Observation) -> int:
     """KV1: 0 <= kv_committed_len <= kv_allocated_len <= row width for every request
     holding KV (schedule_batch.py, PR 23456)."""
@@ -349,6 +394,7 @@ def check_kv1(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
+@invariant("KV2", "non-spec committed == allocated", "mem_cache/common.py", _non_spec)
 def check_kv2(config: ModelConfig, obs: Observation) -> int:
     """KV2: without speculation kv_committed_len == kv_allocated_len (common.py release
     assertion)."""
@@ -361,6 +407,7 @@ def check_kv2(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
+@invariant("KV3", "2x reserve covers draft+verify", "eagle_info_v2.py", _spec)
 def check_kv3(config: ModelConfig, obs: Observation) -> int:
     """KV3: at a spec decode launch kv_allocated_len >= true length + W, so draft and
     verify write only reserved positions (eagle_info_v2.py 2x reserve)."""
@@ -381,6 +428,7 @@ def check_kv3(config: ModelConfig, obs: Observation) -> int:
     return len(launch.members)
 
 
+@invariant("KV4", "req_to_token rows own their slots", "memory_pool.py")
 def check_kv4(config: ModelConfig, obs: Observation) -> int:
     """KV4: req_to_token[row, 0:kv_allocated_len] holds slots of pages the request owns,
     and no page has two owners (memory_pool.py ReqToTokenPool)."""
@@ -413,6 +461,7 @@ def check_kv4(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
+@invariant("KV5", "retracted requests hold nothing", "reset_for_retract")
 def check_kv5(config: ModelConfig, obs: Observation) -> int:
     """KV5: a retracted request holds nothing: committed == allocated == 0, no pool row,
     waiting to be re-admitted (schedule_batch.py reset_for_retract)."""
@@ -431,6 +480,7 @@ def check_kv5(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
+@invariant("KV6", "released once, no change after", "release_kv_cache")
 def check_kv6(config: ModelConfig, obs: Observation) -> int:
     """KV6: KV is released once per holding, and after a finish release committed moves
     only by the pre-claim refunds (common.py release_kv_cache, PR 23456/28754)."""
@@ -460,6 +510,7 @@ def check_kv6(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
+@invariant("KV7", "pages and rows conserved", "invariant_checker")
 def check_kv7(config: ModelConfig, obs: Observation) -> int:
     """KV7: every KV page is free, in the tree cache or owned by one request, and every
     pool row is free or held by one request (invariant_checker._check_all_pools)."""
@@ -504,6 +555,7 @@ def check_kv7(config: ModelConfig, obs: Observation) -> int:
     return 1 if any(r.holds_kv for r in obs.requests) and alloc.tree_pages else 0
 
 
+@invariant("KV8", "each step settles once", "batch_result_processor.py")
 def check_kv8(config: ModelConfig, obs: Observation) -> int:
     """KV8: each processed step settles exactly once: committed == settled truth + the
     lead of unprocessed claimed steps, for a live request and, where the release commits
@@ -530,6 +582,7 @@ def check_kv8(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
+@invariant("KV9", "committed matches output", "#24590 / #22897 / M2")
 def check_kv9(config: ModelConfig, obs: Observation) -> int:
     """KV9: committed KV matches the output. A live spec request has committed - lead ==
     prompt + output - 1. At a finish the release has committed the whole accepted run
@@ -595,6 +648,7 @@ def check_rp_output(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
+@invariant("KV10", "pre-claim inflation is the in-flight count", "#23456 (J2 era)", _preclaim)
 def check_kv10(config: ModelConfig, obs: Observation) -> int:
     """KV10: with the bonus pre-claim, committed - settled truth == in-flight steps,
     0 or 1 (eagle_info.py J2 era, PR 23456)."""
@@ -610,6 +664,47 @@ def check_kv10(config: ModelConfig, obs: Observation) -> int:
         if not 0 <= r.ghost.inflight_steps <= 1:
             raise fail("KV10", obs, f"for request r{r.rid}: {r.ghost.inflight_steps} steps "
                        "in flight, expected 0 or 1")
+        count += 1
+    return count
+
+
+@invariant("KV11", "admission within the release's running-total estimate",
+           "schedule_policy.py PrefillAdder")
+def check_kv11(config: ModelConfig, obs: Observation) -> int:
+    """KV11: a prefill admits by the release's estimate of the running total: in queue order,
+    each admitted request asks (fill + remaining max_new_tokens + a page) for less than the
+    free KV less every running request's remaining max_new_tokens x new_token_ratio and what
+    those admitted before it reserved (paged fill + a page + max_new_tokens); admission stops
+    at the first that does not fit, or when rows or budget run out (schedule_policy.py
+    PrefillAdder, mem_cache/prefill_budget.py)."""
+    view = obs.admission
+    if view is None or obs.batch is None:
+        return 0
+    admitted = tuple(rid for rid, *_ in view.waiting[:view.admitted])
+    if admitted != obs.batch.rids:
+        raise fail("KV11", obs, f"for the prefill: it holds {list(obs.batch.rids)}, the "
+                   f"admission admitted {list(admitted)}")
+    page, clip, free = config.page_size, 4096, view.available_tokens
+    # Summed as PrefillBudget sums them (float rounding included): 0, the running estimate,
+    # then each admission's reservation.
+    total: float = 0
+    total += sum([min(max_new - out, clip) * view.new_token_ratio
+                  for max_new, out in view.running])
+    current, count = 0, 0
+    for k, (rid, fill, max_new, out) in enumerate(view.waiting):
+        asked = fill + min(max(max_new - out, 0), clip) + page
+        fits = asked < free - total
+        if k == view.admitted:
+            if k < view.rows and free - total > 0 and free - current > 0 and fits:
+                raise fail("KV11", obs, f"for request r{rid}: left waiting though it asks "
+                           f"{asked} tokens < {free - total:.3f} left (free {free})")
+            return count + 1
+        if k >= view.rows or not fits:
+            raise fail("KV11", obs, f"for request r{rid}: admitted asking {asked} tokens, "
+                       f"{free - total:.3f} left (free {free}, rows {view.rows})")
+        paged = -(-fill // page) * page
+        total += paged + page + min(max_new, clip)
+        current += paged + page
         count += 1
     return count
 
@@ -644,12 +739,14 @@ def _check_races(invariant_id: str, obs: Observation) -> int:
     return sum(classify_race(pair) == invariant_id for pair in obs.checked_pairs)
 
 
+@invariant("FM1", "publish before read", "overlap_utils.py publish_ready", _spec_overlap)
 def check_fm1(config: ModelConfig, obs: Observation) -> int:
     """FM1: every schedule-side or D-side read of new_seq_lens_buf[p] happens after the
     forward's latest publish of p (overlap_utils.py publish_ready)."""
     return _check_races("FM1", obs)
 
 
+@invariant("FM2", "publish_ready single capture covers publishes", "#30435 / #35748", _spec_overlap)
 def check_fm2(config: ModelConfig, obs: Observation) -> int:
     """FM2: the latest capture of publish_ready covers every publish whose row is read
     (single capture point; PR 30435 / 35748)."""
@@ -662,6 +759,7 @@ def check_fm2(config: ModelConfig, obs: Observation) -> int:
     return len(resolve.rows)
 
 
+@invariant("FM3", "stash before gather", "overlap_utils.py stash", _overlap)
 def check_fm3(config: ModelConfig, obs: Observation) -> int:
     """FM3: forward-only relay rows read at forward entry were stashed by an earlier
     forward on the same stream or by a seed ordered before it (overlap_utils.py stash)."""
@@ -669,6 +767,7 @@ def check_fm3(config: ModelConfig, obs: Observation) -> int:
     return len(obs.launch.relay_gathers) if obs.launch is not None else 0
 
 
+@invariant("FM4", "consume-once relay rows", "#30471", _overlap)
 def check_fm4(config: ModelConfig, obs: Observation) -> int:
     """FM4: between two gathers of output_tokens_buf[p] there is exactly one stash of p
     (consume-once, PR 30471)."""
@@ -681,6 +780,7 @@ def check_fm4(config: ModelConfig, obs: Observation) -> int:
     return len(obs.launch.relay_gathers)
 
 
+@invariant("FM5", "relay row belongs to its owner", "overlap_utils.py", _overlap)
 def check_fm5(config: ModelConfig, obs: Observation) -> int:
     """FM5: a relay row is read only after its current owner seeded it: a prefill publish
     or stash (overlap_utils.py, req_pool_idx indexing); every row read is a request row,
@@ -704,6 +804,7 @@ def check_fm5(config: ModelConfig, obs: Observation) -> int:
     return len(obs.launch.relay_gathers) + len(obs.launch.members)
 
 
+@invariant("FM6", "publish_ready consumed once", "#30471 (_publish_fresh)", _spec_overlap)
 def check_fm6(config: ModelConfig, obs: Observation) -> int:
     """FM6: each resolve that waits on publish_ready consumes a publish recorded since the
     previous resolve (consume-once; overlap_utils.py _publish_fresh, PR 30471)."""
@@ -716,6 +817,7 @@ def check_fm6(config: ModelConfig, obs: Observation) -> int:
     return 1
 
 
+@invariant("FM7", "resolved rows re-published first", "#30471 (-1 poison)", _spec_overlap)
 def check_fm7(config: ModelConfig, obs: Observation) -> int:
     """FM7: a resolve gathers a new_seq_lens_buf row only if it was published since the
     previous resolve gathered it (upstream's CI poisons gathered rows with -1 and asserts
@@ -730,18 +832,21 @@ def check_fm7(config: ModelConfig, obs: Observation) -> int:
     return len(resolve.rows)
 
 
+@invariant("ST1", "RAW: F waits for S at launch", "scheduler.py run_batch", _overlap)
 def check_st1(config: ModelConfig, obs: Observation) -> int:
     """ST1: the forward reads schedule-produced tensors only after F.wait_stream(S)
     (scheduler.py run_batch)."""
     return _check_races("ST1", obs)
 
 
+@invariant("ST2", "WAR: S writes after F reads", "_apply_war_barrier #31687", _overlap)
 def check_st2(config: ModelConfig, obs: Observation) -> int:
     """ST2: schedule-side writes to req_to_token after launching B_i are ordered after
     F_i's reads (scheduler.py _apply_war_barrier, PR 26380 / 31687)."""
     return _check_races("ST2", obs)
 
 
+@invariant("ST3", "host blocks only on D2H and copy_done", "#26380 / #26463")
 def check_st3(config: ModelConfig, obs: Observation) -> int:
     """ST3: one iteration blocks the host at most on the private D2H and copy_done, never
     on the schedule stream under overlap (PR 26380 / 26463)."""
@@ -757,12 +862,14 @@ def check_st3(config: ModelConfig, obs: Observation) -> int:
     return 1 if obs.launched_this_iteration else 0
 
 
+@invariant("ST4", "tensors live until F completes", "batch_record_buf", _overlap)
 def check_st4(config: ModelConfig, obs: Observation) -> int:
     """ST4: a schedule-produced tensor read by F_i stays referenced until F_i completed
     (scheduler.py batch_record_buf two-slot ring)."""
     return _check_races("ST4", obs)
 
 
+@invariant("ST5", "results FIFO, once, after copy_done", "result_queue")
 def check_st5(config: ModelConfig, obs: Observation) -> int:
     """ST5: results are processed in launch order, once, after copy_done, with at most
     one pending under overlap (scheduler.py result_queue)."""
@@ -781,6 +888,7 @@ def check_st5(config: ModelConfig, obs: Observation) -> int:
 
 
 # ---------------------------------------------------------------- RP: results
+@invariant("RP1", "stale results change nothing", "#23456", _overlap)
 def check_rp1(config: ModelConfig, obs: Observation) -> int:
     """RP1: a request finished or retracted when its late result is processed gets no
     output and no committed change, except the pre-claim refund (PR 23456)."""
@@ -810,6 +918,7 @@ def check_rp1(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
+@invariant("RP2", "accept length and output in range", "batch_result_processor.py")
 def check_rp2(config: ModelConfig, obs: Observation) -> int:
     """RP2: 1 <= accept_len <= stride, the kept run is no longer than accept_len, and
     output_ids is what the environment emitted, within max_new_tokens (at a cap of 0 the
@@ -832,6 +941,7 @@ def check_rp2(config: ModelConfig, obs: Observation) -> int:
     return count + len(result.entries)
 
 
+@invariant("RP3", "metrics count live requests only", "#18848 / #23456 review", _spec)
 def check_rp3(config: ModelConfig, obs: Observation) -> int:
     """RP3: global accept counters count only requests live at processing time, in a
     result that feeds them (a prefill result feeds none and reports (0, 0)) (PR 18848,
@@ -854,6 +964,8 @@ def check_rp3(config: ModelConfig, obs: Observation) -> int:
     return len(result.entries)
 
 
+@invariant("RP4", "no launch past a length finish in flight",
+           "scheduler.py _reqs_finishing_inflight", _no_overshoot)
 def check_rp4(config: ModelConfig, obs: Observation) -> int:
     """RP4: a launch carries no request that its results in flight already finish by
     length: processed output tokens + results in flight < max_new_tokens, or 1 where a
@@ -874,6 +986,8 @@ def check_rp4(config: ModelConfig, obs: Observation) -> int:
     return len(launch.members)
 
 
+@invariant("RP5", "finish reason and output are the environment's",
+           "schedule_batch.py update_finish_state")
 def check_rp5(config: ModelConfig, obs: Observation) -> int:
     """RP5: a finished request ended for the environment's reason, with its output: abort
     if one was requested before the result that ended it, else stop if the stop token
@@ -890,6 +1004,8 @@ def check_rp5(config: ModelConfig, obs: Observation) -> int:
     return len(finished)
 
 
+@invariant("RP6", "per-request spec metrics count live verifies only",
+           "batch_result_processor.py", _spec)
 def check_rp6(config: ModelConfig, obs: Observation) -> int:
     """RP6: a request's spec_verify_ct and spec_num_correct_drafts count only the verify
     results processed while it was live (their number, and their accept_len - 1): a stale
@@ -904,6 +1020,8 @@ def check_rp6(config: ModelConfig, obs: Observation) -> int:
     return sum(1 for r in obs.requests if r.ghost.verify_ct)
 
 
+@invariant("RP7", "output tokens are the environment's, in order",
+           "schedule_batch.py output_ids / overlap_utils.py relay")
 def check_rp7(config: ModelConfig, obs: Observation) -> int:
     """RP7: output_ids are the environment's tokens, in order: token i is the stand-in
     model's token at position prompt_len + i after token i - 1 (after the prompt's last
@@ -936,96 +1054,7 @@ def check_rp7(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
-def _spec_overlap(cell: Cell) -> bool:
-    return cell.is_spec and cell.overlap
-
-
-def _spec_overlap_no_mirror(cell: Cell) -> bool:
-    return cell.is_spec and cell.overlap and not cell.needs_cpu_seq_lens
-
-
-def _preclaim(cell: Cell) -> bool:
-    return cell.is_spec and cell.preclaim
-
-
-def _overlap(cell: Cell) -> bool:
-    return cell.overlap
-
-
-def _no_overshoot(cell: Cell) -> bool:
-    return not cell.overshoot
-
-
-INVARIANTS: Final[tuple[Invariant, ...]] = (
-    Invariant("SL1", "init_new sum matches seq_lens_cpu", "forward_batch_info.py", _always,
-              check_sl1),
-    Invariant("SL2", "GPU seq_lens mirrors seq_lens_cpu", "schedule_batch.py #26020", _always,
-              check_sl2),
-    Invariant("SL3", "seq_lens_sum is None or the sum", "schedule_batch.py #25818", _always,
-              check_sl3),
-    Invariant("SL4", "batch fields share one length", "schedule_batch.py", _always, check_sl4),
-    Invariant("SL5", "no sentinel seq_lens", "#25962 / #26020", _always, check_sl5),
-    Invariant("SL6", "spec seq_lens at launch is the truth", "overlap_utils.py", _spec,
-              check_sl6),
-    Invariant("SL7", "non-spec decode seq_lens arithmetic", "schedule_batch.py", _non_spec,
-              check_sl7),
-    Invariant("SL8", "verify publishes s + accept_len", "eagle worker v2", _spec, check_sl8),
-    Invariant("SL9", "run_batch isolation restores SB", "scheduler.py", _spec, check_sl9),
-    Invariant("SL10", "draft-extend mutation stays on FB", "eagle_info_v2.py #26020", _spec,
-              check_sl10),
-    Invariant("SL11", "no host length without the mirror (#27979: an upper bound)",
-              "PR 26128; #27979 (closed; not in 0.5.23)",
-              _spec_overlap_no_mirror, check_sl11),
-    Invariant("KV1", "committed <= allocated <= width", "schedule_batch.py #23456", _always,
-              check_kv1),
-    Invariant("KV2", "non-spec committed == allocated", "mem_cache/common.py", _non_spec,
-              check_kv2),
-    Invariant("KV3", "2x reserve covers draft+verify", "eagle_info_v2.py", _spec, check_kv3),
-    Invariant("KV4", "req_to_token rows own their slots", "memory_pool.py", _always, check_kv4),
-    Invariant("KV5", "retracted requests hold nothing", "reset_for_retract", _always,
-              check_kv5),
-    Invariant("KV6", "released once, no change after", "release_kv_cache", _always, check_kv6),
-    Invariant("KV7", "pages and rows conserved", "invariant_checker", _always, check_kv7),
-    Invariant("KV8", "each step settles once", "batch_result_processor.py", _always,
-              check_kv8),
-    Invariant("KV9", "committed matches output", "#24590 / #22897 / M2", _always, check_kv9),
-    Invariant("KV10", "pre-claim inflation is the in-flight count", "#23456 (J2 era)",
-              _preclaim, check_kv10),
-    Invariant("FM1", "publish before read", "overlap_utils.py publish_ready", _spec_overlap,
-              check_fm1),
-    Invariant("FM2", "publish_ready single capture covers publishes", "#30435 / #35748",
-              _spec_overlap, check_fm2),
-    Invariant("FM3", "stash before gather", "overlap_utils.py stash", _overlap, check_fm3),
-    Invariant("FM4", "consume-once relay rows", "#30471", _overlap, check_fm4),
-    Invariant("FM5", "relay row belongs to its owner", "overlap_utils.py", _overlap,
-              check_fm5),
-    Invariant("FM6", "publish_ready consumed once", "#30471 (_publish_fresh)", _spec_overlap,
-              check_fm6),
-    Invariant("FM7", "resolved rows re-published first", "#30471 (-1 poison)", _spec_overlap,
-              check_fm7),
-    Invariant("ST1", "RAW: F waits for S at launch", "scheduler.py run_batch", _overlap,
-              check_st1),
-    Invariant("ST2", "WAR: S writes after F reads", "_apply_war_barrier #31687", _overlap,
-              check_st2),
-    Invariant("ST3", "host blocks only on D2H and copy_done", "#26380 / #26463", _always,
-              check_st3),
-    Invariant("ST4", "tensors live until F completes", "batch_record_buf", _overlap, check_st4),
-    Invariant("ST5", "results FIFO, once, after copy_done", "result_queue", _always, check_st5),
-    Invariant("RP1", "stale results change nothing", "#23456", _overlap, check_rp1),
-    Invariant("RP2", "accept length and output in range", "batch_result_processor.py",
-              _always, check_rp2),
-    Invariant("RP3", "metrics count live requests only", "#18848 / #23456 review", _spec,
-              check_rp3),
-    Invariant("RP4", "no launch past a length finish in flight",
-              "scheduler.py _reqs_finishing_inflight", _no_overshoot, check_rp4),
-    Invariant("RP5", "finish reason and output are the environment's",
-              "schedule_batch.py update_finish_state", _always, check_rp5),
-    Invariant("RP6", "per-request spec metrics count live verifies only",
-              "batch_result_processor.py", _spec, check_rp6),
-    Invariant("RP7", "output tokens are the environment's, in order",
-              "schedule_batch.py output_ids / overlap_utils.py relay", _always, check_rp7),
-)
-
+INVARIANTS: Final[tuple[Invariant, ...]] = tuple(_REGISTERED)
 INVARIANT_IDS: Final = tuple(inv.id for inv in INVARIANTS)
 
 

@@ -221,6 +221,20 @@ class ProcessedEntry:
 
 
 @dataclass(frozen=True)
+class AdmissionView:
+    """What a prefill's admission decided from (``PrefillAdder``'s inputs), for KV11."""
+
+    new_token_ratio: float
+    available_tokens: int  # the allocator's free tokens plus the evictable cache
+    rows: int  # min(max_running_requests - running, free pool rows)
+    running: tuple[tuple[int, int], ...]  # (max_new_tokens, output_len) per running request
+    # (rid, fill_len, max_new_tokens, output_len) per waiting request, in queue order; the
+    # first ``admitted`` of them were admitted.
+    waiting: tuple[tuple[RequestId, int, int, int], ...]
+    admitted: int
+
+
+@dataclass(frozen=True)
 class ResultView:
     step: StepId
     entries: tuple[ProcessedEntry, ...]
@@ -258,6 +272,7 @@ class Observation:
     isolation: IsolationView | None = None
     resolve: ResolveView | None = None
     result: ResultView | None = None
+    admission: AdmissionView | None = None
     host_syncs: tuple[str, ...] | None = None  # at ITERATION_END: syncs of this iteration
     launched_this_iteration: bool = False
     # Cross-participant access pairs whose order was checked since the previous

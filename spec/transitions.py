@@ -1,4 +1,5 @@
-"""The arithmetic of every scheduler transition, as pure functions over ints.
+"""The arithmetic of every scheduler transition, as pure functions over ints (admission's
+new-token estimate excepted: a float, as in the release).
 
 These are the rules the design promises; ``relation.py`` applies them to a
 request (which transition, its guard, frame and ghost update), ``reference/``
@@ -50,6 +51,52 @@ def compute_admission(prompt_len: int, requested: int, context_len: int, kv_toke
     capped = max(0, min(capped, kv_tokens - compute_page_align_up(prompt_len, page_size)
                         - page_size - 1))
     return capped, prompt_len >= max_req_len - 5
+
+
+# --- get_new_batch_prefill: PrefillAdder's memory budget -----------------------
+# The release admits by an estimate of the tokens still to come (schedule_policy.py
+# PrefillAdder, mem_cache/prefill_budget.py PrefillBudget, scheduler_components/
+# new_token_ratio_tracker.py). The estimate is a Python float: the one place here that is
+# not over ints, computed in the release's order so the two round alike.
+CLIP_MAX_NEW_TOKENS = 4096
+INIT_NEW_TOKEN_RATIO = min(0.7 * 1.0, 1.0)  # SGLANG_INIT_NEW_TOKEN_RATIO x conservativeness
+MIN_NEW_TOKEN_RATIO = min(INIT_NEW_TOKEN_RATIO * 0.14, 1.0)  # x ..._MIN_NEW_TOKEN_RATIO_FACTOR
+NEW_TOKEN_RATIO_DECAY = (INIT_NEW_TOKEN_RATIO - MIN_NEW_TOKEN_RATIO) / 600  # ..._DECAY_STEPS
+RETRACT_DECODE_STEPS = 20  # SGLANG_RETRACT_DECODE_STEPS
+
+
+def compute_running_token_offset(max_new_tokens: int, output_len: int, ratio: float) -> float:
+    """What a running request still claims of the pool (``_get_running_request_total_token_
+    offset``): its remaining ``max_new_tokens``, clipped, times the new-token ratio. Not
+    clamped at 0."""
+    return min(max_new_tokens - output_len, CLIP_MAX_NEW_TOKENS) * ratio
+
+
+def compute_prefill_check_tokens(fill_len: int, max_new_tokens: int, output_len: int,
+                                 page_size: int) -> int:
+    """What ``add_one_req`` asks the budget for: the fill, the remaining ``max_new_tokens``
+    (clipped, at least 0) and a page; admitted while it is ``<`` what remains."""
+    return fill_len + min(max(max_new_tokens - output_len, 0), CLIP_MAX_NEW_TOKENS) + page_size
+
+
+def compute_prefill_reserved_tokens(fill_len: int, max_new_tokens: int, page_size: int) -> int:
+    """What an admitted request then reserves (``PrefillBudget.reserve``): the paged fill, a
+    page and the whole ``max_new_tokens`` (not what remains of it, P:1636)."""
+    return (compute_page_align_up(fill_len, page_size) + page_size
+            + min(max_new_tokens, CLIP_MAX_NEW_TOKENS))
+
+
+def compute_decayed_ratio(ratio: float) -> float:
+    """``NewTokenRatioTracker.decay_step``: after a decode scheduled without retraction."""
+    return max(ratio - NEW_TOKEN_RATIO_DECAY, MIN_NEW_TOKEN_RATIO)
+
+
+def compute_ratio_after_retract(output_lens: list[int], max_new_tokens: list[int]) -> float:
+    """``estimate_new_token_ratio_after_retract`` over the requests a retraction kept (an
+    empty batch, after the out-of-memory abort of the last one, gives 0.0)."""
+    estimate = ((sum(output_lens) + RETRACT_DECODE_STEPS * len(output_lens))
+                / (sum(max_new_tokens) + 1))
+    return min(1.0, estimate)
 
 
 # --- prepare_for_extend ------------------------------------------------------

@@ -198,35 +198,83 @@ def test_a_page_1_tree_near_the_context_length_outgrows_its_row() -> None:
     assert chain.violation is None
 
 
-# --- which waiting requests a prefill admits (the model's policy; the release's
-# PrefillAdder also budgets the decode tokens still to come: allowed divergence A5) ------
-def _admitted_after_one_prefill(cell: str, prompts: list[int],
-                                sizes: dict[str, int] | None = None) -> list[str]:
-    script = Script(cell, "minimal", [Admit(p, 8) for p in prompts], sizes=sizes or {})
-    model = get_factory("reference")(script.get_config(), frozenset(), None)
+# --- which waiting requests a prefill admits: the release's PrefillAdder ------------------
+# Written out from sglang 0.5.23 (schedule_policy.py PrefillAdder.add_one_req,
+# mem_cache/prefill_budget.py, scheduler.py get_new_batch_prefill / update_running_batch,
+# new_token_ratio_tracker.py); the upstream tier compares the same decisions, the new-token
+# ratio and the batch_is_full latch with the release's, operation by operation.
+def _states_after(cell: str, requests: list[tuple[int, int]], iterations: int = 1,
+                  sizes: dict[str, int] | None = None,
+                  choices: IterationChoices | None = None) -> list[ObservableState]:
+    script = Script(cell, "minimal", [Admit(p, n) for p, n in requests], sizes=sizes or {})
+    model = get_factory("reference")(script.get_config(), frozenset(),
+                                     InvariantChecker(script.get_config()))
     admitted: list[RequestId] = []
-    for op in [*script.ops, Iterate(IterationChoices())]:
+    for op in script.ops:
         apply_op(model, op, admitted)
-    return [r.status for r in model.get_observable_state().requests]
+    states = []
+    for _ in range(iterations):
+        apply_op(model, Iterate(choices or IterationChoices()), admitted)
+        states.append(model.get_observable_state())
+    return states
+
+
+def _statuses(state: ObservableState) -> list[str]:
+    return [r.status for r in state.requests]
 
 
 def test_admission_counts_the_running_total_not_each_request_alone() -> None:
-    """Two prompts of 9 in a 16-token pool: each fits alone, both do not. The first is
-    admitted and the second waits; a policy that checked each request against the whole
-    pool would over-commit (the allocator would fail inside prepare_for_extend)."""
-    assert _admitted_after_one_prefill("ov-p1-none", [9, 9], {"kv_tokens": 16}) == [
-        "running", "waiting"]
-    assert _admitted_after_one_prefill("ov-p1-none", [9, 5], {"kv_tokens": 16}) == [
-        "running", "running"]
+    """Prompts of 3 with max_new_tokens 8 ask 3 + 8 + 1 = 12 tokens each and reserve
+    3 + 1 + 8 = 12: in a 32-token pool the first two fit (12 < 32, 12 < 20) and the third
+    waits (12 < 8 fails) though three rows are free and its prompt's pages are too."""
+    first = _states_after("ov-p1-none", [(3, 8), (3, 8), (3, 8)])[0]
+    assert _statuses(first) == ["running", "running", "waiting"]
+    assert first.batch_is_full is False  # the latch sits on the running batch, empty yet
+    # Two prompts of 9 in a 16-token pool (max_new_tokens capped to 5): the first asks
+    # 9 + 5 + 1 = 15 < 16 and reserves 15; the second asks 15 < 1 and waits.
+    assert _statuses(_states_after("ov-p1-none", [(9, 8), (9, 8)],
+                                   sizes={"kv_tokens": 16})[0]) == ["running", "waiting"]
 
 
 def test_admission_is_first_come_and_stops_at_the_first_that_does_not_fit() -> None:
     """Waiting order, no skipping: a small request behind one that does not fit waits too
     (head of line), and no more are admitted than the request rows."""
-    assert _admitted_after_one_prefill("ov-p1-none", [9, 9, 2], {"kv_tokens": 16}) == [
+    assert _statuses(_states_after("ov-p1-none", [(9, 8), (9, 8), (2, 1)],
+                                   sizes={"kv_tokens": 16})[0]) == [
         "running", "waiting", "waiting"]
-    assert _admitted_after_one_prefill("ov-p1-none", [2, 2, 2, 2]) == [
-        "running", "running", "running", "waiting"]  # 3 rows in the minimal preset
-    assert _admitted_after_one_prefill("ov-p1-none", [2, 2, 2, 2],
-                                       {"max_running_requests": 2}) == [
+    # One new token each: 2 + 1 + 1 = 4 asked and reserved; the rows stop it (3 here).
+    assert _statuses(_states_after("ov-p1-none", [(2, 1)] * 4)[0]) == [
+        "running", "running", "running", "waiting"]
+    assert _statuses(_states_after("ov-p1-none", [(2, 1)] * 4,
+                                   sizes={"max_running_requests": 2})[0]) == [
         "running", "running", "waiting", "waiting"]
+
+
+def test_a_request_that_did_not_fit_latches_admission_until_one_leaves() -> None:
+    """r0 (prompt 10, 8 new) runs; r1 asks 19 tokens of the 32 - 11 (r0's KV) - 8 x 0.7
+    left and does not fit, which latches batch_is_full on the running batch: r1 and the
+    small r2 behind it wait, however much the decodes' ratio decays, until r0 finishes."""
+    states = _states_after("ov-p1-none", [(10, 8), (10, 8), (3, 2)], iterations=12)
+    finished_at = next(i for i, s in enumerate(states) if s.requests[0].status == "finished")
+    for state in states[1:finished_at]:
+        assert _statuses(state)[1:] == ["waiting", "waiting"]
+        assert state.batch_is_full
+    assert "running" in _statuses(states[finished_at + 1])[1:]
+
+
+def test_the_new_token_ratio_decays_per_decode_and_is_re_estimated_at_a_retraction() -> None:
+    decay = (0.7 - 0.7 * 0.14) / 600
+    states = _states_after("nov-p1-none", [(3, 8), (3, 8)], iterations=4)
+    assert [s.new_token_ratio for s in states] == [0.7, 0.7 - decay, 0.7 - decay - decay,
+                                                   0.7 - decay - decay - decay]
+    # A forced retraction keeps one request: min(1, (its outputs + 20) / (8 + 1)) = 1.0.
+    retracted = _states_after("nov-p1-none", [(3, 8), (3, 8)], iterations=2, choices=(
+        IterationChoices(retract=1)))[-1]
+    assert _statuses(retracted).count("waiting") == 1 and retracted.new_token_ratio == 1.0
+
+
+def test_the_new_token_ratio_starts_over_when_the_scheduler_is_idle() -> None:
+    states = _states_after("ov-p1-none", [(3, 2)], iterations=8)
+    assert states[2].new_token_ratio < 0.7  # decoded
+    assert all(r.status == "finished" for r in states[-1].requests)
+    assert states[-1].new_token_ratio == 0.7

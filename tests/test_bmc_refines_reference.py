@@ -26,6 +26,7 @@ from overlap_spec.proofs import bmc
 from overlap_spec.proofs import solver as zs
 from overlap_spec.proofs.model import Context
 from overlap_spec.reference.scheduler import Scheduler
+from overlap_spec.spec import transitions as tr
 from overlap_spec.spec.config import PRESETS, ModelConfig, SpecMode, enumerate_cells, get_cell
 from overlap_spec.spec.interface import RequestState
 from overlap_spec.spec.state import IterationChoices
@@ -196,18 +197,40 @@ def _check_pinned(run: Run, config: ModelConfig, faults: frozenset[str] = frozen
 
 
 def test_a_retraction_leaves_the_batch_in_the_policy_order() -> None:
-    """Three requests, prompts 3, 1, 5: a forced retraction takes r2 (longest prompt) and
-    leaves r1 before r0 (the release's filter_batch(keep_indices=sorted_indices)), so the
-    next iteration's EOS at position 0 finishes r1, in the BMC as in the reference."""
+    """Three requests, prompts 3, 1, 5, six new tokens each (the release's budget admits all
+    three: 10 < 32, 8 < 22, 12 < 14 tokens): a forced retraction takes r2 (longest prompt)
+    and leaves r1 before r0 (the release's filter_batch(keep_indices=sorted_indices)), so
+    the next iteration's EOS at position 0 finishes r1, in the BMC as in the reference."""
     config = ModelConfig(get_cell("ov-p1-none"), PRESETS["minimal"])
     plain = IterationChoices()
     choices = [plain, IterationChoices(retract=1), plain,
                IterationChoices(eos_positions=frozenset({0})), plain]
-    run = _run_on_reference(config, [0, 0, 0], [3, 1, 5], [8, 8, 8], choices)
+    run = _run_on_reference(config, [0, 0, 0], [3, 1, 5], [6, 6, 6], choices)
+    assert [run.states[0][RequestId(b)].status for b in range(3)] == ["running"] * 3
     final = run.states[-1]
     assert [final[RequestId(b)].status for b in range(3)] == ["running", "finished",
                                                               "running"]
     assert not _check_pinned(run, config)
+
+
+def test_the_bmc_admits_by_the_release_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """r0 (prompt 5) runs; r1 (5) and r2 (1), eight new tokens each, arrive together: r1 asks
+    14 tokens of the 27 free less r0's 8 x 0.7 and fits, r2 asks 10 of what r1's reservation
+    leaves (7.4) and waits, and the latch keeps it waiting at the next step, when the budget
+    alone would take it. The BMC holds it back too; with a new-token ratio of 0 it does not."""
+    config = ModelConfig(get_cell("ov-p1-none"), PRESETS["minimal"])
+    run = _run_on_reference(config, [0, 1, 1], [5, 5, 1], [8, 8, 8], [IterationChoices()] * 3)
+    assert [state[RequestId(2)].status for state in run.states[1:]] == ["waiting", "waiting"]
+    assert not _check_pinned(run, config)
+    monkeypatch.setattr(bmc, "RATIO_INIT", 0)
+    assert "iteration 1, r2: status BMC running, reference waiting" in _check_pinned(run, config)
+
+
+def test_the_bmc_ratio_units_are_the_release_floats() -> None:
+    assert bmc.RATIO_INIT / bmc.RATIO_SCALE == pytest.approx(tr.INIT_NEW_TOKEN_RATIO, abs=1e-15)
+    assert bmc.RATIO_DECAY / bmc.RATIO_SCALE == pytest.approx(tr.NEW_TOKEN_RATIO_DECAY,
+                                                             abs=1e-15)
+    assert bmc.RATIO_MIN / bmc.RATIO_SCALE == pytest.approx(tr.MIN_NEW_TOKEN_RATIO, abs=1e-15)
 
 
 @pytest.mark.parametrize("cell", CELLS)

@@ -129,6 +129,8 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
     "KV9": lambda o: _with_request(o, lambda r: r.cached_len is not None,
                                    cached_len=o.requests[_first_request(o, lambda r: r.cached_len is not None)].cached_len + 1),
     "KV10": lambda o: _with_request(o, _settling, kv_committed_len=o.requests[_first_request(o, _settling)].kv_committed_len + 2),
+    # No KV left to admit into: the first admitted request asked for more than remained.
+    "KV11": lambda o: replace(o, admission=replace(o.admission, available_tokens=0)),
     "FM1": lambda o: replace(o, races=(_race("new_seq_lens_buf", (FORWARD, "write"), (SCHEDULE, "read")),)),
     "FM2": lambda o: replace(o, resolve=replace(o.resolve, uncovered_rows=o.resolve.rows[:1])),
     "FM3": lambda o: replace(o, races=(_race("output_tokens_buf", (SCHEDULE, "write"), (FORWARD, "read")),)),

@@ -64,9 +64,11 @@ def test_a_length_finish_is_decoded_once_more_only_in_the_overshoot_era(
     assert request.cached_len == cached
 
 
-# Three requests fill the page-4 pool; at iteration 5 r0's queued result finishes it by
-# length, and r1 and r2 each need a new page with one free.
-SHORT_OF_KV = [Admit(5, 5), Admit(4, 7), AdmitPrebuilt(4, 7)] + [
+# r0 is admitted by the budget; two PD-prebuilt requests, which admission does not budget
+# (the model's own rule for them: a row and the prompt's pages), fill the page-4 pool. At
+# iteration 5 r0's queued result finishes it by length, and r1 and r2 each need a new page
+# with none free but r0's.
+SHORT_OF_KV = [Admit(5, 5), AdmitPrebuilt(4, 7), AdmitPrebuilt(4, 7)] + [
     Iterate(IterationChoices()) for _ in range(8)]
 
 
@@ -83,7 +85,7 @@ def test_a_decode_short_of_only_the_finishing_requests_kv_is_skipped_not_retract
         assert not scheduler.waiting_queue  # nothing is ever retracted
         batch = scheduler.last_batch
         launched.append(None if batch is None else tuple(int(r.rid) for r in batch.reqs))
-    assert launched[4] == (2, 0, 1) and launched[5] is None and launched[6] == (2, 1)
+    assert launched[4] == (1, 2, 0) and launched[5] is None and launched[6] == (1, 2)
     states = {int(r.rid): r for r in scheduler.get_observable_state().requests}
     assert states[0].status == "finished" and len(states[0].output_ids) == 5
     assert states[1].status == states[2].status == "running"
@@ -109,7 +111,9 @@ def test_the_running_batch_is_filtered_at_every_step() -> None:
 
 # Prompts 3, 1, 5: a forced retraction takes r2 and leaves r1 before r0 (the release's
 # filter_batch(keep_indices=sorted_indices)), so the EOS at position 0 two iterations
-# later finishes r1, not r0 (A11, realigned).
+# later finishes r1, not r0 (A11, realigned). A 64-token pool: the release's budget admits
+# all three at once (the page-4 cell's third asks 5 + 8 + 4 tokens of 32 left).
+POOL_64 = {"kv_tokens": 64}
 POLICY_ORDER = [Admit(3, 8), Admit(1, 8), Admit(5, 8), Iterate(IterationChoices()),
                 Iterate(IterationChoices(retract=1)), Iterate(IterationChoices()),
                 Iterate(IterationChoices(eos_positions=frozenset({0}))),
@@ -118,14 +122,14 @@ POLICY_ORDER = [Admit(3, 8), Admit(1, 8), Admit(5, 8), Iterate(IterationChoices(
 
 @pytest.mark.parametrize("cell", ["ov-p1-none", "nov-p4-none", "ov-p1-v2chain-cpu-honest"])
 def test_a_retraction_leaves_the_kept_requests_in_the_policy_order(cell: str) -> None:
-    scheduler = Scheduler(ModelConfig(get_cell(cell), MINIMAL))
+    scheduler = Scheduler(Script(cell, "minimal", sizes=POOL_64).get_config())
     for op in POLICY_ORDER[:3]:
         scheduler.admit(op.prompt_len, op.max_new_tokens)  # type: ignore[union-attr]
     scheduler.run_iteration(IterationChoices())
     scheduler.run_iteration(IterationChoices(retract=1))
     assert scheduler.running_batch is not None
     assert [int(r.rid) for r in scheduler.running_batch.reqs] == [1, 0]
-    assert run_differential(Script(cell, "minimal", list(POLICY_ORDER))).ok
+    assert run_differential(Script(cell, "minimal", list(POLICY_ORDER), sizes=POOL_64)).ok
 
 
 @pytest.mark.parametrize(("cell", "fails"), [("ov-p1-none-overshoot", True),

@@ -40,7 +40,7 @@ from overlap_spec.spec.state import IterationChoices
 # release's finishing-decode skip), RP5 and RP6 (finish reason and output, per-request
 # spec metrics).
 DIGEST_IDS = (
-    [f"SL{i}" for i in range(1, 12)] + [f"KV{i}" for i in range(1, 11)]
+    [f"SL{i}" for i in range(1, 12)] + [f"KV{i}" for i in range(1, 12)]
     + [f"FM{i}" for i in range(1, 8)] + [f"ST{i}" for i in range(1, 6)]
     + [f"RP{i}" for i in range(1, 8)]
 )

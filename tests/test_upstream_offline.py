@@ -159,7 +159,7 @@ def test_findings_match_by_id_text_and_cell() -> None:
 
 def _state(requests: tuple[RequestState, ...], running: BatchState | None = None,
            free: int = 30) -> ObservableState:
-    return ObservableState(requests, running, None, free, 0, (0, 0))
+    return ObservableState(requests, running, None, free, 0, (0, 0), 0.7, False)
 
 
 def _request(rid: int, status: str, committed: int, allocated: int,

@@ -40,6 +40,7 @@ ghost                         :class:`~spec.relation.Ghost`, written only by the
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 from overlap_spec.spec.config import ModelConfig
@@ -62,6 +63,7 @@ from overlap_spec.spec.relation import (
     ghost_retract,
 )
 from overlap_spec.spec.state import (
+    AdmissionView,
     AllocatorView,
     BatchView,
     GhostView,
@@ -137,6 +139,8 @@ class UpstreamScheduler:
         self.pending: InvariantViolation | None = None
         # Requests the release retracted during the latest operation (for the differential).
         self.retracted_in_operation: frozenset[RequestId] = frozenset()
+        # PrefillAdder's inputs, read when get_new_batch_prefill starts (KV11).
+        self.admission: AdmissionView | None = None
         # The relay rows: stashes since the last gather, who stashed and who published last
         # (request, epoch), and what the next launch gathered (FM4, FM5).
         self.stashes: dict[int, int] = {}
@@ -254,6 +258,9 @@ class UpstreamScheduler:
             // self.config.page_size,
             kv_write_faults=self.kv_write_fault_count,
             accept_counters=self.accept_counters,
+            new_token_ratio=float(sched.new_token_ratio_tracker.current),
+            batch_is_full=bool(sched.running_batch.batch_is_full
+                               and not sched.running_batch.is_empty()),
         )
 
     # ------------------------------------------------------------------ host: the worker
@@ -393,6 +400,25 @@ class UpstreamScheduler:
                              and self.published_by.get(row) != (self.by_req[id(req)].rid,
                                                                 self.by_req[id(req)].ghost.epoch)]
 
+    def on_admission_start(self, sched: Any, running_batch: Any) -> None:
+        """What the release's PrefillAdder decides from, read before it runs (KV11): the
+        admitted count is filled in at the prefill's prepare_for_extend."""
+        if sched is None:
+            self.admission = None
+            return
+        running = list(running_batch.reqs)
+        self.admission = AdmissionView(
+            new_token_ratio=float(sched.new_token_ratio_tracker.current),
+            available_tokens=int(sched.token_to_kv_pool_allocator.available_size()
+                                 + sched.tree_cache.evictable_size()),
+            rows=int(sched.get_num_allocatable_reqs(len(running), running_batch=running_batch)),
+            running=tuple((int(r.sampling_params.max_new_tokens), len(r.output_ids))
+                          for r in running),
+            waiting=tuple((self.get_rid(r), len(r.origin_input_ids) + len(r.output_ids),
+                           int(r.sampling_params.max_new_tokens), len(r.output_ids))
+                          for r in sched.waiting_queue),
+            admitted=0)
+
     def on_prepare_extend(self, batch: Any) -> None:
         """A prefill claims its fill length at prepare time; nothing is settled yet."""
         for req in batch.reqs:
@@ -488,6 +514,9 @@ class UpstreamScheduler:
     def observe(self, point: ObservationPoint, batch: Any = None, **parts: Any) -> None:
         if self.observer is None:
             return
+        if point is ObservationPoint.PREPARE_FOR_EXTEND and self.admission is not None:
+            parts["admission"] = replace(self.admission, admitted=len(batch.reqs))
+            self.admission = None
         obs = Observation(
             point=point,
             step_index=self.step_index,

@@ -219,7 +219,11 @@ def install(scheduler_module: Any) -> None:
     def get_new_batch_prefill(self: Any, running_batch: Any) -> Any:
         if not HOST.get_choices().allow_prefill:
             return NextBatchPlan(batch_to_run=None, running_batch=running_batch)
-        return prefill(self, running_batch)
+        HOST.on_admission_start(self, running_batch)
+        try:
+            return prefill(self, running_batch)
+        finally:
+            HOST.on_admission_start(None, None)
 
     cls.get_new_batch_prefill = get_new_batch_prefill
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from overlap_spec.spec.config import Cell
-from overlap_spec.spec.interface import ObservableState, RequestState
+from overlap_spec.spec.interface import ObservableState
 from overlap_spec.spec.invariants import InvariantViolation
 
 UPSTREAM_CHECKER_ID: Final = "UC"
@@ -168,24 +168,6 @@ class AllowedDivergence:
                 "reason": self.reason, "realign": self.realign}
 
 
-OPERATION_WIDE: Final = r"request r\d+\..*|accept_counters|(running|last_batch)(\..*)?|free_pages"
-"""The field pattern of an entry that explains every field at the operation where its
-mechanism is visibly active."""
-
-
-def _requests(state: ObservableState) -> dict[int, RequestState]:
-    return {int(r.rid): r for r in state.requests}
-
-
-def _admission_held_back(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
-    """The release left a request waiting (not retracted by this operation) that the
-    reference admitted or re-admitted."""
-    ref_reqs = _requests(ctx.reference)
-    return any(u.status == "waiting" and ref_reqs[rid].status != "waiting"
-               and rid not in ctx.upstream_retracted
-               for rid, u in _requests(ctx.upstream).items())
-
-
 def _stale_rows_counted(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
     return ctx.is_spec and up[1] > ref[1] and up[0] >= ref[0]
 
@@ -202,7 +184,8 @@ def _sum_not_backfilled(path: str, ref: Any, up: Any, ctx: DivergenceContext) ->
 # running batch is filtered at every step, before admission counts it; A11, after a
 # retraction the batch stands in the retraction policy's order; A9, at a finish the
 # reference commits the whole accepted run and caches Req.owned_kv_len() as the release
-# does (the trimmed finish is a proposal's cell).
+# does (the trimmed finish is a proposal's cell); A5, admission is the release's PrefillAdder
+# budget with its new-token ratio and batch_is_full latch (both compared as state).
 ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
     AllowedDivergence(
         "A4", r"(running|last_batch)\.seq_lens_sum",
@@ -212,15 +195,6 @@ ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
         "the lazy seq_lens_sum onto the batch; the stand-in forward builds no ForwardBatch, "
         "so it stays None (D5)",
         False, _sum_not_backfilled),
-    AllowedDivergence(
-        "A5", OPERATION_WIDE,
-        "python/sglang/srt/managers/schedule_policy.py PrefillAdder (add_one_req, "
-        "rem_total_tokens) via scheduler.py:4052 get_new_batch_prefill",
-        "admission policy: the release admits a waiting request only if its prompt plus an "
-        "estimate of the decode tokens still to come for every running and admitted "
-        "request (new_token_ratio x remaining max_new_tokens, page-rounded) fits; the "
-        "reference admits while a row and the prompt's pages are free",
-        True, _admission_held_back),
     AllowedDivergence(
         "A8", r"accept_counters",
         "python/sglang/srt/managers/scheduler_components/batch_result_processor.py:785, :986",
@@ -233,10 +207,7 @@ ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
 
 def get_allowed(path: str, reference_value: Any, upstream_value: Any,
                 ctx: DivergenceContext) -> AllowedDivergence | None:
-    # Entries about one field first; the ones that explain a whole operation (A5:
-    # a mechanism whose consequences reach any field) only for what no field entry names.
-    ordered = sorted(ALLOWED_DIVERGENCES, key=lambda e: e.field == OPERATION_WIDE)
-    for entry in ordered:
+    for entry in ALLOWED_DIVERGENCES:
         if re.fullmatch(entry.field, path) and entry.when(path, reference_value, upstream_value,
                                                          ctx):
             return entry

@@ -34,7 +34,6 @@ from typing import Any
 
 from overlap_spec.harness.conformance.findings import (
     KNOWN_FINDINGS,
-    OPERATION_WIDE,
     UPSTREAM_CHECKER_ID,
     UPSTREAM_NOT_APPLICABLE,
     AllowedDivergence,
@@ -220,7 +219,8 @@ def get_differences(reference: ObservableState, upstream: ObservableState, page_
             a, b = getattr(a_batch, f.name), getattr(b_batch, f.name)
             if a != b:
                 out.append((f"{name}.{f.name}", a, b))
-    for name in ("free_pages", "kv_write_faults", "accept_counters"):
+    for name in ("free_pages", "kv_write_faults", "accept_counters", "new_token_ratio",
+                 "batch_is_full"):
         a, b = getattr(reference, name), getattr(upstream, name)
         if a != b:
             out.append((name, a, b))
@@ -268,9 +268,9 @@ class UpstreamPair:
         self.up_admitted: list[RequestId] = []
         self.steps = 0
 
-    def apply(self, op: Op) -> tuple[list[str], tuple[str, Any, Any] | None, bool]:
-        """Apply one op to both: (allowed entries used, the unexplained difference or None,
-        whether the two runs now differ in what they did, ending the comparison)."""
+    def apply(self, op: Op) -> tuple[list[str], tuple[str, Any, Any] | None]:
+        """Apply one op to both: (allowed entries used, the unexplained difference or None).
+        Every allowed entry is about one field's value: the runs stay in step."""
         step = self.steps
         self.steps += 1
         self.reference.set_step_index(step)
@@ -281,32 +281,26 @@ class UpstreamPair:
         up_state = self.upstream.get_observable_state()
         differences = get_differences(ref_state, up_state, self.config.page_size)
         if not differences:
-            return [], None, False
+            return [], None
         ctx = DivergenceContext(ref_state, up_state, self.upstream.retracted_in_operation,
                                 self.config.cell.is_spec)
         used, unexplained = explain(differences, ctx)
-        # A field-level difference (a value the two report differently) leaves the runs in
-        # step; an operation-wide one means they did different things: comparing further
-        # would only restate it.
-        ended = any(entry.field == OPERATION_WIDE for entry in used)
-        return [entry.id for entry in used], unexplained, ended
+        return [entry.id for entry in used], unexplained
 
 
 def replay_differential(script: Script) -> tuple[int, dict[str, Any] | None, list[str]]:
     """Replay a differential script: (ops compared, the unexplained divergence, the allowed
-    entries that ended or explained the comparison)."""
+    entries that explained a difference)."""
     pair = UpstreamPair(script.get_config())
     explained: list[str] = []
     for index, op in enumerate(script.ops):
         op = normalize_differential_op(op)
-        used, unexplained, ended = pair.apply(op)
+        used, unexplained = pair.apply(op)
         explained += [e for e in used if e not in explained]
         if unexplained is not None:
             path, ref_value, up_value = unexplained
             return index + 1, {"step": index, "field": path, "reference": repr(ref_value),
                                "upstream": repr(up_value)}, explained
-        if ended:
-            return index + 1, None, explained
     return len(script.ops), None, explained
 
 
@@ -321,14 +315,11 @@ def run_differential_cell(config: ModelConfig, profile: Profile, seed: int,
             super().__init__()
             report.examples += 1
             self.pair = UpstreamPair(config)
-            self.done = False
 
         def _apply(self, op: Op) -> None:
-            if self.done:
-                return  # this example already diverged in an explained way
             op = normalize_differential_op(op)
             self.script.ops.append(op)
-            used, unexplained, ended = self.pair.apply(op)
+            used, unexplained = self.pair.apply(op)
             if unexplained is not None:
                 path, ref_value, up_value = unexplained
                 raise _Unexplained({"step": len(self.script.ops) - 1, "op": op, "field": path,
@@ -336,10 +327,7 @@ def run_differential_cell(config: ModelConfig, profile: Profile, seed: int,
                                     "script": replace(self.script, ops=list(self.script.ops))})
             for entry in used:
                 report.explained[entry] += 1
-            if ended:
-                self.done = True
-            else:
-                report.operations += 1
+            report.operations += 1
 
     DifferentialMachine.__name__ = f"UpstreamDifferential[{config.name}]"
     test = get_machine_test(DifferentialMachine, examples, profile.step_count, seed, True)

@@ -23,7 +23,8 @@ iterate field       domain
 ==================  =====================================================================
 allow_prefill       True, False
 retract             0, 1 (a forced retraction keeps one request, so with two any value
-                    from 1 up retracts the same one)
+                    from 1 up retracts the same one; with one it retracts nothing and
+                    re-estimates the new-token ratio)
 disable_overlap     False, True in overlap cells (not read elsewhere)
 spec_steps          0 (the configured shape) and 1 (the lowest rung) in v2chain cells,
                     so every iteration may switch the rung up or down by the widest
@@ -153,11 +154,11 @@ def is_prefill_possible(model: Scheduler) -> bool:
 
 
 def is_retract_possible(model: Scheduler) -> bool:
-    """``retract_decode`` keeps at least one request, so a forced retraction of a batch
-    of one retracts nothing (read before ``filter_batch``: a batch of two whose second
-    request finished still counts as two here)."""
+    """A forced retraction runs ``retract_decode`` on any batch it decodes: of one request
+    it retracts nothing (it keeps one) but re-estimates the new-token ratio all the same;
+    with no request it is not read."""
     batch = model.running_batch
-    return batch is not None and len(batch.reqs) >= 2
+    return batch is not None and len(batch.reqs) >= 1
 
 
 def is_result_pending(model: Scheduler) -> bool:

@@ -106,6 +106,10 @@ def decode_value(kind: Any, raw: Any, path: str) -> Any:
         if isinstance(raw, bool) or not isinstance(raw, int):
             raise CodecError(path, f"expected an integer, got {_describe(raw)}")
         return raw
+    if kind is float:  # JSON keeps a Python float exactly (shortest repr round-trips)
+        if isinstance(raw, bool) or not isinstance(raw, int | float):
+            raise CodecError(path, f"expected a number, got {_describe(raw)}")
+        return float(raw)
     if kind is str:
         if not isinstance(raw, str):
             raise CodecError(path, f"expected a string, got {_describe(raw)}")
