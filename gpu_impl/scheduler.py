@@ -192,7 +192,9 @@ class Scheduler:
                 # is_disable_overlap_for_batch: the pending result goes first.
                 self.pop_and_process()
                 if batch is not None and not self.rt.has_fault("B14"):
+                    size = len(batch.reqs)
                     batch.filter_batch()  # drop what that result finished and released
+                    batch.batch_is_full = batch.batch_is_full and len(batch.reqs) == size
                     if batch.is_empty():
                         batch = None
             if batch is not None:

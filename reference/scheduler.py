@@ -151,7 +151,10 @@ class Scheduler:
                 # is_disable_overlap_for_batch: the pending result is processed before launch.
                 self.pop_and_process()
                 if batch is not None and not self.rt.has_fault("B14"):
+                    before = len(batch.reqs)
                     batch.filter_batch()  # drop what that result finished and released
+                    if len(batch.reqs) < before:  # as the release's next filter would
+                        batch.batch_is_full = False
                     self._observe_batch(ObservationPoint.FILTER_BATCH, batch)
                     if batch.is_empty():
                         batch = None
