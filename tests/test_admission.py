@@ -278,3 +278,20 @@ def test_the_new_token_ratio_starts_over_when_the_scheduler_is_idle() -> None:
     assert states[2].new_token_ratio < 0.7  # decoded
     assert all(r.status == "finished" for r in states[-1].requests)
     assert states[-1].new_token_ratio == 0.7
+
+
+def test_kv11_catches_an_admission_that_ignores_the_running_requests(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """r0 runs; r1 and r2 arrive together: the release admits r1 and holds r2 (10 tokens
+    asked, 7.4 left after r0's 8 x 0.7 and r1's 14). An admission that leaves the running
+    requests' estimate out admits r2 too, and KV11, which states the rule with its own
+    arithmetic, names it."""
+    from overlap_spec.reference import scheduler
+
+    step = Iterate(IterationChoices())
+    ops = [Admit(5, 8), step, Admit(5, 8), Admit(1, 8), step]
+    assert run_script(Script("ov-p1-none", "minimal", ops)).violation is None
+    monkeypatch.setattr(scheduler, "compute_running_token_offset", lambda *args: 0.0)
+    outcome = run_script(Script("ov-p1-none", "minimal", ops))
+    assert outcome.violation is not None and outcome.violation.invariant_id == "KV11"
+    assert "request r2: admitted asking 10 tokens" in str(outcome.violation)
