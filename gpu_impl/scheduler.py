@@ -510,11 +510,12 @@ class Scheduler:
             for name, value in snapshot.items():
                 setattr(batch, name, value)
         batch.input_ids = None
+        if cell.overlap and rt.has_fault("B6"):
+            # #25879 (#25944: non-spec too): a negative sentinel until the next resolve;
+            # a non-spec prepare_for_decode reads it on S (#26020's alloc_for_decode).
+            batch.seq_lens = -rows
         if cell.is_spec and cell.overlap:
             batch.future_indices = rows
-            if rt.has_fault("B6"):
-                # #25879: a negative sentinel until the next resolve replaces it.
-                batch.seq_lens = -rows
         elif cell.is_spec:
             batch.future_indices = None
             self._reapply_new_seq_lens(batch, result.new_seq_lens)

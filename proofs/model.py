@@ -318,8 +318,9 @@ def launch(ctx: Context, r: Record, accept: Term) -> Step:
         post["published_seq_len"] = published
         if not ctx.overlap:  # run_batch re-applies new_seq_lens to SB
             post.update(seq_len=published, seq_len_cpu=published)
-        elif ctx.has("B6"):  # a -future_indices sentinel (rows are >= 1)
-            post.update(seq_len=zs.IntVal(-1))
+    if ctx.overlap and ctx.has("B6"):
+        # A -future_indices sentinel (rows are >= 1); a non-spec prepare_for_decode reads it.
+        post.update(seq_len=zs.IntVal(-1))
     guards = [r["prepared"]]
     if not ctx.has("B14"):
         guards.append(r["holds_kv"])  # the re-filter after early result processing

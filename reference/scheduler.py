@@ -606,6 +606,10 @@ class Scheduler:
             self._isolation_restore(batch, snapshot)
         batch.input_ids = None
         if not cfg.cell.is_spec:
+            if cfg.cell.overlap and rt.has_fault("B6"):
+                # #25944: the sentinel in non-spec overlap too; the next prepare_for_decode
+                # reads it on S (alloc_for_decode, one of the readers #26020 lists).
+                batch.seq_lens = rt.new_tensor([-row for row in rows], "run_batch sentinel")
             return None
         batch.future_indices = list(rows) if cfg.cell.overlap else None
         if not cfg.cell.overlap:

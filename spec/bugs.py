@@ -65,10 +65,16 @@ BUGS: Final[tuple[Bug, ...]] = (
         "S and D skip their publish_ready waits", ("FM1",),
         lambda cell: cell.is_spec and cell.overlap and cell.needs_cpu_seq_lens,
         stream_level=True),
-    Bug("B6", "seq_lens sentinel between forwards", "#25879, #25944, #26020",
-        "run_batch leaves SB.seq_lens = -future_indices until the next resolve",
-        "the sentinel is re-introduced after launch", ("SL5", "SL2"),
-        lambda cell: cell.is_spec and cell.overlap),
+    # Stale by design until the next resolve (#25879, #25944); the bug was a schedule-side
+    # reader that consumed it. In spec cells the model has no such reader before the
+    # resolve, so there only the state shows it.
+    Bug("B6", "seq_lens sentinel between forwards, read on the schedule side",
+        "#25879, #25944, #26020",
+        "run_batch leaves SB.seq_lens = -future_indices until the next resolve, and a "
+        "schedule-side reader consumes it first: non-spec prepare_for_decode's "
+        "alloc_for_decode, one of the five sites #26020 lists",
+        "the sentinel is re-introduced after launch; a non-spec decode is prepared from it",
+        ("SL5", "SL2", "SL7", "KV1"), lambda cell: cell.overlap),
     Bug("B7", "spec draft-extend mutations pollute the ScheduleBatch", "#26020",
         "draft-extend adds D_tok to SB.seq_lens / seq_lens_cpu instead of the ForwardBatch",
         "the +D_tok is written to the ScheduleBatch", ("SL10", "SL2", "SL6"),

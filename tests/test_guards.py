@@ -55,3 +55,32 @@ def test_failure_message_names_id_request_values_and_replay() -> None:
     from overlap_spec.harness.drive.stateful import describe_failure
     described = describe_failure(result)
     assert "seed 1" in described and "overlap-spec replay" in described
+
+
+def test_b6s_reader_consumes_the_sentinel() -> None:
+    """B6 is the sentinel and its reader: SL2 and SL5 see the sentinel the step it is
+    left, and with them set aside the non-spec decode prepared from it (#26020's
+    alloc_for_decode site) breaks the KV accounting there."""
+    from overlap_spec.harness.drive.script import Admit, Iterate, Script, apply_op, get_factory
+    from overlap_spec.spec.invariants import INVARIANTS, InvariantViolation
+    from overlap_spec.spec.state import IterationChoices, Observation
+    from overlap_spec.spec.units import RequestId
+
+    script = Script("ov-p1-none", "minimal", [Admit(3, 4)] + [Iterate(IterationChoices())] * 3,
+                    ("B6",))
+    config = script.get_config()
+    seen: set[tuple[str, str]] = set()
+
+    def observe(obs: Observation) -> None:
+        for inv in INVARIANTS:
+            if inv.applies(config.cell) and inv.id not in ("SL2", "SL5"):
+                try:
+                    inv.check(config, obs)
+                except InvariantViolation:
+                    seen.add((obs.point.value, inv.id))
+
+    model = get_factory("reference")(config, frozenset(script.faults), observe)
+    admitted: list[RequestId] = []
+    for op in script.ops:
+        apply_op(model, op, admitted)
+    assert {("prepare_for_decode", "SL7"), ("prepare_for_decode", "KV1")} <= seen
