@@ -120,6 +120,7 @@ LAUNCHES: dict[str, dict[str, int]] = {
     "nov-p1-none": {'copy': 2, 'schedule': 68},
     "nov-p4-none": {'copy': 2, 'schedule': 67},
     "ov-p1-v2chain-cpu-honest": {'copy': 2, 'd2h': 1, 'forward': 96, 'schedule': 3},
+    "ov-p1-v2chain-cpu-honest-earlyfence": {'copy': 2, 'd2h': 1, 'forward': 96, 'schedule': 3},
     "ov-p1-v2chain-cpu-honest-trimmed": {'copy': 2, 'd2h': 1, 'forward': 96, 'schedule': 3},
     "ov-p1-v2chain-cpu-honest-rungreserve": {'copy': 2, 'd2h': 1, 'forward': 96, 'schedule': 3},
     "ov-p1-v2chain-cpu-preclaim": {'copy': 2, 'd2h': 1, 'forward': 96, 'schedule': 3},
