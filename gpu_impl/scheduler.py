@@ -14,8 +14,11 @@ the real stream structure (``gpu_impl/streams.py``)::
     no overlap: prepare(B_i) ─ run_batch(B_i) ─ process(R_i)
 
     run_batch:  [S wait publish_ready, gather seq_lens; D copy → pinned; host sync D]
-                F.wait_stream(S) ─ F: inputs, forward, read_done, publish → publish_ready,
-                draft-extend, stash ─ C.wait_stream(F), result D2H, record copy_done:<step>
+                F.wait_stream(S) ─ F: inputs, forward, publish → publish_ready,
+                draft-extend, read_done, stash ─ C.wait_stream(F), result D2H,
+                record copy_done:<step>
+                (non-spec and early_fence: read_done before the publish; a spec
+                prefill records none and the WAR fence is S.wait_stream(F))
 
 Its checkers are the differential run against the reference (``get_observable_state``
 after every operation) and the race detector (``gpu_impl/race.py``) listening to the
@@ -41,7 +44,7 @@ from overlap_spec.gpu_impl.req import Req
 from overlap_spec.gpu_impl.runtime import Runtime
 from overlap_spec.gpu_impl.schedule_batch import ResultBatch, ScheduleBatch
 from overlap_spec.gpu_impl.streams import Streams
-from overlap_spec.gpu_impl.worker import READ_DONE, ForwardResult, ModelWorker
+from overlap_spec.gpu_impl.worker import ForwardResult, ModelWorker
 from overlap_spec.spec.bugs import BUG_IDS
 from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.happens_before import COPY, FORWARD, SCHEDULE
@@ -557,10 +560,16 @@ class Scheduler:
     def apply_war_barrier(self) -> None:
         """Right after launch (PR 31687): S waits for F_i's reads before writing again.
 
-        The fine fence (read-done event, #28363) on every path, as in the reference.
+        The fine fence (read-done event, #28363) where the forward published one, else
+        the coarse ``S.wait_stream(F)`` (a spec prefill), as in the reference.
         """
-        if not self.rt.has_fault("B8"):
-            self.streams.wait_event(SCHEDULE, READ_DONE)
+        event, self.worker.shared_read_done_event = self.worker.shared_read_done_event, None
+        if self.rt.has_fault("B8"):
+            return
+        if event is not None:
+            self.streams.wait_event(SCHEDULE, event)
+        else:
+            self.streams.wait_stream(SCHEDULE, self.rt.forward_stream)
 
     # ------------------------------------------------------------------ results
     def pop_and_process(self) -> None:

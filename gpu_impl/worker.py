@@ -15,8 +15,11 @@ request that holds no pool row counts one fault per write, as in the reference.
 
 The environment's choices (accept lengths, EOS) arrive by H2D copies enqueued on the
 forward stream, so nothing the schedule stream owns has to outlive them. The read-done
-event of the fine WAR fence (#28363) is recorded after the last ``req_to_token`` read and
-before the publish and the stash.
+event of the fine WAR fence (#28363) is recorded after the last ``req_to_token`` read:
+non-spec, before the publish and the stash; in a spec-v2 decode, after the draft-extend's
+attention metadata re-reads the rows, so after the publish and before the stash (the
+``early_fence`` proposal: before the publish, with no re-read). A spec prefill records
+none (EAGLE's does not), and the scheduler's barrier waits on the whole forward stream.
 """
 
 from __future__ import annotations
@@ -96,6 +99,8 @@ class RequestInputs:
 class ModelWorker:
     def __init__(self, rt: Runtime) -> None:
         self.rt = rt
+        # The runner's ``shared_read_done_event``, taken and cleared by the WAR barrier.
+        self.shared_read_done_event: str | None = None
 
     def forward_batch_generation(self, batch: ScheduleBatch, step: StepId,
                                  choices: IterationChoices, on_publish: OnPublish) -> ForwardResult:
@@ -181,6 +186,7 @@ class ModelWorker:
     def _record_reads_done(self) -> None:
         """The forward's last req_to_token read: the fine-grained WAR fence point."""
         self.rt.streams.record(READ_DONE, self.rt.forward_stream)
+        self.shared_read_done_event = READ_DONE
 
     # -- forwards -----------------------------------------------------------------
     def _forward_extend(self, batch: ScheduleBatch, step: StepId, choices: IterationChoices,
@@ -192,7 +198,8 @@ class ModelWorker:
         faults = self._write_kv(fb, inputs, self._fill(fb, 0), fb.seq_lens, widest)
         eos_at = [choices.get_eos_index(j, 1) for j in range(len(batch.reqs))]
         tokens = self._sample(batch, inputs, fb.seq_lens, 1, eos_at)  # at fill_len
-        self._record_reads_done()
+        if not rt.config.cell.is_spec or rt.config.cell.early_fence:
+            self._record_reads_done()  # EAGLE's prefill records none (spec_info.py:138)
         new_seq_lens = fb.seq_lens.clone()  # spec extend publishes s (the prompt length)
         if rt.config.cell.is_spec:
             on_publish(new_seq_lens)
@@ -233,9 +240,13 @@ class ModelWorker:
         # The bonus token sits at seq_len; the run starts after it.
         tokens = self._sample(batch, inputs, verify.seq_lens + 1, shape.draft_tokens, eos_at)
         new_seq_lens = verify.seq_lens + accept_lens  # compute_verify_new_seq_len, batched
-        self._record_reads_done()
+        early_fence = rt.config.cell.early_fence
+        if early_fence:
+            self._record_reads_done()
         on_publish(new_seq_lens)  # between verify and draft-extend
         self._draft_extend(batch)
+        if not early_fence:  # the release: the draft runner's event, after draft-extend
+            self._record_reads_done()
         return ForwardResult(step, "decode", shape.draft_tokens, tokens, accept_lens, eos_at,
                              new_seq_lens, faults)
 
@@ -248,6 +259,10 @@ class ModelWorker:
         """
         rt = self.rt
         fb = ForwardBatch.init_new(rt, batch, "draft_extend")
+        if not rt.config.cell.early_fence:
+            # The attention metadata re-reads the rows after the publish (the early
+            # fence's premise is a draft-extend that does not).
+            rt.req_to_token_pool.req_to_token[fb.req_pool_indices]
         d_tok = rt.shape.draft_tokens
         host = rt.streams.on_host()
         if rt.has_fault("B7"):

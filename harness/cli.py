@@ -245,7 +245,7 @@ def cmd_cells(args: argparse.Namespace) -> int:
 
         rows: list[tuple[str, ...]] = [("cell", "overlap", "page", "spec", "host mirror",
                                         "claim", "reserve", "length finish", "finish run",
-                                        "host bound", "design")]
+                                        "host bound", "read-done", "design")]
         for cell in enumerate_cells():
             departures = get_departures(cell)
             rows.append((cell.name, "yes" if cell.overlap else "no", str(cell.page_size),
@@ -257,6 +257,8 @@ def cmd_cells(args: argparse.Namespace) -> int:
                          ("trimmed" if cell.trimmed_finish else "whole") if cell.is_spec else "-",
                          ("seq_len_cpu_ub" if cell.cpu_ub else "none")
                          if cell.is_spec and not cell.needs_cpu_seq_lens else "-",
+                         ("pre-publish" if cell.early_fence else "post-draft-extend")
+                         if cell.is_spec and cell.overlap else "-",
                          "; ".join(departures) or "release"))
         _print_table(rows)
         print("release: sglang 0.5.23's design; the differences the model keeps from it are "

@@ -10,13 +10,15 @@ safe when every execution orders them as the host program does; Z3 proves it, or
 returns an execution (a counterexample schedule) where they run the other way.
 
 The pair's invariant ID is the spec's own classification
-(``spec.invariants.classify_race``), so FM1 / ST1 / ST2 / ST4 mean here what the
+(``spec.invariants.classify_race``), so FM1 / FM3 / ST1 / ST2 / ST4 mean here what the
 reference's vector-clock check means. FM2 (single capture point of
 ``publish_ready``) and ST3 (host sync budget) are claims about the program itself.
 
 The program is three iterations of ``event_loop_overlap`` (digest section 3.1),
 written from ``reference/scheduler.py``'s order; faults B5, B8, B9, B13, B15 change
-it the way the reference's faults do.
+it the way the reference's faults do. A spec forward records the read-done event
+after the draft-extend's ``req_to_token`` read, past the publish, as 0.5.23 does; the
+``early_fence`` proposal records it before the publish.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def build_protocol(cell: Cell, faults: frozenset[str] = frozenset()) -> Program:
                 p.add(SCHEDULE, "wait_stream", fwd, "S.wait_stream(F) before prebuilt publish")
             p.add(SCHEDULE, "write", "new_seq_lens_buf[1]", "prebuilt publish on S")
             p.add(SCHEDULE, "record", "publish_ready", "publish_ready.record() on S")
+            p.add(SCHEDULE, "write", "output_tokens_buf[1]", "prebuilt stash on S")
         p.add(SCHEDULE, "write", "req_to_token[0]", f"prepare B{i}: req_to_token rows")
         p.add(SCHEDULE, "write", f"seq_lens[{i}]", f"prepare B{i}: seq_lens tensor")
         if relay and i > 0:
@@ -82,13 +85,23 @@ def build_protocol(cell: Cell, faults: frozenset[str] = frozenset()) -> Program:
             p.add(fwd, "wait_stream", SCHEDULE, "F.wait_stream(S) at launch")
         p.add(fwd, "read", "req_to_token[0]", f"F{i} reads req_to_token")
         p.add(fwd, "read", f"seq_lens[{i}]", f"F{i} reads seq_lens")
-        p.add(fwd, "record", "read_done", "read-done event")
+        late_fence = cell.is_spec and not cell.early_fence
+        if not late_fence:
+            p.add(fwd, "record", "read_done", "read-done event")
         if cell.is_spec:
             p.add(fwd, "write", "new_seq_lens_buf[0]", f"F{i} publish")
             p.add(fwd, "record", "publish_ready", "publish_ready.record() on F")
             # Draft extend builds its ForwardBatch from SB.seq_lens after the publish
             # (reference worker._draft_extend), so F still reads it past publish_ready.
             p.add(fwd, "read", f"seq_lens[{i}]", f"F{i} draft_extend reads seq_lens")
+        if late_fence:
+            p.add(fwd, "read", "req_to_token[0]", f"F{i} draft_extend reads req_to_token")
+            p.add(fwd, "record", "read_done", "read-done event after draft_extend")
+        if relay:
+            # The stash, past the read-done point. Row 1 in F0 is the row a finished
+            # request leaves and the prebuilt request of iteration 1 reuses (#35748).
+            for row in (0, 1) if i == 0 else (0,):
+                p.add(fwd, "write", f"output_tokens_buf[{row}]", f"F{i} stash")
             if "B13" in faults:
                 p.add(fwd, "write", "accept_lens[0]", f"F{i} writes accept_lens")
         p.add(COPY, "wait_stream", fwd, "copy.wait_stream(F)")
@@ -185,7 +198,7 @@ def _schedule(program: Program, raw_model: object) -> list[str]:
 
 def prove_protocol(cell: Cell, faults: frozenset[str] = frozenset(),
                    timeout_ms: int = zs.DEFAULT_TIMEOUT_MS) -> list[HbResult]:
-    """FM1 / ST1 / ST2 / ST4 (pair orderings), FM2 (capture covers publishes), ST3."""
+    """FM1 / FM3 / ST1 / ST2 / ST4 (pair orderings), FM2 (capture covers publishes), ST3."""
     program = build_protocol(cell, faults)
     times, constraints, waited = _constraints(program)
     by_id: dict[str, HbResult] = {}
@@ -235,5 +248,5 @@ def get_expected_ids(cell: Cell) -> tuple[str, ...]:
     if cell.overlap:
         ids += ["ST1", "ST2", "ST4"]
     if cell.is_spec and cell.overlap:
-        ids += ["FM1", "FM2"]
+        ids += ["FM1", "FM2", "FM3"]
     return tuple(sorted(ids))

@@ -31,7 +31,7 @@ from overlap_spec.reference.refinement import Refinement
 from overlap_spec.reference.req import Req
 from overlap_spec.reference.runtime import Runtime
 from overlap_spec.reference.schedule_batch import ScheduleBatch
-from overlap_spec.reference.worker import READ_DONE, ForwardResult, ModelWorker
+from overlap_spec.reference.worker import ForwardResult, ModelWorker
 from overlap_spec.spec import relation
 from overlap_spec.spec.bugs import BUG_IDS
 from overlap_spec.spec.config import ModelConfig
@@ -652,12 +652,20 @@ class Scheduler:
         self.rt.release_tensors(referenced, operation)
 
     def apply_war_barrier(self) -> None:
-        """Right after launch (PR 31687): S waits for F_i's reads before writing again."""
+        """Right after launch (PR 31687): S waits for F_i's reads before writing again.
+
+        The fine fence (read-done event, #28363) where the forward published one: after
+        its last req_to_token read, which in a spec-v2 decode is the draft-extend's, so
+        it also orders that forward's publish (not its stash). A forward that published
+        none (a spec prefill) gets the coarse ``S.wait_stream(F)``, as in the release.
+        """
+        event, self.worker.shared_read_done_event = self.worker.shared_read_done_event, None
         if self.rt.has_fault("B8"):
             return
-        # The fine fence (read-done event, #28363) for every path: a coarse wait_stream
-        # would also order the publishes and mask relay races from the checkers.
-        self.rt.hb.wait_event(SCHEDULE, READ_DONE)
+        if event is not None:
+            self.rt.hb.wait_event(SCHEDULE, event)
+        else:
+            self.rt.hb.wait_stream(SCHEDULE, self.rt.forward_stream)
 
     # ------------------------------------------------------------------ results
     def pop_and_process(self) -> None:

@@ -5,7 +5,10 @@ takes accept lengths and EOS from the environment's choices, and publishes
 new_seq_lens through the ``on_publish`` callback between verify and
 draft-extend (multi_layer_eagle_worker_v2.py). A write outside what the request
 owns is recorded as a :class:`KvWrite` fault, so an accounting error shows up
-as a wrong write instead of silently passing.
+as a wrong write instead of silently passing. The WAR fence's read-done event
+follows the last ``req_to_token`` read: in a spec-v2 decode the draft-extend's
+attention metadata, after the publish (the ``early_fence`` proposal: before it);
+a spec prefill records none, as EAGLE's does not.
 
 Upstream: ``model_executor/forward_batch_info.py`` (init_new),
 ``speculative/eagle_worker_v2.py`` / ``multi_layer_eagle_worker_v2.py``
@@ -83,14 +86,21 @@ class ModelWorker:
     def __init__(self, rt: Runtime, emit: Emit) -> None:
         self.rt = rt
         self.emit = emit
+        # The runner's ``shared_read_done_event``: set by a forward that publishes one,
+        # taken (and cleared) by the scheduler's WAR barrier, which without it waits on
+        # the whole forward stream (0.5.23's scheduler.py:2012-2023).
+        self.shared_read_done_event: str | None = None
 
     def _record_reads_done(self) -> None:
-        """The forward's last read of req_to_token: the fine-grained WAR fence point.
+        """The forward's last read of req_to_token: the fine-grained WAR fence point
+        (#28363 read-done event).
 
-        Recorded before the publish and the stash, so the fence orders the schedule
-        stream's row writes and nothing else (#28363 read-done event).
+        Non-spec: after the KV writes, before the publish and the stash. Spec-v2 decode:
+        after the draft-extend's attention metadata, the last req_to_token read, so after
+        the publish and before the stash (the ``early_fence`` proposal: before the publish).
         """
         self.rt.hb.record(READ_DONE, self.rt.forward_stream)
+        self.shared_read_done_event = READ_DONE
 
     def _write_kv(self, req: Req, start: int, end: int, faults: list[KvWrite]) -> None:
         """The forward writes KV for positions [start, end) through req_to_token."""
@@ -143,9 +153,13 @@ class ModelWorker:
             run, eos_at = self._sample(batch, j, 1, choices, 1, fill_len)
             tokens += run
             eos.append(eos_at)
-        self._record_reads_done()
+        if not rt.config.cell.is_spec or rt.config.cell.early_fence:
+            self._record_reads_done()
         if rt.config.cell.is_spec:
-            on_publish(list(fb.seq_lens))  # spec extend publishes s (the prompt length)
+            # The spec extend publishes s (the prompt length). EAGLE's prefill records no
+            # read-done (supports_prefill_shared_read_done() is False, spec_info.py:138),
+            # so the release's barrier falls back to S.wait_stream(F) after it.
+            on_publish(list(fb.seq_lens))
         return ForwardResult(step, "extend", list(batch.reqs), 1, tokens,
                              [1] * len(batch.reqs), eos, list(fb.seq_lens), kv_write_faults=faults)
 
@@ -194,9 +208,13 @@ class ModelWorker:
             accept_lens.append(accept)
             eos.append(eos_at)
             new_seq_lens.append(compute_verify_new_seq_len(seq_len, accept))
-        self._record_reads_done()
+        early_fence = rt.config.cell.early_fence
+        if early_fence:
+            self._record_reads_done()
         on_publish(new_seq_lens)  # between verify and draft_extend
         self._draft_extend(batch)
+        if not early_fence:  # the release: the draft runner's event, after draft-extend
+            self._record_reads_done()
         return ForwardResult(step, "decode", list(batch.reqs), stride, tokens, accept_lens, eos,
                              new_seq_lens, kv_write_faults=faults)
 
@@ -204,6 +222,14 @@ class ModelWorker:
         """prepare_for_extend_to_fill_draft_kvcache: +D_tok on the ForwardBatch only."""
         rt = self.rt
         fb = init_new(rt, batch, "draft_extend")
+        # The attention metadata (init_forward_metadata_out_graph) re-reads each row's
+        # req_to_token entries after the publish. The early fence's premise is a
+        # draft-extend that does not, which is what its cell models.
+        if not rt.config.cell.early_fence:
+            for req in batch.reqs:
+                if req.req_pool_idx is not None:
+                    rt.hb.read(rt.forward_stream, ("req_to_token", req.req_pool_idx),
+                               "draft_extend attention metadata")
         d_tok = rt.shape.draft_tokens
         fb.seq_lens = list(compute_draft_extend_seq_lens(tuple(fb.seq_lens), d_tok))
         if rt.has_fault("B7"):

@@ -82,10 +82,18 @@ BUGS: Final[tuple[Bug, ...]] = (
     Bug("B8", "no WAR fence after launch", "#26376, #26380, #28363, #31687",
         "S rewrites req_to_token rows while F_i still reads them",
         "_apply_war_barrier does nothing", ("ST2",), lambda cell: cell.overlap, stream_level=True),
+    # FM3 too: the release's read-done follows the publish, so S's barrier already orders
+    # F_i's publish before the prebuilt's (FM1, FM2 hold), but not F_i's stash, which comes
+    # after it: the prebuilt's stash on S races F_i's stash of a row a finished request
+    # left and the prebuilt reuses (the hazard #35748's S.wait_stream(F) is for). With a
+    # FIFO free list that takes four requests on three rows, which Hypothesis draws in
+    # about 2 of 5 seeds: the representative is the early fence's cell, where FM1 and FM2
+    # show in 4 ops (tests/test_fence.py pins the release cells' FM3 in every column).
     Bug("B9", "publish_ready re-recorded on the schedule stream", "#30435, #35748",
         "the PD prebuilt path publishes on S with no caller fence; the event leaves F",
-        "process_prebuilt publishes on S without S.wait_stream(F)", ("FM2", "FM1"),
-        lambda cell: cell.is_spec and cell.overlap, stream_level=True),
+        "process_prebuilt publishes on S without S.wait_stream(F)", ("FM2", "FM1", "FM3"),
+        lambda cell: cell.is_spec and cell.overlap, stream_level=True,
+        representative_cells=("ov-p1-v2chain-cpu-honest-earlyfence",)),
     # A slot claimed past the newest token: the non-spec overlap claim. (In spec cells the
     # release's owned_kv_len equals the trimmed rule once the run is cut: B11's ground.)
     Bug("B10", "the newest token's slot cached at a finish",
@@ -130,10 +138,15 @@ BUGS: Final[tuple[Bug, ...]] = (
         current_upstream="the need_grammar_sync path (host-draft or ngram with a grammar): "
                          "event_loop_overlap processes early and launches without a re-filter "
                          "(#32353; #28986 open)"),
+    # gpu_impl's allocator reuses a freed block on S, which in a spec cell has waited for
+    # the release's read-done, past every read F_i makes of the batch's tensors: only the
+    # reference's rule (a free ordered after the host) sees B15 there. The representatives
+    # are cells where every column sees it: non-spec, and spec with the early fence.
     Bug("B15", "tensor lifetime across streams", "#11210, #36661",
         "tensors read by F_i are dropped before F_i completes and their memory reused",
         "the batch_record_buf ring has one slot", ("ST4",), lambda cell: cell.overlap,
-        stream_level=True),
+        stream_level=True,
+        representative_cells=("ov-p1-none", "ov-p1-v2chain-cpu-honest-earlyfence")),
     Bug("B16", "2A reserve of the current rung under an adaptive down-switch",
         "before #26354 (fixed upstream 2026-05-28)",
         "the in-flight verify ran a wider rung than the one being prepared, so the lag can "

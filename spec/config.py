@@ -11,7 +11,7 @@ Upstream sources: ``scheduler.py`` (``enable_overlap``), ``eagle_info_v2.py``
 (bonus pre-claim on / off), PR 26866 (topk > 1 with page_size 1 only), PR 26354 (the
 decode reserve is ``2 * A`` of the widest rung, whatever the adaptive rung).
 
-Defaults are sglang 0.5.23's. Five switches name what the release does not do:
+Defaults are sglang 0.5.23's. Six switches name what the release does not do:
 
 - ``preclaim``: an era (2026-04 to 06, PR 23456 until PR 28754 removed it). Its spec
   cells also retract from the back of the batch, as spec did before PR 32023
@@ -47,6 +47,12 @@ Defaults are sglang 0.5.23's. Five switches name what the release does not do:
   ``kv_allocated_len``), for host code that needs one. The release keeps no host length at
   all there (``seq_lens_cpu``, ``seq_lens_sum`` None). One cell (the chain, overlap, page
   1, no mirror) carries it.
+- ``early_fence``: a proposal (this model's WAR fence until 2026-11-26): record the
+  read-done event after the verify's last ``req_to_token`` read, before the publish. The
+  release records it after the draft-extend (``eagle_worker_v2.py:1365``,
+  ``eagle_draft_extend_cuda_graph_runner.py:670``), whose attention metadata re-reads
+  ``req_to_token`` after the publish; the early point is sound only for a draft-extend
+  that does not. One cell (the chain, overlap, page 1, the mirror on) carries it.
 
 Switches that do not matter in a cell take one canonical value, so no two cells
 run the same code paths:
@@ -88,6 +94,7 @@ class Cell:
     overshoot: bool = False  # the era before the finishing-decode skip and every-step filter
     trimmed_finish: bool = False  # the proposal: cut the run before committing, cache - 1
     cpu_ub: bool = False  # the proposal: seq_len_cpu_ub without the host mirror (#27979)
+    early_fence: bool = False  # the proposal: read-done before the publish, not after draft-extend
 
     @property
     def skips_finishing_decode(self) -> bool:
@@ -124,6 +131,8 @@ class Cell:
             parts.append("trimmed")
         if self.cpu_ub:
             parts.append("ub")
+        if self.early_fence:
+            parts.append("earlyfence")
         return "-".join(parts)
 
 
@@ -310,6 +319,12 @@ def get_departures(cell: Cell) -> tuple[str, ...]:
     if cell.cpu_ub:
         departures.append("proposal: seq_len_cpu_ub, a host upper bound of seq_lens kept with "
                           "the host mirror off (the closed PR #27979)")
+    if cell.early_fence:
+        departures.append("proposal: the early fence, the WAR read-done recorded after the verify"
+                          "'s last req_to_token read and before the publish (this model's "
+                          "placement before 2026-11-26; sound only for a draft-extend that builds"
+                          " its attention metadata without re-reading req_to_token, which "
+                          "0.5.23's does)")
     return tuple(departures)
 
 
@@ -340,6 +355,9 @@ def is_valid_cell(cell: Cell) -> bool:
     if cell.cpu_ub and not (chain_p1 and cell.overlap and not cell.needs_cpu_seq_lens
                             and not cell.rung_reserve and not cell.trimmed_finish):
         return False  # the proposal's one cell: ov-p1-v2chain-nocpu-honest-ub
+    if cell.early_fence and not (chain_p1 and cell.overlap and cell.needs_cpu_seq_lens
+                                 and not (cell.rung_reserve or cell.trimmed_finish)):
+        return False  # the proposal's one cell: ov-p1-v2chain-cpu-honest-earlyfence
     return True
 
 
@@ -349,7 +367,7 @@ PAGE_SIZES: Final = (1, 4)
 def enumerate_cells() -> tuple[Cell, ...]:
     """Every valid cell, in a stable order (non-spec first, overlap first)."""
     flags = ((True, False), PAGE_SIZES, (True, False), (False, True), (False, True),
-             (False, True), (False, True), (False, True))
+             (False, True), (False, True), (False, True), (False, True))
     cells: list[Cell] = []
     for mode, (overlap, page, needs_cpu, *era) in itertools.product(
             SpecMode, itertools.product(*flags)):

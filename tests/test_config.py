@@ -18,7 +18,7 @@ from overlap_spec.spec.transitions import compute_admission
 def test_every_cell_is_valid_named_once_and_covers_each_switch() -> None:
     cells = enumerate_cells()
     names = [c.name for c in cells]
-    assert len(names) == len(set(names)) == 28
+    assert len(names) == len(set(names)) == 29
     assert {c.spec_mode for c in cells} == set(SpecMode)
     assert {c.overlap for c in cells} == {True, False}
     assert {c.page_size for c in cells} == {1, 4}
@@ -34,6 +34,8 @@ def test_every_cell_is_valid_named_once_and_covers_each_switch() -> None:
                                                            "ov-p1-v2chain-cpu-honest-trimmed"]
     # seq_len_cpu_ub (#27979): one cell, the release's chain overlap no-mirror cell otherwise
     assert [c.name for c in cells if c.cpu_ub] == ["ov-p1-v2chain-nocpu-honest-ub"]
+    # the early fence proposal: one cell, the release's chain overlap mirror cell otherwise
+    assert [c.name for c in cells if c.early_fence] == ["ov-p1-v2chain-cpu-honest-earlyfence"]
 
 
 def test_tree_mode_only_with_page_size_one() -> None:
@@ -120,6 +122,7 @@ def test_cells_switches_names_each_era_and_proposal(capsys: pytest.CaptureFixtur
         assert ("PR 28754" in line) == cell.preclaim
         assert ("task #486" in line) == cell.rung_reserve
         assert ("enable_skip_finishing_decode" in line) == cell.overshoot
+        assert ("the early fence" in line) == cell.early_fence
         assert line.endswith("release") == (not get_departures(cell))
 
 

@@ -1,8 +1,9 @@
 """The exhaustive tier (``harness/exhaust``, ``overlap-spec exhaust``).
 
 - Every catalogue bug, switched on alone, is killed by an invariant the catalogue lists for
-  it in every cell where it applies, at the cell's default depth (the full matrix, 204
-  pairs, is ``slow`` and run by ``.ci/run``; one cheap cell per bug runs by default).
+  it in every cell where it applies, at the cell's default depth (the full matrix is
+  ``slow`` and run by ``.ci/run``; one cheap cell per bug runs by default), but for the
+  pairs ``BEYOND_THE_ALPHABET`` names with the reason.
 - The clean reference has no violation at a small depth, with witnesses; a depth too small
   to exercise an invariant reports it vacuous, never passed.
 - The counts are deterministic (asserted exactly; timings never are).
@@ -59,8 +60,16 @@ from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells, get_
 from overlap_spec.spec.invariants import INVARIANTS
 from overlap_spec.spec.state import IterationChoices, Observation
 
+# Pairs the alphabet cannot kill, each with why and what kills it instead. B9 under the
+# release's fence is an FM3 race of the prebuilt's stash with an in-flight stash to a row it
+# reuses: with the FIFO free list of three rows that takes four requests (two finishing,
+# two prebuilt) in seven operations, past two requests and depth 4; tests/test_fence.py
+# shows it in every column (the early fence's cell keeps B9's FM1 / FM2 within 4 ops).
+BEYOND_THE_ALPHABET = {(bug.id, cell.name): "FM3 needs a reused row: four requests"
+                       for bug in BUGS for cell in enumerate_cells()
+                       if bug.id == "B9" and bug.applies(cell) and not cell.early_fence}
 KILL_PAIRS = [(bug.id, cell.name) for bug in BUGS for cell in enumerate_cells()
-              if bug.applies(cell)]
+              if bug.applies(cell) and (bug.id, cell.name) not in BEYOND_THE_ALPHABET]
 
 # One cheap cell per bug (measured on 2 shared cores: B16 about 30 s of CPU, the rest a few
 # seconds together); the slow matrix runs every applicable cell.
@@ -68,7 +77,8 @@ FAST_KILLS = [
     ("B1", "ov-p1-none"), ("B2", "nov-p1-v2tree-cpu-honest"), ("B3", "ov-p1-v2tree-nocpu-preclaim"),
     ("B4", "ov-p1-v2tree-cpu-preclaim"), ("B5", "ov-p1-v2tree-cpu-honest"),
     ("B6", "ov-p4-v2chain-nocpu-preclaim"), ("B7", "nov-p1-v2chain-cpu-honest"),
-    ("B8", "ov-p4-none"), ("B9", "ov-p1-v2tree-cpu-preclaim"), ("B10", "ov-p1-none-trimmed"),
+    ("B8", "ov-p4-none"), ("B9", "ov-p1-v2chain-cpu-honest-earlyfence"),
+    ("B10", "ov-p1-none-trimmed"),
     ("B11", "ov-p1-v2tree-cpu-honest"), ("B12", "nov-p1-v2chain-cpu-honest-rungreserve"),
     ("B13", "ov-p1-v2tree-nocpu-preclaim"), ("B14", "ov-p1-v2tree-nocpu-honest"),
     ("B15", "ov-p1-v2tree-nocpu-honest"), ("B16", "ov-p1-v2chain-cpu-honest"),
@@ -100,6 +110,14 @@ def test_bug_is_killed_fast(bug_id: str, cell: str, tmp_path: Path) -> None:
 def test_the_fast_subset_has_every_bug_in_an_applicable_cell() -> None:
     assert all(get_bug(b).applies(get_cell(c)) for b, c in FAST_KILLS)
     assert [b for b, _ in FAST_KILLS] == [bug.id for bug in BUGS]
+    assert not set(FAST_KILLS) & set(BEYOND_THE_ALPHABET)
+
+
+def test_only_b9_with_the_releases_fence_is_beyond_the_alphabet() -> None:
+    spec_overlap = [c for c in enumerate_cells() if c.is_spec and c.overlap]
+    assert sorted(BEYOND_THE_ALPHABET) == sorted(
+        ("B9", c.name) for c in spec_overlap if not c.early_fence)
+    assert ("B9", "ov-p1-v2chain-cpu-honest-earlyfence") in KILL_PAIRS
 
 
 @pytest.mark.slow

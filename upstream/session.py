@@ -68,6 +68,10 @@ def is_drivable(config: ModelConfig) -> str | None:
     if cell.cpu_ub:
         return ("seq_len_cpu_ub is a proposal (the closed PR #27979); 0.5.23 keeps no host "
                 "length without the mirror")
+    if cell.early_fence:
+        return ("the early fence is a proposal (this model's placement before 2026-11-26); "
+                "0.5.23 records read-done after the draft-extend, whose attention metadata "
+                "re-reads req_to_token (eagle_worker_v2.py:1365)")
     if cell.rung_reserve:
         return ("the rung reserve is a proposal (a fork's task #486); 0.5.23 reserves 2 * A "
                 "of the widest rung (#26354)")

@@ -186,7 +186,8 @@ def get_stream_scenarios(cell: Cell) -> list[list[Op]]:
     """Hand-sized scenarios, smallest first, that drive the overlap loop through the
     schedules the happens-before model names: a forward in flight while S writes rows
     (B8), resolves (B5), filters spec state (B13), frees tensors (B15) or publishes a
-    PD-prebuilt request (B9); the first that fails a catalogue invariant is kept."""
+    PD-prebuilt request (B9), or stashes one into a row it reuses (B9 with the release's
+    fence); the first that fails a catalogue invariant is kept."""
     plain = IterationChoices()
     finish_first = IterationChoices(eos_positions=frozenset({0}))
     scenarios: list[list[Op]] = []
@@ -201,6 +202,12 @@ def get_stream_scenarios(cell: Cell) -> list[list[Op]]:
             scenarios.append([admit(1, 6), Iterate(plain), admit(1, 4), *rest[1:]])
             scenarios.append([admit(1, 4), admit(1, 4), Iterate(plain),
                               Iterate(finish_first), *rest[1:]])
+    # B9 under the release's fence (#35748): a request that stops in the first decode runs
+    # once more while one finishing by length sits out; that result frees both rows (the
+    # FIFO free list then reads 3, 1, 2), and the second of two prebuilt requests takes
+    # the stopped one's row while the in-flight forward still stashes to it.
+    scenarios.append([AdmitPrebuilt(1, 8), AdmitPrebuilt(1, 2), Iterate(finish_first),
+                      Iterate(plain), AdmitPrebuilt(1, 4), AdmitPrebuilt(1, 4), Iterate(plain)])
     del cell  # every scenario applies to every overlap cell
     return scenarios
 
