@@ -191,9 +191,50 @@ class CellResult:
         return self.violation.all_ids if self.violation is not None else ()
 
 
+# Packages whose literals Hypothesis may draw as constants (below): what every stateful
+# run imports, whatever else the process has loaded.
+CONSTANT_PACKAGES = ("overlap_spec.spec", "overlap_spec.reference", "overlap_spec.harness.drive")
+_pinned_constants: Any = None
+
+
+def pin_local_constants() -> None:
+    """Make a seed's search depend on the seed and the code, not on the process.
+
+    Hypothesis 6.170 also draws, now and then, literals of the project's own modules that
+    happen to be loaded (``providers._get_local_constants`` scans ``sys.modules``), so the
+    same seed searched otherwise in a process that had imported the differential, or a
+    worker that had run a gpu_impl task before. Its draws come from the modules of
+    :data:`CONSTANT_PACKAGES` instead, all of them, every time."""
+    global _pinned_constants
+    from hypothesis.internal.conjecture import providers
+    from hypothesis.internal.constants_ast import Constants, constants_from_module
+
+    if _pinned_constants is None:
+        import importlib
+        import pkgutil
+
+        constants = Constants()
+        for name in CONSTANT_PACKAGES:
+            package = importlib.import_module(name)
+            modules = [package] + [importlib.import_module(f"{name}.{info.name}")
+                                   for info in pkgutil.iter_modules(package.__path__)]
+            for module in modules:
+                constants |= constants_from_module(module)
+        _pinned_constants = constants
+    if providers._get_local_constants is not _get_pinned_constants:
+        providers._get_local_constants = _get_pinned_constants
+        providers.CONSTANTS_CACHE.cache.clear()
+
+
+def _get_pinned_constants() -> Any:
+    return _pinned_constants
+
+
 def get_machine_test(machine: type[RuleBasedStateMachine], max_examples: int, step_count: int,
                      run_seed: int, shrink: bool) -> Any:
-    """The seeded Hypothesis test of ``machine`` (no database: a seed replays the search)."""
+    """The seeded Hypothesis test of ``machine`` (no database: a seed replays the search,
+    Hypothesis's constants pinned: :func:`pin_local_constants`)."""
+    pin_local_constants()
     test: Any = get_state_machine_test(
         machine,
         settings=settings(
