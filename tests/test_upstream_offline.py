@@ -137,7 +137,7 @@ def test_findings_match_by_id_text_and_cell() -> None:
     assert match_finding(rp3, spec) is not None and match_finding(rp3, spec).id == "U3"
     assert match_finding(rp3, non_spec) is None  # U3 is a spec finding
     other = InvariantViolation("SL4", "for the batch: lengths differ {'reqs': 2, 'seq_lens': 1}")
-    assert match_finding(other, spec) is None  # only the emptied batch is U1
+    assert match_finding(other, spec) is None  # SL4 is no finding (U1 retired)
     # U6 under RP7: a stop token inside the visible output, or (the newest token checked
     # alone) a token right after it; a wrong token after any other token is no finding.
     after_stop = InvariantViolation("RP7", "for request r0: output token 2 is 7; the "

@@ -65,10 +65,6 @@ class KnownFinding:
                    for invariant, pattern in ((self.invariant, self.pattern), *self.also))
 
 
-def _any(cell: Cell) -> bool:
-    return True
-
-
 def _spec(cell: Cell) -> bool:
     return cell.is_spec
 
@@ -77,19 +73,13 @@ def _non_spec_overlap(cell: Cell) -> bool:
     return not cell.is_spec and cell.overlap
 
 
-# Retired (ids are not reused): U2 and U4, KV9 claiming the trimmed finish (the run cut
+# Retired (ids are not reused): U1, SL4 claiming one length for the fields of an emptied
+# batch, which 0.5.23's filter_batch leaves stale (callers check is_empty()): SL4 now
+# judges batches that hold requests. U2 and U4, KV9 claiming the trimmed finish (the run cut
 # before committing, prompt + output - 1 cached) of every cell. KV9 now states the release's
 # finish (the whole accepted run committed, Req.owned_kv_len() cached) and keeps the stronger
 # claim for the trimmed finish proposal's cell, which the tier does not drive.
 KNOWN_FINDINGS: Final[tuple[KnownFinding, ...]] = (
-    KnownFinding(
-        "U1", "SL4", r"lengths differ \{'reqs': 0,", _any,
-        "python/sglang/srt/managers/schedule_batch.py:3851 (ScheduleBatch.filter_batch)",
-        "filter_batch to an empty batch sets reqs=[] and leaves seq_lens, req_pool_indices "
-        "and seq_lens_cpu stale ('is_empty() is what callers check'); the next merge or "
-        "prefill replaces the batch",
-        "an emptied batch has one length, 0, in every field",
-        "digest D6; observed in sglang 0.5.23 on CPU"),
     KnownFinding(
         "U3", "RP3", r"num_correct_drafts=\d+, batch size \d+; live requests give", _spec,
         "python/sglang/srt/managers/scheduler_components/batch_result_processor.py:785 "
