@@ -598,6 +598,8 @@ class Scheduler:
             stale = was_finished or req.is_retracted
             run_len = compute_run_len(accept, compute_output_budget(
                 req.max_new_tokens, len(req.output_ids), req.to_finish is not None), eos_at)
+            if rt.has_fault("B17") and cell.is_spec and is_decode and req.to_finish:
+                run_len = accept  # the release: no finished_len once an abort is pending
             if rt.has_fault("B4") or not stale:
                 counted[0] += accept - 1
                 counted[1] += 1

@@ -57,14 +57,12 @@ from overlap_spec.spec.transitions import (
     compute_decayed_ratio,
     compute_fill_len,
     compute_forward_write_width,
-    compute_output_budget,
     compute_page_align_up,
     compute_pages_for_len,
     compute_prefill_check_tokens,
     compute_prefill_reserved_tokens,
     compute_ratio_after_retract,
     compute_retraction_order,
-    compute_run_len,
     compute_running_token_offset,
     is_next_output_finishing_by_length,
 )
@@ -690,8 +688,6 @@ class Scheduler:
             stale = relation.is_stale(req.state)
             finished_before = req.finished()
             out_before, committed_before = len(req.output_ids), req.kv_committed_len
-            run_len = compute_run_len(accept, compute_output_budget(
-                req.max_new_tokens, out_before, req.state.to_finish is not None), eos_at)
             start = j * result.stride
             tokens = tuple(result.next_token_ids[start:start + result.stride])
             req.apply(relation.process_result, cfg.cell, result.step, result.forward_mode,
@@ -704,7 +700,8 @@ class Scheduler:
                     release_kv_cache(rt, req, is_insert=True)
             entries.append(ProcessedEntry(
                 rid=req.rid, stale=stale, finished_before=finished_before,
-                accept_len=accept, run_len=run_len if not stale else 0, stride=result.stride,
+                accept_len=accept, stride=result.stride,
+                run_len=len(req.output_ids) - out_before if not stale else 0,  # the kept run
                 output_before=out_before, output_after=len(req.output_ids),
                 committed_before=committed_before, committed_after=req.kv_committed_len))
         # Upstream feeds update_spec_metrics from spec decode results only.

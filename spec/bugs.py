@@ -1,5 +1,6 @@
-"""The historical bugs B1-B16 (digest section 5; B16 is the reserve upstream fixed in
-#26354), each a mutant the checkers must kill.
+"""The historical bugs B1-B17 (digest section 5; B16 is the reserve upstream fixed in
+#26354, B17 what the upstream tier found the release doing), each a mutant the checkers
+must kill.
 
 Each entry names the upstream PRs, the trigger, the invariants the digest says it
 breaks and the cells where the trigger can occur. An implementation re-introduces
@@ -33,6 +34,8 @@ class Bug:
     # Non-empty when sglang 0.5.23 still behaves this way (where, and the upstream issue or
     # the upstream tier's finding): the mutant is then today's upstream, not history.
     current_upstream: str = ""
+    # Non-empty when the Z3 model cannot express the trigger: its column is n/a, saying why.
+    not_in_z3: str = ""
 
 
 BUGS: Final[tuple[Bug, ...]] = (
@@ -154,6 +157,16 @@ BUGS: Final[tuple[Bug, ...]] = (
         "reserve = 2 * A(current rung) instead of 2 * A(widest rung)", ("KV3",),
         lambda cell: cell.spec_mode is SpecMode.V2_CHAIN and cell.overlap,
         representative_cells=("ov-p1-v2chain-cpu-honest", "ov-p1-v2chain-nocpu-honest")),
+    Bug("B17", "an abort shows the whole finishing run",
+        "upstream tier findings U5, U6 (no upstream issue filed)",
+        "an abort is pending when a verify result crosses max_new_tokens or holds a stop: "
+        "update_finish_state returns on to_finish before it sets finished_len, so the "
+        "client sees the whole accepted run, past the cap and the stop",
+        "with an abort pending the accepted run is shown whole", ("RP2", "RP5", "RP7"),
+        lambda cell: cell.is_spec,
+        current_upstream="every spec cell: schedule_batch.py:2011 Req.update_finish_state "
+                         "(findings U5, U6)",
+        not_in_z3="aborts are not among the BMC's choices (proofs/bmc.py)"),
 )
 
 BUG_IDS: Final = tuple(bug.id for bug in BUGS)

@@ -363,6 +363,8 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
     run_len = compute_run_len(accept_len, compute_output_budget(
         req.max_new_tokens, req.output_len, req.to_finish is not None), eos_at)
     decode = forward_mode == "decode"
+    if "B17" in faults and verified and req.to_finish is not None:
+        run_len = accept_len  # the release: no finished_len once an abort is pending
     if stale:
         committed = req.kv_committed_len
         if decode and "B3" in faults and cell.is_spec and cell.preclaim:

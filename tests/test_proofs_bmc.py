@@ -92,6 +92,9 @@ def test_z3_column_kills_every_bug_with_a_replaying_script(tmp_path: Path) -> No
     gpu_missed: list[tuple[str, str]] = []
     for bug_id, kill in column.items():
         bug = get_bug(bug_id)
+        if bug.not_in_z3:  # the model cannot express it: n/a, with the reason, never a pass
+            assert (kill.verdict, kill.reason) == ("n/a", bug.not_in_z3), bug_id
+            continue
         assert kill.verdict == "killed", (bug_id, kill.reason)
         assert kill.cells, bug_id
         for cell_kill in kill.cells:

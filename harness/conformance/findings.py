@@ -97,7 +97,7 @@ KNOWN_FINDINGS: Final[tuple[KnownFinding, ...]] = (
         "an abort promoted by the same verify result that crosses max_new_tokens finishes "
         "the request with finished_len=None, so the whole accepted run is visible output",
         "visible output never exceeds max_new_tokens",
-        "digest D4; observed in sglang 0.5.23 on CPU"),
+        "digest D4; observed in sglang 0.5.23 on CPU; the catalogue's B17"),
     KnownFinding(
         "U6", "RP5", r"finished \(abort\) with \d+ visible output tokens, the environment "
         r"ended it \(abort\) with \d+", _spec,
@@ -109,7 +109,8 @@ KNOWN_FINDINGS: Final[tuple[KnownFinding, ...]] = (
         "stop or the cap included",
         "an aborted request's visible output is the environment's, cut at the stop and "
         "the cap",
-        "found by RP5 in sglang 0.5.23 on CPU; RP7 sees the stop-token case as a stop "
+        "found by RP5 in sglang 0.5.23 on CPU (the catalogue's B17); RP7 sees the stop-token "
+        "case as a stop "
         "token inside the visible output, or, where only the newest token is checked, as "
         "a token after the stop",
         also=(("RP7", r"output token \d+ is 0; .*\(EOS only ends the output\)"),

@@ -165,8 +165,9 @@ def run_z3_mutant_column(bug_ids: list[str] | None = None, save_dir: Path | None
             continue
         started = time.perf_counter()
         cells = get_representative_cells(bug)
-        if not cells:
-            column[bug.id] = Z3Kill(bug.id, "n/a", None, None, 0.0, None, "no cell applies")
+        if not cells or bug.not_in_z3:
+            column[bug.id] = Z3Kill(bug.id, "n/a", None, None, 0.0, None,
+                                    bug.not_in_z3 or "no cell applies")
             continue
         if bug.id in STREAM_MUTANTS:
             kills = [_kill_stream_in_cell(bug, cell, timeout_ms, save_dir) for cell in cells]
