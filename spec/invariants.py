@@ -183,9 +183,9 @@ def check_sl3(config: ModelConfig, obs: Observation) -> int:
 @invariant("SL4", "batch fields share one length", "schedule_batch.py")
 def check_sl4(config: ModelConfig, obs: Observation) -> int:
     """SL4: in a batch holding requests, reqs, seq_lens, req_pool_indices(_cpu) and
-    seq_lens_cpu have one length, and spec_info.future_indices equals req_pool_indices
-    (schedule_batch.py filter/merge). An emptied batch keeps stale tensors in 0.5.23
-    (``filter_batch``: callers check ``is_empty()``), so the claim stops there."""
+    seq_lens_cpu have one length, and spec_info.future_indices equals req_pool_indices;
+    an emptied batch keeps stale tensors, never read (schedule_batch.py filter/merge; 0.5.23
+    ``filter_batch``: callers check ``is_empty()``)."""
     reshaped = obs.point in (ObservationPoint.FILTER_BATCH, ObservationPoint.MERGE_BATCH,
                              ObservationPoint.RETRACT_DECODE)
     count = 0

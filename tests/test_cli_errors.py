@@ -111,7 +111,7 @@ SWEEP: dict[tuple[str, ...], list[tuple[list[str], str]]] = {
         (["--device", "tpu"], "unknown device 'tpu'"),
         (["--device", "cuda:x"], "unknown device 'cuda:x'"),
         (["--device", "cuda:99"], "cuda:99"),
-        (["--faults", "B17"], "unknown bug IDs B17"),
+        (["--faults", "B98"], "unknown bug IDs B98"),
         (["--out", "{file}"], "is a file, not a directory"),
         (["--cells", "nope"], "no cell matches"),
         (["--sizes", "max_running_requests=33"], "allowed 1..32"),

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from overlap_spec.harness.drive.checker import InvariantChecker
@@ -102,6 +102,8 @@ ACCEPT = st.lists(st.integers(1, 4), min_size=1, max_size=3).map(tuple)
 @given(requests=REQUESTS, accept=ACCEPT)
 def test_every_request_finishes_within_the_bound(cell: str, requests: list[tuple[int, int]],
                                                  accept: tuple[int, ...]) -> None:
+    # The non-spec overshoot era starves a request behind a prefill-only batch: pinned below.
+    assume(not (cell == "ov-p1-none-overshoot" and any(n == 0 for _, n in requests)))
     progress = run_fair(cell, requests, accept)
     assert progress.ok, (progress.unfinished, progress.over_budget, progress.iterations,
                          progress.bound)
@@ -122,3 +124,18 @@ def test_a_decode_past_the_length_finish_is_over_budget(
     progress = run_fair("ov-p1-none", [(3, 4)], (1,), check_invariants=False)
     assert not progress.unfinished
     assert progress.over_budget, progress.decode_launches
+
+
+def test_the_overshoot_era_starves_a_request_behind_a_prefill_only_batch() -> None:
+    """Found by the property above once admission latched as the release's does. Two
+    prompts capped to 0 new tokens form a prefill-only batch, never decoded; r2 (14 + 8 + 1
+    tokens asked, 23 left) does not fit while they run, which latches batch_is_full. Their
+    prefill results finish them, but the overshoot era filters the running batch only when
+    it decodes, so they never leave it, the latch never clears and r2 never runs. The
+    release filters at every step ("update_running_batch may never run", scheduler.py:3962)
+    and serves r2. Whether the era itself had the prefill-only rule is not known here: the
+    era cell models the loop, the rule is the release's."""
+    requests = [(1, 0), (8, 0), (14, 8)]
+    era = run_fair("ov-p1-none-overshoot", requests, (1,))
+    assert era.unfinished == [RequestId(2)] and era.iterations == era.bound
+    assert run_fair("ov-p1-none", requests, (1,)).ok
