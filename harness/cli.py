@@ -473,6 +473,9 @@ def build_parser() -> argparse.ArgumentParser:
                           help="clean random scripts per cell (default 4, at most 1000)")
     generate.add_argument("--ops-per-script", type=int_in(1, 1000), default=6,
                           help="operations per script (default 6, at most 1000)")
+    generate.add_argument("--fault-tries", type=int_in(1, 1000), default=60,
+                          help="random faulted scripts tried per bug and cell before the pair "
+                               "is reported as having no invalid vector (default 60)")
     vectors_sub.add_parser("check", help="replay every vector under DIR").add_argument(
         "dir", type=input_dir)
     vectors.set_defaults(func=cmd_vectors)

@@ -250,7 +250,7 @@ def cmd_vectors(args: argparse.Namespace) -> int:
     directory = Path(args.dir)
     if args.vectors_command == "generate":
         report = generate_vectors(directory, args.seed, args.scripts_per_cell,
-                                  args.ops_per_script)
+                                  args.ops_per_script, args.fault_tries)
         print(f"wrote {report.written} vectors ({report.valid} valid, {report.invalid} "
               f"invalid) to {directory} in {report.seconds:.1f}s")
         if report.missing:

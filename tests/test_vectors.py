@@ -63,7 +63,9 @@ def test_a_changed_vector_fails(vectors: Path, tmp_path: Path) -> None:
 def test_vectors_cli(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "v"
     assert main(["vectors", "generate", str(out), "--scripts-per-cell", "1",
-                 "--ops-per-script", "2"]) == 0
+                 "--ops-per-script", "2", "--fault-tries", "1"]) == 0
+    written = capsys.readouterr().out
+    assert "no invalid vector found for" in written  # one try misses some pairs, and says so
     assert main(["vectors", "check", str(out)]) == 0
     assert "replayed green" in capsys.readouterr().out
     assert main(["vectors", "check", str(tmp_path / "missing")]) == 2
