@@ -9,9 +9,10 @@ name them without loading the tier.
 
 from typing import Final
 
-# Operations per sequence, per kind of cell: as deep as about a minute of one core allows
-# on the machine of bench/results/exhaust-*.json (one level more costs 4-8 times as much
-# without speculation, 10-25 times with it).
+# Operations per sequence, per kind of cell: as deep as about a minute of one core allowed
+# on the machine of bench/results/exhaust-20261125*.json (one level more costs 4-8 times as
+# much without speculation, 10-25 times with it). With the release's new-token ratio in the
+# state (bench/results/exhaust-20261126.json) the page-4 chain cells take about two.
 NON_SPEC_DEPTH: Final = 5
 SPEC_DEPTH: Final = 4
 MAX_DEPTH: Final = 12
