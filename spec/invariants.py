@@ -29,6 +29,7 @@ from overlap_spec.spec.state import (
     compute_env_token,
 )
 from overlap_spec.spec.transitions import (
+    CLIP_MAX_NEW_TOKENS,
     compute_committed_lead,
     compute_host_sync_budget,
     compute_ns_expected_seq_len,
@@ -688,7 +689,7 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
     if admitted != obs.batch.rids:
         raise fail("KV11", obs, f"for the prefill: it holds {list(obs.batch.rids)}, the "
                    f"admission admitted {list(admitted)}")
-    page, clip, free = config.page_size, 4096, view.available_tokens
+    page, clip, free = config.page_size, CLIP_MAX_NEW_TOKENS, view.available_tokens
     # Summed as PrefillBudget sums them (float rounding included): 0, the running estimate,
     # then each admission's reservation.
     total: float = 0
