@@ -5,11 +5,15 @@ speculative mode, whether attention needs the host mirror, the bonus pre-claim
 era, the rung-dependent reserve proposal). A *preset* fixes the sizes (pools,
 context, speculative shape). A model configuration is one cell plus one preset.
 
-Upstream sources: ``scheduler.py`` (``enable_overlap``), ``eagle_info_v2.py``
-(``get_alloc_len_per_decode``, ``get_alloc_reserve_per_decode``),
-``overlap_utils.py`` (``needs_cpu_seq_lens``, PR 26128), PR 23456 / PR 28754
-(bonus pre-claim on / off), PR 26866 (topk > 1 with page_size 1 only), PR 26354 (the
-decode reserve is ``2 * A`` of the widest rung, whatever the adaptive rung).
+Upstream sources: ``scheduler.py`` (``enable_overlap``), ``mem_cache/allocation_sizing.py``
+(``get_alloc_len_per_decode``, ``get_alloc_reserve_per_decode``; ``eagle_info_v2.py``
+before 0.5.23), ``overlap_utils.py`` (``needs_cpu_seq_lens``, PR 26128), PR 23456 /
+PR 28754 (bonus pre-claim on / off), PR 26354 (the decode reserve is ``2 * A`` of the
+widest rung, whatever the adaptive rung). Trees (topk > 1) are modelled on page 1 only:
+PR 26866 once restricted them to it, but 0.5.23 runs them on pages > 1 too (flashinfer,
+fa3 and triton, ``arg_groups/speculative_hook.py`` ``_PAGE_TREE_SPEC_BACKENDS``), with a
+page-aligned region per branch and ``A = max(ceil((page - 1 + steps) / page) * page *
+topk, D_tok)``. Those cells are a coverage gap the README lists, not a release limit.
 
 Defaults are sglang 0.5.23's. Six switches name what the release does not do:
 
@@ -79,7 +83,7 @@ class SpecMode(enum.Enum):
 
     NONE = "none"
     V2_CHAIN = "v2chain"  # EAGLE/MTP spec-v2, topk == 1, draft tokens == steps + 1
-    V2_TREE = "v2tree"  # spec-v2 with topk > 1 (page_size 1 only, PR 26866)
+    V2_TREE = "v2tree"  # spec-v2 with topk > 1 (modelled on page 1 only; see above)
 
 
 @dataclass(frozen=True)
@@ -330,11 +334,12 @@ def get_departures(cell: Cell) -> tuple[str, ...]:
 
 
 def is_valid_cell(cell: Cell) -> bool:
-    """Whether a cell is a configuration upstream can run, in canonical form."""
+    """Whether a cell is a configuration upstream can run, in canonical form, that the model
+    covers (trees on pages > 1 run upstream but are not modelled)."""
     if cell.page_size < 1:
         return False
     if cell.spec_mode is SpecMode.V2_TREE and cell.page_size != 1:
-        return False  # PR 26866: topk > 1 is allowed with page_size 1 only
+        return False  # not modelled: 0.5.23 runs trees on pages > 1 (module docstring)
     if not cell.is_spec and cell.preclaim:
         return False
     if not (cell.is_spec and cell.overlap) and not cell.needs_cpu_seq_lens:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -26,7 +27,8 @@ from overlap_spec.spec.config import MINIMAL, ModelConfig, enumerate_cells, get_
 from overlap_spec.spec.interface import BatchState, ObservableState, RequestState
 from overlap_spec.spec.invariants import INVARIANT_IDS, InvariantViolation
 from overlap_spec.spec.units import RequestId
-from overlap_spec.upstream.session import is_drivable
+from overlap_spec.upstream.bootstrap import UpstreamUnavailable
+from overlap_spec.upstream.session import check_no_chunking, is_drivable
 from overlap_spec.upstream.standins import STAND_INS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -244,3 +246,17 @@ def test_the_upstream_environment_is_looked_for_at_the_repository_root() -> None
     from overlap_spec.harness.conformance.cli import REPO_ROOT
 
     assert (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "upstream").is_dir()
+
+
+def test_a_release_that_would_chunk_or_mix_is_refused_not_driven() -> None:
+    """The model has no chunked prefill and no mixed batch: a driven release that could
+    split a prompt the preset draws, or mix decodes into a prefill, is not compared."""
+    config = ModelConfig(get_cell("ov-p1-none"), MINIMAL)
+    longest = MINIMAL.max_context_len - 1
+    for chunk in (None, 4096, longest + 1):  # 0.5.23 resolves 4096 here
+        check_no_chunking(config, SimpleNamespace(chunked_prefill_size=chunk,
+                                                  is_mixed_chunk=False))
+    for chunk, mixed in ((longest, False), (4, False), (4096, True)):
+        with pytest.raises(UpstreamUnavailable, match="chunk"):
+            check_no_chunking(config, SimpleNamespace(chunked_prefill_size=chunk,
+                                                      is_mixed_chunk=mixed))

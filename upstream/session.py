@@ -195,6 +195,7 @@ class Session:
         if cfg.cell.overlap != bool(sched.enable_overlap):
             raise UpstreamUnavailable(
                 f"{cfg.name}: the release resolved enable_overlap={sched.enable_overlap}")
+        check_no_chunking(cfg, sched)
         return sched
 
     # ------------------------------------------------------------------ stepping
@@ -279,6 +280,20 @@ class Session:
         # An emptied running batch keeps stale tensors (filter_batch, D6): give it the
         # constructor's fresh empty batch (Scheduler.init_running_status).
         sched.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
+
+
+def check_no_chunking(config: ModelConfig, sched: Any) -> None:
+    """The model has no chunked prefill and no mixed batch (README, coverage): the driven
+    release must not chunk a prompt the preset can draw (up to ``max_context_len - 1``
+    tokens), nor mix decodes into a prefill. 0.5.23 resolves ``chunked_prefill_size`` from
+    the memory tier (4096 here) and ``enable_mixed_chunk`` is off by default."""
+    chunk = sched.chunked_prefill_size
+    if sched.is_mixed_chunk or (chunk is not None and chunk < config.preset.max_context_len):
+        raise UpstreamUnavailable(
+            f"{config.name}: the release resolved chunked_prefill_size={chunk}, "
+            f"is_mixed_chunk={sched.is_mixed_chunk}: it would chunk prompts of up to "
+            f"{config.preset.max_context_len - 1} tokens or mix decodes into a prefill, "
+            "which the model does not")
 
 
 def _rids(batch: Any) -> list[str] | None:
