@@ -216,19 +216,21 @@ def _run(state: bytes, depth: int, checker: InvariantChecker, op: Op | None,
 
 def run_operations(state: bytes, admitted_count: int, depth: int, alphabet: Alphabet,
                    checker: InvariantChecker, peek: bool = True) -> Iterator[Outcome]:
-    """Every operation of the alphabet from ``state``, each on its own copy: admissions
-    (below the request bound), an abort of each admitted request, then every
-    distinguishable iteration."""
-    if admitted_count < alphabet.max_requests:
-        for admission in alphabet.admissions:
-            yield _run(state, depth, checker, admission, None, peek)
-    for index in range(admitted_count):
-        yield _run(state, depth, checker, Abort(index), None, peek)
+    """Every operation of the alphabet from ``state``, each on its own copy: every
+    distinguishable iteration, then the admissions (below the request bound), then an
+    abort of each admitted request. The order leaves each level's states unchanged; it
+    only decides which shortest counterexample is met first, and iterations first meet
+    one sooner (README, "Every short sequence")."""
     decisions: list[int] | None = []
     while decisions is not None:
         oracle = ChoiceOracle(alphabet, decisions)
         yield _run(state, depth, checker, None, oracle, peek)
         decisions = get_next_decisions(oracle.taken)
+    if admitted_count < alphabet.max_requests:
+        for admission in alphabet.admissions:
+            yield _run(state, depth, checker, admission, None, peek)
+    for index in range(admitted_count):
+        yield _run(state, depth, checker, Abort(index), None, peek)
 
 
 def explore(config: ModelConfig, depth: int, faults: frozenset[str] = frozenset(),
