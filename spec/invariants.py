@@ -392,11 +392,20 @@ def check_kv1(config: ModelConfig, obs: Observation) -> int:
     count = 0
     for r in _holding(obs):
         if not 0 <= r.kv_committed_len <= r.kv_allocated_len <= config.row_width:
+            past = " (allocated past the row)" if r.kv_allocated_len > config.row_width else ""
             raise fail("KV1", obs, f"for request r{r.rid}: kv_committed_len="
                        f"{r.kv_committed_len}, kv_allocated_len={r.kv_allocated_len}, "
-                       f"row width={config.row_width}")
+                       f"row width={config.row_width}{past}")
         count += 1
     return count
+
+
+def _past_the_row(config: ModelConfig, obs: Observation) -> str:
+    """What a row or page miscount follows from when a request allocated past its
+    req_to_token row (KV1; the release's kernel then writes the next row): said in the
+    message, so a report names the cause."""
+    past = [r.rid for r in obs.requests if r.kv_allocated_len > config.row_width]
+    return f" (r{past[0]} allocated past its row)" if past else ""
 
 
 @invariant("KV2", "non-spec committed == allocated", "mem_cache/common.py", _non_spec)
@@ -442,7 +451,8 @@ def check_kv4(config: ModelConfig, obs: Observation) -> int:
     for r in _holding(obs):
         if len(r.row_slots) != r.kv_allocated_len:
             raise fail("KV4", obs, f"for request r{r.rid}: row holds {len(r.row_slots)} "
-                       f"slots != kv_allocated_len={r.kv_allocated_len}")
+                       f"slots != kv_allocated_len={r.kv_allocated_len}"
+                       f"{_past_the_row(config, obs)}")
         pages = set(r.owned_pages)
         needed = compute_pages_for_len(r.kv_allocated_len, obs.allocator.page_size)
         if len(pages) != needed:
@@ -456,7 +466,8 @@ def check_kv4(config: ModelConfig, obs: Observation) -> int:
         for position, slot in enumerate(r.row_slots):
             if slot // obs.allocator.page_size not in pages:
                 raise fail("KV4", obs, f"for request r{r.rid}: req_to_token position "
-                           f"{position} holds slot {slot} outside its pages")
+                           f"{position} holds slot {slot} outside its pages"
+                           f"{_past_the_row(config, obs)}")
         count += 1
     if obs.launch is not None:
         for write in obs.launch.kv_write_faults:
@@ -553,7 +564,7 @@ def check_kv7(config: ModelConfig, obs: Observation) -> int:
             rows[r.req_pool_idx] = f"r{r.rid}"
     if len(seen) != alloc.total_pages:
         raise fail("KV7", obs, f"for the KV pool: {len(seen)} pages accounted for != "
-                   f"{alloc.total_pages} total (leak)")
+                   f"{alloc.total_pages} total (leak){_past_the_row(config, obs)}")
     if len(rows) != alloc.pool_rows:
         raise fail("KV7", obs, f"for the request pool: {len(rows)} rows accounted for != "
                    f"{alloc.pool_rows} (leak)")

@@ -178,7 +178,8 @@ def test_the_bmc_domain_lies_where_admission_neither_caps_nor_refuses() -> None:
 
 
 def test_a_page_1_tree_near_the_context_length_outgrows_its_row() -> None:
-    """U7 (predicted; the upstream tier cannot drive trees): the release widens the
+    """U7 (predicted here, then seen on the release with the same numbers:
+    tests/test_upstream_tier.py): the release widens the
     req_to_token row to the decode reserve only on pages > 1 (allocation_sizing.py
     get_req_to_token_extra_context_len, #26972); on page 1 the headroom stays 4 + D_tok
     = 12 while a tree's reserve 2 * steps * topk is 24. A request capped just below the

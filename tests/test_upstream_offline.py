@@ -23,7 +23,13 @@ from overlap_spec.harness.conformance.findings import (
     match_finding,
 )
 from overlap_spec.harness.conformance.tier import UpstreamChecker, explain, get_differences
-from overlap_spec.spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell
+from overlap_spec.spec.config import (
+    MINIMAL,
+    ModelConfig,
+    enumerate_cells,
+    get_cell,
+    get_departures,
+)
 from overlap_spec.spec.interface import BatchState, ObservableState, RequestState
 from overlap_spec.spec.invariants import INVARIANT_IDS, InvariantViolation
 from overlap_spec.spec.units import RequestId
@@ -157,6 +163,39 @@ def test_findings_match_by_id_text_and_cell() -> None:
     near = InvariantViolation("RP7", "for request r0: output token 2 is 7; the environment "
                                      "emitted 22 at position 3 after 05")
     assert match_finding(near, spec) is None
+    # U7: a page-1 tree's allocation past its req_to_token row, as KV1 says it, and its
+    # consequences as KV4, KV7 and the release's own bare assert name them; only in page-1
+    # tree cells, and never a KV1 without the row's overflow.
+    tree = get_cell("ov-p1-v2tree-cpu-honest")
+    row = InvariantViolation("KV1", "for request r1: kv_committed_len=245, kv_allocated_len="
+                                    "269, row width=268 (allocated past the row) at x")
+    slots = InvariantViolation("KV4", "for request r2: req_to_token position 0 holds slot 9 "
+                                      "outside its pages (r1 allocated past its row) at x")
+    bare = InvariantViolation("UC", "(upstream's own checker): AssertionError at srt/managers/"
+                                    "scheduler_components/invariant_checker.py:359 in "
+                                    "_add_owner (op 3, cell c)")
+    for violation in (row, slots, bare):
+        found = match_finding(violation, tree)
+        assert found is not None and found.id == "U7" and found.halts, violation
+        assert match_finding(violation, spec) is None
+    order = InvariantViolation("KV1", "for request r1: kv_committed_len=9, kv_allocated_len=8, "
+                                      "row width=268 at x")
+    assert match_finding(order, tree) is None
+
+
+def test_a_halting_finding_stops_judging_the_rest_of_its_run() -> None:
+    """After U7 the release has written past a row: the checker records it and judges
+    nothing more in that run (said by replay), where another finding is judged on."""
+    config = ModelConfig(get_cell("ov-p1-v2tree-cpu-honest"), MINIMAL)
+    checker = UpstreamChecker(config)
+    checker.on_upstream_check("AssertionError at srt/managers/scheduler_components/"
+                              "invariant_checker.py:359 in _add_owner", 4)
+    assert checker.halted_by == "U7" and checker.findings["U7"] == 1
+    checker.on_upstream_check("Full Pool Mem Leak Detected! ...", 5)  # not judged now
+    assert checker.findings["U7"] == 1 and checker.exercised["UC"] == 1
+    listed = UpstreamChecker(config)
+    with pytest.raises(InvariantViolation):
+        listed.on_upstream_check("Full Pool Mem Leak Detected! ...", 5)
 
 
 def _state(requests: tuple[RequestState, ...], running: BatchState | None = None,
@@ -228,9 +267,14 @@ def test_checker_sets_listed_findings_aside_and_raises_the_rest() -> None:
 
 
 def test_cells_the_adapter_cannot_drive_say_why() -> None:
+    """Every cell that is the release's own (no era, no proposal) is driven: 13 of 29."""
     drivable = [c for c in ("ov-p1-none", "ov-p4-none", "nov-p1-none", "nov-p4-none",
                             "ov-p1-v2chain-cpu-honest", "ov-p1-v2chain-nocpu-honest",
-                            "ov-p4-v2chain-cpu-honest", "ov-p4-v2chain-nocpu-honest")]
+                            "ov-p4-v2chain-cpu-honest", "ov-p4-v2chain-nocpu-honest",
+                            "nov-p1-v2chain-cpu-honest", "nov-p4-v2chain-cpu-honest",
+                            "ov-p1-v2tree-cpu-honest", "ov-p1-v2tree-nocpu-honest",
+                            "nov-p1-v2tree-cpu-honest")]
+    assert set(drivable) == {c.name for c in enumerate_cells() if not get_departures(c)}
     for name in drivable:
         assert is_drivable(ModelConfig(get_cell(name), MINIMAL)) is None, name
     for cell in enumerate_cells():  # every other cell: an era, a proposal, or not drivable

@@ -444,3 +444,36 @@ def test_a_prompt_capped_to_zero_new_tokens_agrees_with_the_release(tmp_path: Pa
         assert replay.returncode == 0, replay.stdout + replay.stderr
         assert "replayed 4 of 4 ops" in replay.stdout, replay.stdout
         assert "no unexplained divergence" in replay.stdout, replay.stdout
+
+
+@needs_sglang
+def test_a_page_1_tree_allocates_past_its_row_on_the_release_as_predicted(
+        tmp_path: Path) -> None:
+    """U7, predicted by KV1 on the reference (tests/test_admission.py), on the release: a
+    240-token prompt in a page-1 tree at the realistic preset allocates 269 slots in a
+    268-column row, with the reference's numbers. Beside a request on the next row the
+    overflow is recorded as U7 and the run is judged no further; on the pool's last row the
+    kernel would write past the tensor, which the stand-in reports as a crash."""
+    iterate = {"op": "iterate", "allow_prefill": True, "retract": 0, "accept_lens": [1] * 16,
+               "eos_positions": [], "disable_overlap": False, "spec_steps": 0, "eos_offset": 0}
+    long = {"op": "admit", "prompt_len": 240, "max_new_tokens": 96}
+    beside = [{"op": "admit", "prompt_len": 5, "max_new_tokens": 96}, iterate, iterate, long]
+    for name, ops in (("beside", beside + [iterate] * 20), ("last-row", [long] + [iterate] * 20)):
+        script = tmp_path / f"u7-{name}.json"
+        script.write_text(json.dumps({
+            "version": 1, "cell": "ov-p1-v2tree-cpu-honest", "preset": "realistic",
+            "sizes": {}, "faults": [], "seed": None, "implementation": "upstream",
+            "ops": ops}))
+        replay = run_cli("replay", str(script))
+        if name == "beside":
+            assert replay.returncode == 0, replay.stdout + replay.stderr
+            assert "listed finding U7 (KV1)" in replay.stdout, replay.stdout
+            assert ("kv_committed_len=245, kv_allocated_len=269, row width=268 (allocated "
+                    "past the row)") in replay.stdout, replay.stdout
+            assert "nothing after it was judged" in replay.stdout, replay.stdout
+        else:
+            assert replay.returncode == 1, replay.stdout + replay.stderr
+            assert "crash: sglang raised IndexError: assign_req_to_token_pool: row 16 " \
+                   "columns [268, 269) run past the req_to_token pool" in replay.stdout, \
+                replay.stdout
+            assert "Traceback" not in replay.stdout + replay.stderr

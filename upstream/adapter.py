@@ -86,7 +86,12 @@ from overlap_spec.spec.transitions import compute_admission
 from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
 from overlap_spec.upstream import hooks
 from overlap_spec.upstream.finish import get_finish_reason_name
-from overlap_spec.upstream.session import Session, UpstreamCrash, get_session
+from overlap_spec.upstream.session import (
+    Session,
+    UpstreamCrash,
+    describe_upstream_frame,
+    get_session,
+)
 from overlap_spec.upstream.worker import EOS_TOKEN, StepRecord
 
 
@@ -226,7 +231,9 @@ class UpstreamScheduler:
             self.scheduler.invariant_checker.self_check_during_busy()
             message = None
         except (AssertionError, ValueError) as error:
-            message = str(error)[:400]
+            # A bare assert says nothing: name it by the release's line that raised it.
+            message = (str(error)[:400] or f"{type(error).__name__} at "
+                       f"{describe_upstream_frame(error.__traceback__)}")
         hook(message, self.step_index)
 
     def get_request_ids(self) -> tuple[RequestId, ...]:
@@ -458,7 +465,13 @@ class UpstreamScheduler:
         self.result_steps[StepId(-1 - id(result))] = self.result_steps[self.launch.step]
         isolation = None
         if self.config.cell.is_spec and self.launch_entry is not None:
-            isolation = IsolationView(self.launch_entry, self.get_batch_view(batch), None)
+            # Without overlap the release re-applies the worker's new_seq_lens after the
+            # isolation restore (scheduler.py:4842), unless it is batch.seq_lens itself.
+            reapplied = None
+            new = getattr(result, "new_seq_lens", None)
+            if not self.config.cell.overlap and new is not None:
+                reapplied = tuple(int(v) for v in new.tolist())
+            isolation = IsolationView(self.launch_entry, self.get_batch_view(batch), reapplied)
         self.observe(ObservationPoint.RUN_BATCH, batch=batch, launch=self.launch,
                      isolation=isolation)
 

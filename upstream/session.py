@@ -26,7 +26,7 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-from overlap_spec.spec.config import ModelConfig, SpecMode
+from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.state import IterationChoices
 from overlap_spec.upstream import hooks
 from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
@@ -75,12 +75,6 @@ def is_drivable(config: ModelConfig) -> str | None:
     if cell.rung_reserve:
         return ("the rung reserve is a proposal (a fork's task #486); 0.5.23 reserves 2 * A "
                 "of the widest rung (#26354)")
-    if cell.spec_mode is SpecMode.V2_TREE:
-        return ("topk>1 trees: the stand-in worker does not build draft trees "
-                "(EagleDraftInput topk_p/topk_index, finalize_tree_path)")
-    if cell.is_spec and not cell.overlap:
-        return ("spec v2 without overlap: the release's non-overlap path filters "
-                "EagleDraftInput fields (topk_p, hidden_states) the stand-in does not produce")
     return None
 
 
@@ -347,12 +341,22 @@ def _write_tiny_model() -> str:
 
 def _assign_req_to_token_pool(req_pool_indices: Any, req_to_token: Any, start_offset: Any,
                               end_offset: Any, out_cache_loc: Any, batch_size: int) -> None:
-    """The triton kernel's row writes, in torch (there is no CPU triton driver)."""
+    """The triton kernel's row writes, in torch (there is no CPU triton driver).
+
+    The kernel stores at ``req_to_token + row * width + column`` with no bound on the
+    column, so an end past the row writes the next row's first columns (finding U7);
+    this does the same through the flat view. Past the whole pool it would write outside
+    the tensor: that is raised, not truncated."""
+    flat = req_to_token.view(-1)
+    width = req_to_token.shape[1]
     taken = 0
     for i in range(int(batch_size)):
         row, start, end = int(req_pool_indices[i]), int(start_offset[i]), int(end_offset[i])
-        req_to_token[row, start:end] = out_cache_loc[taken:taken + end - start].to(
-            req_to_token.dtype)
+        if row * width + end > flat.numel():
+            raise IndexError(f"assign_req_to_token_pool: row {row} columns [{start}, {end}) "
+                             f"run past the req_to_token pool ({flat.numel()} entries)")
+        flat[row * width + start:row * width + end] = out_cache_loc[
+            taken:taken + end - start].to(req_to_token.dtype)
         taken += end - start
 
 

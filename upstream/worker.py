@@ -145,13 +145,22 @@ class StandInWorker:
                         [int(v) for v in new_seq_lens.tolist()])
         if on_publish is not None:
             on_publish(new_seq_lens)
+        draft_input = EagleDraftInput(bonus_tokens=bonus)
+        if not self.config.cell.overlap:
+            # Without overlap the draft input itself stays on the batch (no relay rows), and
+            # its filter_batch / merge_batch slice the draft's top-k: the stand-in's have
+            # the shape the release's draft-extend leaves (b, topk); their values are never
+            # read by anything the model observes.
+            topk = self.config.topk
+            draft_input.topk_p = torch.ones((len(reqs), topk), dtype=torch.float32)
+            draft_input.topk_index = bonus.to(torch.int64).reshape(-1, 1).repeat(1, topk)
         if is_extend:
             return GenerationBatchResult(next_token_ids=ids, new_seq_lens=new_seq_lens,
-                                         next_draft_input=EagleDraftInput(bonus_tokens=bonus))
+                                         next_draft_input=draft_input)
         return GenerationBatchResult(
             next_token_ids=ids,
             accept_lens=torch.tensor(accept_lens, dtype=torch.int64),
             new_seq_lens=new_seq_lens,
             speculative_num_draft_tokens=stride,
-            next_draft_input=EagleDraftInput(bonus_tokens=bonus),
+            next_draft_input=draft_input,
         )

@@ -437,8 +437,15 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
         raise UsageError(str(error.args[0] if error.args else error)) from None
     if script.implementation == "upstream-differential":
         from overlap_spec.harness.conformance.tier import replay_differential
+        from overlap_spec.upstream.session import UpstreamCrash
 
-        compared, divergence, explained = replay_differential(script)
+        try:
+            compared, divergence, explained = replay_differential(script)
+        except UpstreamCrash as crash:
+            print(f"replaying the reference against sglang {source.version} "
+                  f"({source.source}) in cell {script.get_config().name}: crashed")
+            print(f"crash: {crash}")
+            return 1
         print(f"replayed {compared} of {len(script.ops)} ops of the reference against sglang "
               f"{source.version} ({source.source}) in cell {script.get_config().name}, "
               f"seed {script.seed}" + (f"; allowed: {', '.join(explained)}" if explained else ""))
@@ -451,7 +458,15 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
     if script.implementation != "upstream":
         raise UsageError(f"{path}: a {script.implementation} script; replay it with "
                          "'overlap-spec replay'")
-    outcome = replay_on_upstream(script)
+    from overlap_spec.upstream.session import UpstreamCrash
+
+    try:
+        outcome = replay_on_upstream(script)
+    except UpstreamCrash as crash:  # a crash is a finding, never a pass; no traceback
+        print(f"replayed {len(script.ops)} ops on sglang {source.version} ({source.source}) "
+              f"in cell {script.get_config().name}, seed {script.seed}: crashed")
+        print(f"crash: {crash}")
+        return 1
     print(f"replayed {len(script.ops)} ops on sglang {source.version} ({source.source}) in "
           f"cell {script.get_config().name}, seed {script.seed}")
     if isinstance(outcome, UpstreamChecker):
@@ -459,6 +474,8 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
             known = get_known_finding(fid)
             print(f"listed finding {fid} ({known.invariant}) seen {count} time(s): "
                   f"{outcome.finding_messages[fid]}")
+            if outcome.halted_by == fid:
+                print(f"  nothing after it was judged: {known.halts}")
         print("no violation outside the listed findings")
         return 0
     print(f"{outcome}")

@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
 
-from overlap_spec.spec.config import Cell
+from overlap_spec.spec.config import Cell, SpecMode
 from overlap_spec.spec.interface import ObservableState
 from overlap_spec.spec.invariants import InvariantViolation
 
@@ -56,6 +56,9 @@ class KnownFinding:
     reference: str  # upstream issue / PR / digest entry
     # The same mechanism as another invariant reports it: (invariant, pattern) pairs.
     also: tuple[tuple[str, str], ...] = ()
+    # Why nothing after it in the same run is judged (the release corrupted its own state),
+    # or "" when the run is judged on.
+    halts: str = ""
 
     def matches(self, violation: InvariantViolation, cell: Cell) -> bool:
         if not self.applies(cell):
@@ -67,6 +70,10 @@ class KnownFinding:
 
 def _spec(cell: Cell) -> bool:
     return cell.is_spec
+
+
+def _page_1_tree(cell: Cell) -> bool:
+    return cell.spec_mode is SpecMode.V2_TREE and cell.page_size == 1
 
 
 def _non_spec_overlap(cell: Cell) -> bool:
@@ -115,7 +122,28 @@ KNOWN_FINDINGS: Final[tuple[KnownFinding, ...]] = (
         "a token after the stop",
         also=(("RP7", r"output token \d+ is 0; .*\(EOS only ends the output\)"),
               ("RP7", r"output token \d+ is \d+; the environment emitted \d+ at position "
-                      r"\d+ after 0\b"))),
+                      r"\d+ after 0\b"))),    KnownFinding(
+        "U7", "KV1", r"\(allocated past the row\)", _page_1_tree,
+        "python/sglang/srt/mem_cache/allocation_sizing.py:96 "
+        "(get_req_to_token_extra_context_len: the row widened to the decode reserve only on "
+        "pages > 1, #26972)",
+        "a page-1 tree's decode reserve 2 * steps * topk exceeds the row's headroom past the "
+        "context length (4 + D_tok), so a request capped a few tokens below the context "
+        "allocates past its req_to_token row",
+        "kv_allocated_len <= row width (the release's _check_kv_page_invariants asserts it)",
+        "predicted by KV1 on the reference (tests/test_admission.py), confirmed on sglang "
+        "0.5.23 at the realistic preset (tests/test_upstream_tier.py); KV4 then sees the "
+        "row hold fewer slots than allocated (or, for the next row's request, a slot the "
+        "overflow wrote) and KV7 the slot past the row in no account",
+        also=(("KV4", r"\(r\d+ allocated past its row\)"),
+              ("KV7", r"\(r\d+ allocated past its row\)"),
+              # The release's own check asserts KV1's bound bare (a committed > allocated
+              # there would fail KV1 too, without this finding's text, and fail the run).
+              ("UC", r"AssertionError at srt/managers/scheduler_components/"
+                     r"invariant_checker\.py:\d+ in _add_owner")),
+        halts="the release wrote the slots past the row into the next row's first columns "
+              "(the assign kernel has no column bound): the rest of the run follows from "
+              "that corruption (pages leaked at release, a neighbour's row overwritten)"),
 )
 
 

@@ -75,9 +75,12 @@ class UpstreamChecker(InvariantChecker):
         self.finding_scripts: dict[str, Script] = {}
         self.finding_messages: dict[str, str] = {}
         self.script: Script | None = None
+        self.halted_by: str | None = None  # a listed finding after which nothing is judged
 
     def __call__(self, obs: Observation) -> None:
         self.observations += 1
+        if self.halted_by is not None:
+            return
         failures: list[InvariantViolation] = []
         for inv in self.applicable:
             try:
@@ -102,6 +105,8 @@ class UpstreamChecker(InvariantChecker):
 
     def on_upstream_check(self, message: str | None, step_index: int) -> None:
         """Upstream's SchedulerInvariantChecker ran after an iteration (UC)."""
+        if self.halted_by is not None:
+            return
         self.exercised[UPSTREAM_CHECKER_ID] += 1
         if message is None:
             return
@@ -114,6 +119,8 @@ class UpstreamChecker(InvariantChecker):
         self.record_finding(known, violation)
 
     def record_finding(self, known: KnownFinding, violation: InvariantViolation) -> None:
+        if known.halts:
+            self.halted_by = known.id
         self.findings[known.id] += 1
         if known.id not in self.finding_scripts and self.script is not None:
             self.finding_scripts[known.id] = replace(self.script, ops=list(self.script.ops))
