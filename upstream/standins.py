@@ -36,7 +36,8 @@ STAND_INS: Final[tuple[StandIn, ...]] = (
             "UnifiedRadixCache sized from the preset"),
     StandIn("mem_cache.allocation.assign_req_to_token_pool_func", "replaced",
             "a @triton.jit kernel on the spec-decode reserve path; replaced by the same "
-            "row writes in torch (no CPU triton driver)"),
+            "writes in torch (no CPU triton driver), through the flat view as the kernel "
+            "stores them: past a row into the next one (U7), past the pool a crash"),
     StandIn("model forward (tp_worker.forward_batch_generation)", "replaced",
             "the environment: tokens, accept lengths, EOS; publishes where eagle_worker_v2 "
             "does; writes KV slots through req_to_token and counts writes outside what a "
