@@ -429,6 +429,7 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
     from overlap_spec.harness.conformance.tier import UpstreamChecker, replay_on_upstream
     from overlap_spec.harness.drive.script import ScriptError, load_script
     from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
+    from overlap_spec.upstream.session import UpstreamCrash
 
     try:
         script = load_script(path)
@@ -437,7 +438,6 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
         raise UsageError(str(error.args[0] if error.args else error)) from None
     if script.implementation == "upstream-differential":
         from overlap_spec.harness.conformance.tier import replay_differential
-        from overlap_spec.upstream.session import UpstreamCrash
 
         try:
             compared, divergence, explained = replay_differential(script)
@@ -458,8 +458,6 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
     if script.implementation != "upstream":
         raise UsageError(f"{path}: a {script.implementation} script; replay it with "
                          "'overlap-spec replay'")
-    from overlap_spec.upstream.session import UpstreamCrash
-
     try:
         outcome = replay_on_upstream(script)
     except UpstreamCrash as crash:  # a crash is a finding, never a pass; no traceback

@@ -122,7 +122,8 @@ KNOWN_FINDINGS: Final[tuple[KnownFinding, ...]] = (
         "a token after the stop",
         also=(("RP7", r"output token \d+ is 0; .*\(EOS only ends the output\)"),
               ("RP7", r"output token \d+ is \d+; the environment emitted \d+ at position "
-                      r"\d+ after 0\b"))),    KnownFinding(
+                      r"\d+ after 0\b"))),
+    KnownFinding(
         "U7", "KV1", r"\(allocated past the row\)", _page_1_tree,
         "python/sglang/srt/mem_cache/allocation_sizing.py:96 "
         "(get_req_to_token_extra_context_len: the row widened to the decode reserve only on "
