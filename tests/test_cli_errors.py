@@ -72,6 +72,9 @@ SWEEP: dict[tuple[str, ...], list[tuple[list[str], str]]] = {
         (["--profile", "bogus"], "invalid choice: 'bogus'"),
         (["--preset", "huge"], "invalid choice: 'huge'"),
         (["--cells", "nope"], "no cell matches 'nope'"),
+        # A misspelt name beside a good one is named, never silently left out.
+        (["--cells", "ov-p1-none,ov-p4-v2tree-cpu-honest"],
+         "no cell matches 'ov-p4-v2tree-cpu-honest'"),
         (["--faults", "B99"], "unknown bug IDs B99"),
     ],
     ("review",): [

@@ -304,3 +304,70 @@ def test_a_release_that_would_chunk_or_mix_is_refused_not_driven() -> None:
         with pytest.raises(UpstreamUnavailable, match="chunk"):
             check_no_chunking(config, SimpleNamespace(chunked_prefill_size=chunk,
                                                       is_mixed_chunk=mixed))
+
+
+def test_accept_counters_that_differ_are_explained_by_nothing() -> None:
+    """A8 is retired: the differential's reference runs with B4 (current upstream), so a
+    difference in the accept counters is a divergence, in spec cells too."""
+    assert "A8" not in {e.id for e in ALLOWED_DIVERGENCES}
+    ref = _state((_request(0, "running", 4, 4),))
+    up = replace(ref, accept_counters=(ref.accept_counters[0] + 1, ref.accept_counters[1] + 2))
+    used, unexplained = explain(get_differences(ref, up), _context(ref, up, is_spec=True))
+    assert unexplained is not None and unexplained[0] == "accept_counters"
+
+
+def test_the_differential_reference_runs_with_the_current_upstream_bugs() -> None:
+    """The reference the differential compares carries exactly the catalogue's bugs that
+    are the release's behaviour in that cell (Bug.current_upstream and Bug.applies)."""
+    from overlap_spec.harness.conformance.tier import get_release_faults
+    from overlap_spec.spec.bugs import BUGS
+
+    expected = {"ov-p1-none": {"B14"}, "nov-p1-none": set(),
+                "ov-p1-v2chain-cpu-honest": {"B4", "B14", "B17"},
+                "nov-p1-v2chain-cpu-honest": {"B17"}, "ov-p1-v2tree-nocpu-honest":
+                {"B4", "B14", "B17"}, "nov-p1-v2tree-cpu-honest": {"B17"}}
+    for name, faults in expected.items():
+        assert get_release_faults(get_cell(name)) == faults, name
+    current = {bug.id for bug in BUGS if bug.current_upstream}
+    drivable = [c for c in enumerate_cells() if not get_departures(c)]
+    seen = set().union(*(get_release_faults(c) for c in drivable))
+    # B10 is current upstream only in the trimmed finish's cells, a proposal not driven.
+    assert seen == current - {"B10"}
+
+
+def test_the_reference_processes_early_only_where_the_release_did() -> None:
+    from overlap_spec.harness.conformance.tier import as_the_release_read_it
+    from overlap_spec.harness.drive.script import Abort, Iterate
+    from overlap_spec.spec.state import IterationChoices
+
+    asked = Iterate(IterationChoices(disable_overlap=True, retract=1))
+    assert as_the_release_read_it(asked, False) == Iterate(
+        IterationChoices(disable_overlap=False, retract=1))
+    assert as_the_release_read_it(asked, True) == asked
+    plain = Iterate(IterationChoices())
+    assert as_the_release_read_it(plain, True).choices.disable_overlap  # type: ignore[union-attr]
+    assert as_the_release_read_it(Abort(0), True) == Abort(0)
+
+
+def test_a_reference_crash_in_the_differential_is_a_failure_with_its_script(
+        tmp_path: Path) -> None:
+    """The differential records the shortest failing script; a reference crash is saved
+    like a divergence and reported as the differential's error, never as agreement."""
+    from overlap_spec.harness.conformance.tier import DifferentialReport, finish_differential
+    from overlap_spec.harness.drive.script import Admit, Iterate, Script, load_script
+    from overlap_spec.spec.state import IterationChoices
+
+    config = ModelConfig(get_cell("ov-p1-none"), MINIMAL)
+    long = Script.for_config(config, [Admit(3, 4), Iterate(IterationChoices()),
+                                      Iterate(IterationChoices())], (), "upstream")
+    short = replace(long, ops=long.ops[:2])
+    report = DifferentialReport()
+    report.record(long, 2, "request r0.output_ids", "(1,)", "(1, 2)")
+    report.record(short, 1, "reference crashed", "ValueError: boom", "ran")
+    report.record(long, 2, "request r0.kv_committed_len", "3", "4")  # longer: not kept
+    finish_differential(report, config, 7, tmp_path, minimize=False)
+    assert report.divergence is not None and report.divergence["field"] == "reference crashed"
+    assert report.error == "the reference crashed: ValueError: boom"
+    saved = load_script(Path(report.divergence["script"]))
+    assert saved.implementation == "upstream-differential" and saved.seed == 7
+    assert saved.ops == short.ops

@@ -132,11 +132,21 @@ def test_release_passes_with_listed_findings(tmp_path: Path) -> None:
         entry = report["cells"][cell]
         assert entry["verdict"] == "pass"
         assert "vacuous" not in entry["invariants"].values()
-        assert report["differential"]["cells"][cell]["verdict"] == "pass"
-        assert report["differential"]["cells"][cell]["operations_agreed"] > 0
+        diff = report["differential"]["cells"][cell]
+        assert diff["verdict"] == "pass"
+        assert diff["operations_agreed"] > 0
+        # Every kind of operation was compared (until 2026-11-27 the differential never
+        # drove an abort: its machine's admitted list stayed empty).
+        assert set(diff["operations_by_kind"]) == {"admit", "iterate", "abort"}
+        assert sum(diff["operations_by_kind"].values()) == diff["operations_agreed"]
+        assert diff["stopped"] == {}
+    cells = report["differential"]["cells"]
+    assert cells["ov-p1-none"]["processed_early"] > 0  # between two prefills
+    assert cells["nov-p1-none"]["processed_early"] == 0  # no overlap: nothing to process
+    assert cells["ov-p4-v2chain-cpu-honest"]["reference_faults"] == ["B14", "B17", "B4"]
     allowed = {a["id"] for a in report["differential"]["allowed"]}
-    # A1-A3, A6, A7, A9-A11 are retired: the reference does what the release does.
-    assert allowed <= {"A4", "A8"}
+    # A1-A3, A5-A11 are retired: the reference does what the release does.
+    assert allowed <= {"A4"}
     listed = {f["id"] for f in report["findings"] if f["listed"]}
     assert "U3" in listed and "U1" not in listed  # U1 retired: SL4 skips emptied batches
     assert all(f["listed"] for f in report["findings"])
@@ -477,3 +487,43 @@ def test_a_page_1_tree_allocates_past_its_row_on_the_release_as_predicted(
                    "columns [268, 269) run past the req_to_token pool" in replay.stdout, \
                 replay.stdout
             assert "Traceback" not in replay.stdout + replay.stderr
+
+
+B17_PROBE = """
+import json, sys
+from pathlib import Path
+from overlap_spec.harness.conformance import tier
+from overlap_spec.harness.drive.script import load_script
+
+script = load_script(Path(sys.argv[1]))
+compared, with_b17, _ = tier.replay_differential(script)
+tier.get_release_faults = lambda cell: frozenset()  # the reference's default: B17 off
+_, without, _ = tier.replay_differential(script)
+print(json.dumps({"compared": compared, "with": with_b17, "without": without}))
+"""
+
+
+@needs_sglang
+def test_an_abort_pending_at_a_verify_that_crosses_the_cap_is_b17_on_the_release(
+        tmp_path: Path) -> None:
+    """B17 is current upstream, shown op by op: a request aborted while running, then a
+    verify accepting 3 tokens against max_new_tokens=2. The release shows all four tokens
+    (U5, U6); the reference agrees with it only with B17 switched on, as the differential
+    runs it. (Found when the differential first drove aborts, 2026-11-27.)"""
+    iterate = {"op": "iterate", "allow_prefill": True, "retract": 0, "accept_lens": [1],
+               "eos_positions": [], "disable_overlap": False, "spec_steps": 0, "eos_offset": 0}
+    ops = [{"op": "admit", "prompt_len": 1, "max_new_tokens": 2}, iterate,
+           {"op": "abort", "request": 0}, {**iterate, "accept_lens": [3, 3, 3]}]
+    script = tmp_path / "b17.json"
+    script.write_text(json.dumps({
+        "version": 1, "cell": "nov-p1-v2tree-cpu-honest", "preset": "minimal", "sizes": {},
+        "faults": [], "seed": None, "implementation": "upstream-differential", "ops": ops}))
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", B17_PROBE, str(script)],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["compared"] == 4 and result["with"] is None, result
+    without = result["without"]
+    assert without["step"] == 3 and without["field"] == "request r0.output_ids", without
+    assert len(eval(without["upstream"])) == 4 and len(eval(without["reference"])) == 2

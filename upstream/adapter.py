@@ -144,6 +144,10 @@ class UpstreamScheduler:
         self.pending: InvariantViolation | None = None
         # Requests the release retracted during the latest operation (for the differential).
         self.retracted_in_operation: frozenset[RequestId] = frozenset()
+        # Whether the overlap loop processed the last result before launching in the latest
+        # iteration (is_disable_overlap_for_batch said so): the differential gives the
+        # reference the same choice.
+        self.processed_early = False
         # PrefillAdder's inputs, read when get_new_batch_prefill starts (KV11).
         self.admission: AdmissionView | None = None
         # The relay rows: stashes since the last gather, who stashed and who published last
@@ -214,6 +218,7 @@ class UpstreamScheduler:
     def run_iteration(self, choices: IterationChoices) -> None:
         self.launched = False
         self.retracted_in_operation = frozenset()
+        self.processed_early = False
         try:
             self.session.step(choices)
         finally:
@@ -434,6 +439,9 @@ class UpstreamScheduler:
     def on_prepare_decode(self, batch: Any) -> None:
         for req in batch.reqs:
             self.update_ghost(req, ghost_prepare_decode)
+
+    def on_overlap_decision(self, early: bool) -> None:
+        self.processed_early = early
 
     def on_retract(self, retracted: list[Any], aborted: list[Any]) -> None:
         self.retracted_in_operation |= {self.get_rid(req) for req in retracted}

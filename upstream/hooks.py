@@ -227,6 +227,16 @@ def install(scheduler_module: Any) -> None:
 
     cls.get_new_batch_prefill = get_new_batch_prefill
 
+    decide = cls.is_disable_overlap_for_batch
+
+    @functools.wraps(decide)
+    def is_disable_overlap_for_batch(self: Any, *args: Any, **kwargs: Any) -> Any:
+        value = decide(self, *args, **kwargs)
+        HOST.on_overlap_decision(bool(value))
+        return value
+
+    cls.is_disable_overlap_for_batch = is_disable_overlap_for_batch
+
     run_batch = cls.run_batch
 
     @functools.wraps(run_batch)

@@ -259,7 +259,8 @@ def render_report(report: dict[str, Any]) -> str:
         diff = report["differential"]["cells"][cell]
         diff_text = diff.get("verdict", "n/a")
         if "operations_agreed" in diff:
-            diff_text += f" ({diff['operations_agreed']} ops agreed)"
+            aborts = diff.get("operations_by_kind", {}).get("abort", 0)
+            diff_text += f" ({diff['operations_agreed']} ops agreed, {aborts} aborts)"
         lines.append(f"{cell:<{width}}  {r['verdict']:<7}  {summary:<25}  {diff_text}")
         if r["verdict"] != "pass" and r.get("reason"):
             lines.append(f"{'':<{width}}    {r['reason']}")

@@ -3,7 +3,7 @@
 Runs inside the upstream environment (``./dev upstream``), one cell per process
 (upstream allows one ``Scheduler`` per process);
 :mod:`overlap_spec.harness.conformance.cli` starts one process per cell and merges their
-JSON. Three checks:
+JSON. Three checks, in one Hypothesis run:
 
 1. **invariants**: the Hypothesis machine drives the real scheduler and checks every
    invariant the tier can judge at upstream's observation points, with upstream's own
@@ -12,10 +12,15 @@ JSON. Three checks:
    (``overlap_spec.harness.conformance.findings``) is recorded with a minimised replayable
    script and does not stop the run; any other violation fails the cell, with its shrunk
    script;
-3. **differential**: the reference and upstream in lock step on the same operations; every
-   divergence is on the allow-list (counted) or fails the cell with its script. An entry
-   about one field (a value reported differently) lets the comparison go on; one that
-   explains a whole operation (the runs did different things) ends that example.
+3. **differential**: the reference follows the release on the same operations, compared
+   after each; a difference on the allow-list is counted and the comparison goes on
+   (every entry is about one field's value). The first unexplained difference, or a
+   reference crash, fails the cell: that example stops being compared (the release goes
+   on under the invariant checker), and the shortest such script is minimised and saved.
+   A halting finding (U7) also stops the comparison of its example.
+
+Until 2026-11-27 the differential was a second Hypothesis run that drove the release
+again; one run does both and compares on every example.
 
 ``python -m overlap_spec.harness.conformance.tier --cell NAME --out DIR [--preset P] [--seed N]
 [--profile P] [--sglang-src DIR]`` writes ``DIR/<cell>.json``.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 from collections import Counter
@@ -52,7 +58,7 @@ from overlap_spec.harness.drive.stateful import (
     get_profile,
     make_machine,
 )
-from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
+from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, get_cell
 from overlap_spec.spec.interface import ObservableState
 from overlap_spec.spec.invariants import INVARIANTS, InvariantViolation
 from overlap_spec.spec.state import Observation
@@ -167,21 +173,6 @@ def minimize_finding(script: Script, finding_id: str, budget: int = 200) -> Scri
 
 
 # ---------------------------------------------------------------------- differential
-@dataclass
-class DifferentialReport:
-    examples: int = 0
-    operations: int = 0  # operations after which both states were compared and agreed
-    explained: Counter[str] = field(default_factory=Counter)
-    divergence: dict[str, Any] | None = None
-    error: str | None = None
-
-
-class _Unexplained(Exception):
-    def __init__(self, divergence: dict[str, Any]) -> None:
-        super().__init__(divergence["field"])
-        self.divergence = divergence
-
-
 def normalize_slots(state: ObservableState, page_size: int) -> ObservableState:
     """Rows with pages renumbered by first appearance (request order), offsets kept.
 
@@ -247,43 +238,70 @@ def explain(differences: list[tuple[str, Any, Any]], ctx: DivergenceContext
     return used, None
 
 
-def normalize_differential_op(op: Op) -> Op:
-    """The operation as the differential applies it: never ``disable_overlap``.
+def as_the_release_read_it(op: Op, processed_early: bool) -> Op:
+    """The operation for the reference, with ``disable_overlap`` as the release read it.
 
-    The two read that choice differently: the reference processes the pending result before
-    launching any batch, the release only between two consecutive prefills
-    (SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP; grammar sync is not driven). Until the
-    reference says what the release does, the differential does not ask for it; the
-    invariant check does.
+    The environment's ``disable_overlap`` is, for the reference, "process the pending result
+    before launching" (upstream's ``is_disable_overlap_for_batch``, whichever of its paths).
+    The release is driven through one of those paths, SGLANG_DISABLE_CONSECUTIVE_PREFILL_
+    OVERLAP, which it takes only between two consecutive prefills (grammar sync is not
+    driven). The release runs the operation first; the reference then gets the decision
+    the release's loop made (``UpstreamScheduler.processed_early``), so both process early
+    in the same iterations.
     """
-    if isinstance(op, Iterate) and op.choices.disable_overlap:
-        return Iterate(replace(op.choices, disable_overlap=False))
+    if isinstance(op, Iterate) and op.choices.disable_overlap != processed_early:
+        return Iterate(replace(op.choices, disable_overlap=processed_early))
     return op
 
 
-class UpstreamPair:
-    """The reference and the release in lock step; :meth:`apply` compares after each op."""
+def get_release_faults(cell: Cell) -> frozenset[str]:
+    """The catalogue's bugs that are the release's own behaviour in ``cell``
+    (``Bug.current_upstream``): the reference the differential compares runs with them."""
+    from overlap_spec.spec.bugs import BUGS
 
-    def __init__(self, config: ModelConfig) -> None:
+    return frozenset(bug.id for bug in BUGS if bug.current_upstream and bug.applies(cell))
+
+
+class ReferenceCrash(Exception):
+    """The reference raised where the release ran on: a failure of the differential."""
+
+
+class UpstreamPair:
+    """The release and the reference in lock step; :meth:`apply` compares after each op.
+
+    ``upstream`` is the release's adapter when the caller made it (the tier's run gives it
+    its invariant checker); otherwise the pair makes one with no observer.
+    """
+
+    def __init__(self, config: ModelConfig, upstream: Any = None,
+                 up_admitted: list[RequestId] | None = None) -> None:
         from overlap_spec.reference.scheduler import Scheduler as ReferenceScheduler
         from overlap_spec.upstream.adapter import make_upstream
 
         self.config = config
-        self.reference = ReferenceScheduler(config, frozenset(), None)
-        self.upstream = make_upstream(config, frozenset(), None)
+        self.upstream = make_upstream(config, frozenset(), None) if upstream is None else upstream
+        self.faults = get_release_faults(config.cell)
+        self.reference = ReferenceScheduler(config, self.faults, None)
         self.ref_admitted: list[RequestId] = []
-        self.up_admitted: list[RequestId] = []
+        self.up_admitted: list[RequestId] = [] if up_admitted is None else up_admitted
         self.steps = 0
 
-    def apply(self, op: Op) -> tuple[list[str], tuple[str, Any, Any] | None]:
-        """Apply one op to both: (allowed entries used, the unexplained difference or None).
-        Every allowed entry is about one field's value: the runs stay in step."""
-        step = self.steps
+    def run_release(self, op: Op) -> None:
+        """The release's half of one step (its observer may raise a violation)."""
+        self.upstream.set_step_index(self.steps)
         self.steps += 1
-        self.reference.set_step_index(step)
-        self.upstream.set_step_index(step)
-        apply_op(self.reference, op, self.ref_admitted)
         apply_op(self.upstream, op, self.up_admitted)
+
+    def follow(self, op: Op) -> tuple[list[str], tuple[str, Any, Any] | None]:
+        """The reference's half, then the comparison: (allowed entries used, the unexplained
+        difference or None). Every allowed entry is about one field's value: the runs stay
+        in step."""
+        self.reference.set_step_index(self.steps - 1)
+        try:
+            apply_op(self.reference, as_the_release_read_it(op, self.upstream.processed_early),
+                     self.ref_admitted)
+        except Exception as error:  # noqa: BLE001 - the release ran on: a failure
+            raise ReferenceCrash(f"{type(error).__name__}: {str(error)[:300]}") from error
         ref_state = self.reference.get_observable_state()
         up_state = self.upstream.get_observable_state()
         differences = get_differences(ref_state, up_state, self.config.page_size)
@@ -294,15 +312,23 @@ class UpstreamPair:
         used, unexplained = explain(differences, ctx)
         return [entry.id for entry in used], unexplained
 
+    def apply(self, op: Op) -> tuple[list[str], tuple[str, Any, Any] | None]:
+        self.run_release(op)
+        return self.follow(op)
+
 
 def replay_differential(script: Script) -> tuple[int, dict[str, Any] | None, list[str]]:
     """Replay a differential script: (ops compared, the unexplained divergence, the allowed
-    entries that explained a difference)."""
+    entries that explained a difference). A reference crash is a divergence whose field
+    is ``reference crashed``."""
     pair = UpstreamPair(script.get_config())
     explained: list[str] = []
     for index, op in enumerate(script.ops):
-        op = normalize_differential_op(op)
-        used, unexplained = pair.apply(op)
+        try:
+            used, unexplained = pair.apply(op)
+        except ReferenceCrash as crash:
+            return index + 1, {"step": index, "field": "reference crashed",
+                               "reference": str(crash), "upstream": "ran"}, explained
         explained += [e for e in used if e not in explained]
         if unexplained is not None:
             path, ref_value, up_value = unexplained
@@ -311,49 +337,74 @@ def replay_differential(script: Script) -> tuple[int, dict[str, Any] | None, lis
     return len(script.ops), None, explained
 
 
-def run_differential_cell(config: ModelConfig, profile: Profile, seed: int,
-                          save_dir: Path, examples: int) -> DifferentialReport:
-    """Reference vs upstream on Hypothesis-generated operations (the upstream domain)."""
-    base = make_machine(config, frozenset(), "upstream")
-    report = DifferentialReport()
+def _field_kind(path: str) -> str:
+    """A divergence's field with the request's id left out (minimising renumbers them)."""
+    return re.sub(r"\br\d+\.", "r*.", path)
 
-    class DifferentialMachine(base):  # type: ignore[valid-type, misc]
-        def __init__(self) -> None:
-            super().__init__()
-            report.examples += 1
-            self.pair = UpstreamPair(config)
 
-        def _apply(self, op: Op) -> None:
-            op = normalize_differential_op(op)
-            self.script.ops.append(op)
-            used, unexplained = self.pair.apply(op)
-            if unexplained is not None:
-                path, ref_value, up_value = unexplained
-                raise _Unexplained({"step": len(self.script.ops) - 1, "op": op, "field": path,
-                                    "reference": repr(ref_value), "upstream": repr(up_value),
-                                    "script": replace(self.script, ops=list(self.script.ops))})
-            for entry in used:
-                report.explained[entry] += 1
-            report.operations += 1
+def minimize_divergence(script: Script, path: str, budget: int = 200) -> Script:
+    """The smallest script (greedy) on which the differential still diverges at a field of
+    the same kind (or the reference still crashes)."""
+    from overlap_spec.harness.drive.minimize import minimize_script
 
-    DifferentialMachine.__name__ = f"UpstreamDifferential[{config.name}]"
-    test = get_machine_test(DifferentialMachine, examples, profile.step_count, seed, True)
-    try:
-        test()
-    except _Unexplained as failure:
-        div = failure.divergence
-        script: Script = div.pop("script")
-        script.seed = seed
-        script.implementation = "upstream-differential"
-        path = save_script(script, save_dir / f"{config.cell.name}-differential.json")
-        from overlap_spec.harness.drive.script import op_to_json
+    kind = _field_kind(path)
 
-        div["op"] = op_to_json(div["op"])
-        div["script"] = str(path)
-        report.divergence = div
-    except Exception as error:  # noqa: BLE001 - a crash is a failure, never agreement
-        report.error = f"{type(error).__name__}: {str(error)[:400]}"
-    return report
+    def still_fails(trial: Script) -> bool:
+        divergence = replay_differential(trial)[1]
+        return divergence is not None and _field_kind(divergence["field"]) == kind
+
+    return minimize_script(script, kind, budget=budget, still_fails=still_fails)
+
+
+@dataclass
+class DifferentialReport:
+    """What the differential half of a cell's run saw: examples, the operations compared
+    and agreed, the allow-list entries used, the first divergence (with the script up to
+    it) or reference crash, and the examples whose comparison stopped early and why."""
+
+    examples: int = 0
+    operations: int = 0  # operations after which both states were compared and agreed
+    explained: Counter[str] = field(default_factory=Counter)
+    divergence: dict[str, Any] | None = None
+    divergence_script: Script | None = None
+    error: str | None = None
+    stopped: Counter[str] = field(default_factory=Counter)
+    # Witnesses of what was compared: agreed operations by kind (admit, iterate, abort), and
+    # the iterations where the release processed the last result before launching.
+    kinds: Counter[str] = field(default_factory=Counter)
+    processed_early: int = 0
+
+    def record(self, script: Script, step: int, path: str, reference: str, upstream: str
+               ) -> None:
+        """Keep the shortest divergence seen (``path`` "reference crashed" for a crash)."""
+        if self.divergence_script is not None and len(script.ops) >= len(
+                self.divergence_script.ops):
+            return
+        self.divergence_script = replace(script, ops=list(script.ops))
+        self.divergence = {"step": step, "field": path, "reference": reference,
+                           "upstream": upstream}
+
+
+def finish_differential(report: DifferentialReport, config: ModelConfig, seed: int,
+                        save_dir: Path, minimize: bool) -> None:
+    """Minimise and save the divergence the run recorded, and say where it is."""
+    if report.divergence is None or report.divergence_script is None:
+        return
+    from overlap_spec.harness.drive.script import op_to_json
+
+    script = replace(report.divergence_script, seed=seed,
+                     implementation="upstream-differential")
+    if minimize:
+        script = minimize_divergence(script, report.divergence["field"])
+        compared, divergence, _ = replay_differential(script)
+        if divergence is not None:
+            script = replace(script, ops=script.ops[:compared])
+            report.divergence = divergence
+    path = save_script(script, save_dir / f"{config.cell.name}-differential.json")
+    report.divergence["op"] = op_to_json(script.ops[report.divergence["step"]])
+    report.divergence["script"] = str(path)
+    if report.divergence["field"] == "reference crashed":
+        report.error = f"the reference crashed: {report.divergence['reference']}"
 
 
 # ---------------------------------------------------------------------- one cell
@@ -375,14 +426,50 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
         return checker
 
     machine = make_machine(config, frozenset(), "upstream", log, checker_factory=factory)
+    diff = DifferentialReport()
 
-    class ScriptedMachine(machine):  # type: ignore[valid-type, misc]
+    class CellMachine(machine):  # type: ignore[valid-type, misc]
+        """One run, both checks: the release under the invariant checker, and the
+        reference following it op by op until the first divergence, a reference crash
+        or a halting finding (after which the release's state is not judged)."""
+
         def __init__(self) -> None:
             super().__init__()
             self.checker.script = self.script
+            self.pair = UpstreamPair(config, self.model, self.admitted)
+            self.comparing = True
+            diff.examples += 1
 
-    test = get_machine_test(ScriptedMachine, profile.max_examples, profile.step_count, seed,
-                            True)
+        def _apply(self, op: Op) -> None:
+            self.script.ops.append(op)
+            self.pair.run_release(op)  # a new finding raises here: Hypothesis shrinks it
+            if not self.comparing:
+                return
+            if self.checker.halted_by is not None:
+                self.comparing = False
+                diff.stopped[f"after {self.checker.halted_by}"] += 1
+                return
+            step = len(self.script.ops) - 1
+            try:
+                used, unexplained = self.pair.follow(op)
+            except ReferenceCrash as crash:
+                self.comparing = False
+                diff.stopped["reference crashed"] += 1
+                diff.record(self.script, step, "reference crashed", str(crash), "ran")
+                return
+            if unexplained is not None:
+                self.comparing = False
+                diff.stopped["divergence"] += 1
+                path, ref_value, up_value = unexplained
+                diff.record(self.script, step, path, repr(ref_value), repr(up_value))
+                return
+            for entry in used:
+                diff.explained[entry] += 1
+            diff.operations += 1
+            diff.kinds[type(op).__name__.lower()] += 1
+            diff.processed_early += self.pair.upstream.processed_early
+
+    test = get_machine_test(CellMachine, profile.max_examples, profile.step_count, seed, True)
     violation: InvariantViolation | None = None
     crash: str | None = None
     failure_script: Path | None = None
@@ -458,25 +545,28 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
         witnessed = log.exercised[UPSTREAM_CHECKER_ID]
         invariants[UPSTREAM_CHECKER_ID] = "pass" if witnessed else "vacuous"
 
-    started_diff = time.perf_counter()
-    differential: dict[str, Any]
-    if crash is not None:
-        differential = {"verdict": "n/a", "reason": "the scheduler crashed in the check",
-                        "divergences": []}
-    else:
-        diff = run_differential_cell(config, profile, seed, save_dir,
-                                     max(profile.max_examples // 2, 10))
-        verdict = "pass"
-        if diff.divergence is not None or diff.error is not None:
-            verdict = "fail"
-        elif diff.operations == 0:
-            verdict = "vacuous"
-        differential = {
-            "verdict": verdict, "examples": diff.examples, "operations_agreed": diff.operations,
-            "explained": dict(diff.explained),
-            "divergences": [] if diff.divergence is None else [diff.divergence],
-            "error": diff.error,
-        }
+    # Each minimising trial drives the release again; the quick profile saves as found.
+    finish_differential(diff, config, seed, save_dir, crash is None and profile.name != "quick")
+    verdict = "pass"
+    reason = None
+    if diff.divergence is not None or diff.error is not None:
+        verdict = "fail"
+    elif crash is not None:
+        verdict, reason = "n/a", "the scheduler crashed in the run"
+    elif violation is not None:
+        verdict, reason = "incomplete", "the run stopped at a new invariant violation"
+    elif diff.operations == 0:
+        verdict = "vacuous"
+    differential: dict[str, Any] = {
+        "verdict": verdict, "examples": diff.examples, "operations_agreed": diff.operations,
+        "operations_by_kind": dict(diff.kinds), "processed_early": diff.processed_early,
+        "explained": dict(diff.explained), "stopped": dict(diff.stopped),
+        "reference_faults": sorted(get_release_faults(config.cell)),
+        "divergences": [] if diff.divergence is None else [diff.divergence],
+        "error": diff.error,
+    }
+    if reason is not None:
+        differential["reason"] = reason
     vacuous = [i for i, v in invariants.items() if v == "vacuous"]
     failed = (violation is not None or crash is not None or bool(vacuous)
               or differential["verdict"] not in ("pass",))
@@ -488,8 +578,9 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
         "runs": log.runs,
         "findings": findings,
         "differential": differential,
-        "seconds": {"check": round(seconds_check, 1),
-                    "differential": round(time.perf_counter() - started_diff, 1)},
+        # The Hypothesis run (both checks), then minimising what it found.
+        "seconds": {"run": round(seconds_check, 1),
+                    "minimise": round(time.perf_counter() - started - seconds_check, 1)},
     }
 
 

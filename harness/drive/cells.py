@@ -57,15 +57,20 @@ def report_usage_error(error: UsageError) -> int:
 
 
 def select_cells(patterns: str | None) -> list[Cell]:
-    """The cells whose names match any of the comma-separated globs (all when None)."""
+    """The cells whose names match any of the comma-separated globs (all when None).
+    Each glob must match a cell: a misspelt name among others is a usage error, not a
+    cell silently left out."""
     cells = list(enumerate_cells())
     if not patterns:
         return cells
     wanted = [p.strip() for p in patterns.split(",") if p.strip()]
-    chosen = [c for c in cells if any(fnmatch.fnmatch(c.name, p) for p in wanted)]
-    if not chosen:
+    unmatched = [p for p in wanted if not any(fnmatch.fnmatch(c.name, p) for c in cells)]
+    if not wanted:
         raise NoCellMatches(f"no cell matches {patterns!r} (see 'overlap-spec cells')")
-    return chosen
+    if unmatched:
+        raise NoCellMatches(f"no cell matches {', '.join(map(repr, unmatched))} "
+                            "(see 'overlap-spec cells')")
+    return [c for c in cells if any(fnmatch.fnmatch(c.name, p) for p in wanted)]
 
 
 def select_configs(patterns: str | None, preset: str,
