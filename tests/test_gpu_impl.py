@@ -47,6 +47,9 @@ def test_gpu_impl_agrees_with_the_reference_and_has_no_race(tier_cell: str) -> N
     assert result.failure is None, (
         f"{result.failure.outcome.describe()}\nscript: {result.failure.script.ops}")
     assert result.examples >= 12
+    # Aborts are driven and compared (until 2026-11-27 the abort rule's precondition read
+    # the machine's own admitted list, which the pair never filled: no abort ever ran).
+    assert result.aborts > 0
 
 
 @pytest.mark.slow

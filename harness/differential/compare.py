@@ -25,7 +25,7 @@ from overlap_spec.gpu_impl.race import RaceDetector, RaceReport
 from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
 from overlap_spec.gpu_impl.streams import Streams
 from overlap_spec.harness.drive.checker import InvariantChecker
-from overlap_spec.harness.drive.script import Iterate, Op, Script, apply_op, op_to_json
+from overlap_spec.harness.drive.script import Abort, Iterate, Op, Script, apply_op, op_to_json
 from overlap_spec.harness.drive.stateful import Profile, get_machine_test, make_machine
 from overlap_spec.reference.scheduler import Scheduler as ReferenceScheduler
 from overlap_spec.spec.config import ModelConfig
@@ -258,6 +258,7 @@ class DifferentialResult:
     examples: int = 0
     compared_ops: int = 0  # operations after which both states were compared
     launches: int = 0  # iterations that launched a non-empty batch
+    aborts: int = 0  # abort operations compared (of requests finished or not)
     rounds: int = 1  # rounds of sequences run: more than 1 when topped up to the minimum
     # A finding Hypothesis could not reproduce when it replayed the same draws (its
     # FlakyFailure): the run is inconclusive, and this first finding is kept to replay.
@@ -304,13 +305,16 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
     launch (Hypothesis tries its simplest example first, prefill off): without the
     top-up the minimum failed such a seed as vacuous in half the cells."""
     base = make_machine(config, frozenset(), "reference")
-    counter = {"examples": 0, "compared_ops": 0, "launches": 0}
+    counter = {"examples": 0, "compared_ops": 0, "launches": 0, "aborts": 0}
 
     class DifferentialMachine(base):  # type: ignore[valid-type, misc]
         def __init__(self) -> None:
             super().__init__()
             counter["examples"] += 1
             self.pair = DifferentialPair(config, faults, device)
+            # The rules' preconditions read the admitted list: the pair's (the abort rule
+            # never held while this stayed the unused machine's own, empty list).
+            self.admitted = self.pair.ref_admitted
             self.script.faults = tuple(sorted(faults))
             self.script.implementation = "gpu_impl"
 
@@ -321,6 +325,7 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
                 raise DifferentialFailure(outcome, Script.for_config(
                     config, list(self.script.ops), tuple(sorted(faults)), "gpu_impl"))
             counter["compared_ops"] += 1
+            counter["aborts"] += isinstance(op, Abort)
             if isinstance(op, Iterate):
                 assert self.pair.reference_state is not None
                 launched = self.pair.reference_state.last_batch
@@ -353,4 +358,5 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
     result.examples = counter["examples"]
     result.compared_ops = counter["compared_ops"]
     result.launches = counter["launches"]
+    result.aborts = counter["aborts"]
     return result

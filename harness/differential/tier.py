@@ -125,8 +125,10 @@ def render_differential(results: list[DifferentialResult],
     clean = sum(r.ok and r.exercised_enough for r in results)
     compared = sum(r.compared_ops for r in results)
     launches = sum(r.launches for r in results)
+    aborts = sum(r.aborts for r in results)
     lines.append(f"differential gpu_impl vs reference: {clean}/{len(results)} cells agree, "
-                 f"{compared} ops and {launches} launches compared, {race_check}")
+                 f"{compared} ops ({aborts} aborts) and {launches} launches compared, "
+                 f"{race_check}")
     return "\n".join(lines)
 
 
@@ -140,7 +142,8 @@ def build_differential_json(results: list[DifferentialResult]) -> dict[str, Any]
             r.config.name: {
                 "verdict": _cell_verdict(r).value,
                 "examples": r.examples, "compared_ops": r.compared_ops,
-                "launches": r.launches, "seconds": round(r.seconds, 3), "seed": r.seed,
+                "launches": r.launches, "aborts": r.aborts, "seconds": round(r.seconds, 3),
+                "seed": r.seed,
                 "rounds": r.rounds,
                 **({"finding": r.failure.outcome.describe(),
                     "replay": f"overlap-spec replay {r.failure.script_path}"}
