@@ -38,6 +38,7 @@ from overlap_spec.harness.drive.cells import (
     select_configs,
 )
 from overlap_spec.harness.exhaust import MAX_DEPTH as EXHAUST_MAX_DEPTH
+from overlap_spec.harness.exhaust import MAX_REQUESTS as EXHAUST_MAX_REQUESTS
 from overlap_spec.harness.exhaust import NON_SPEC_DEPTH, SPEC_DEPTH
 from overlap_spec.harness.measure import (
     BENCH_BATCH_SIZES,
@@ -398,6 +399,11 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"operations per sequence, 1..{EXHAUST_MAX_DEPTH} (default: "
                               f"{NON_SPEC_DEPTH} in non-speculative cells, {SPEC_DEPTH} in "
                               "speculative ones)")
+    exhaust.add_argument("--requests", type=int_in(1, EXHAUST_MAX_REQUESTS),
+                         default=EXHAUST_MAX_REQUESTS,
+                         help=f"admissions per sequence, 1..{EXHAUST_MAX_REQUESTS} (default: "
+                              f"{EXHAUST_MAX_REQUESTS}); 1 reaches a depth further in the same "
+                              "time")
     exhaust.add_argument("--faults", type=bug_ids, default=None,
                          help="switch historical bugs on in the reference, e.g. B16: the "
                               "search stops at the shortest sequence that trips an "

@@ -3,7 +3,7 @@ finite operation alphabet and the oracle that enumerates every distinguishable
 iteration), ``search`` (breadth-first enumeration with state copies and a sound dedup
 key), ``tier`` (cells across processes, saved counterexamples, report, JSON).
 
-The depth bounds live here, with no imports, so that the command line's parser can
+The depth and request bounds live here, with no imports, so that the command line's parser can
 name them without loading the tier.
 """
 
@@ -16,3 +16,6 @@ from typing import Final
 NON_SPEC_DEPTH: Final = 5
 SPEC_DEPTH: Final = 4
 MAX_DEPTH: Final = 12
+# Admissions per sequence (``--requests``): two by default; one for a kill that needs a
+# single request but one operation more than the cell's depth.
+MAX_REQUESTS: Final = 2

@@ -75,11 +75,10 @@ from dataclasses import dataclass
 from typing import Final, cast
 
 from overlap_spec.harness.drive.script import Admit, AdmitPrebuilt
+from overlap_spec.harness.exhaust import MAX_REQUESTS
 from overlap_spec.reference.scheduler import Scheduler
 from overlap_spec.spec.config import ModelConfig, SpecShape
 from overlap_spec.spec.state import IterationChoices
-
-MAX_REQUESTS: Final = 2
 
 # The iteration fields the oracle chooses: one accept length for the whole batch, and the
 # one batch position (or none) whose request hits EOS.
@@ -105,7 +104,8 @@ class Alphabet:
                            f"({op.prompt_len},{op.max_new_tokens})" for op in self.admissions)
         varied = [f"{name} {list(values)}" for name, values in self.domains.items()
                   if len(values) > 1]
-        return (f"up to {self.max_requests} requests; {admits}; abort(each admitted); "
+        plural = "s" * (self.max_requests != 1)
+        return (f"up to {self.max_requests} request{plural}; {admits}; abort(each admitted); "
                 f"iterate over {'; '.join(varied)}")
 
 
@@ -124,7 +124,12 @@ def get_prompt_lens(config: ModelConfig) -> tuple[int, ...]:
     return tuple(sorted({1, max(config.cell.page_size - 1, 1)}))
 
 
-def get_alphabet(config: ModelConfig) -> Alphabet:
+def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS) -> Alphabet:
+    """The cell's alphabet with at most ``max_requests`` admissions per sequence (1 or 2:
+    one request reaches deeper at the same cost, for kills that need one request but
+    five operations)."""
+    if not 1 <= max_requests <= MAX_REQUESTS:
+        raise ValueError(f"max_requests {max_requests} outside 1..{MAX_REQUESTS}")
     cell, preset = config.cell, config.preset
     longest = preset.max_new_tokens
     admissions: list[Admit | AdmitPrebuilt] = [Admit(1, 2), Admit(1, longest)]
@@ -136,9 +141,9 @@ def get_alphabet(config: ModelConfig) -> Alphabet:
         "disable_overlap": (False, True) if cell.overlap else (False,),
         "spec_steps": get_rungs(config),
         ACCEPT_LEN: tuple(range(1, config.max_accept_len + 1)),
-        EOS_POSITION: (None, *range(MAX_REQUESTS)),
+        EOS_POSITION: (None, *range(max_requests)),
     }
-    return Alphabet(config, tuple(admissions), MAX_REQUESTS, domains, rows)
+    return Alphabet(config, tuple(admissions), max_requests, domains, rows)
 
 
 # -- where a field cannot matter -----------------------------------------------------------

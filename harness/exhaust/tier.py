@@ -24,7 +24,7 @@ from typing import Any, Final
 
 from overlap_spec.harness.drive.cells import CONFIG_WIDTH, UsageError, select_configs
 from overlap_spec.harness.drive.script import save_script
-from overlap_spec.harness.exhaust import NON_SPEC_DEPTH, SPEC_DEPTH
+from overlap_spec.harness.exhaust import MAX_REQUESTS, NON_SPEC_DEPTH, SPEC_DEPTH
 from overlap_spec.harness.exhaust.alphabet import get_alphabet
 from overlap_spec.harness.exhaust.search import (
     Exploration,
@@ -61,6 +61,7 @@ class ExhaustTask:
     depth: int
     faults: frozenset[str]
     out_dir: Path
+    max_requests: int = MAX_REQUESTS
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def _save(task: ExhaustTask, result: Exploration, finding: Finding, suffix: str,
 def run_exhaust_task(task: ExhaustTask) -> CellReport:
     """One cell (module level: the pool pickles it by name)."""
     config, faults = task.config, task.faults
-    alphabet = get_alphabet(config)
+    alphabet = get_alphabet(config, task.max_requests)
     wanted = get_wanted_ids(faults)
     report = CellReport(config.name, task.depth, tuple(sorted(faults)), alphabet.describe(),
                         tuple(i.id for i in _applicable(config)))
@@ -192,8 +193,9 @@ def _applicable(config: ModelConfig) -> list[Invariant]:
 
 
 def run_exhaust(configs: list[ModelConfig], depth: int | None, faults: frozenset[str],
-                out_dir: Path, jobs: int, quiet: bool = True) -> list[CellReport]:
-    tasks = [ExhaustTask(c, depth or get_default_depth(c.cell), faults, out_dir)
+                out_dir: Path, jobs: int, quiet: bool = True,
+                max_requests: int = MAX_REQUESTS) -> list[CellReport]:
+    tasks = [ExhaustTask(c, depth or get_default_depth(c.cell), faults, out_dir, max_requests)
              for c in configs]
 
     def progress(task: ExhaustTask, report: CellReport) -> None:
@@ -301,14 +303,16 @@ def cmd_exhaust(args: argparse.Namespace) -> int:
     bound = (f"depth {depths.pop()}" if len(depths) == 1 else
              f"depth {NON_SPEC_DEPTH} in non-speculative cells, {SPEC_DEPTH} in speculative ones")
     print(f"exhaust: every sequence of operations over each cell's alphabet, up to {bound}, "
-          f"at most 2 requests, in {len(configs)} cell{'s' * (len(configs) != 1)}"
+          f"at most {args.requests} request{'s' * (args.requests != 1)}, in {len(configs)} "
+          f"cell{'s' * (len(configs) != 1)}"
           + (f", faults {','.join(sorted(faults))}" if faults else ""))
     if not args.quiet:
         print(HEADER)
     started = time.perf_counter()
     try:
         with catching_interrupts():
-            reports = run_exhaust(configs, depth, faults, out_dir, args.jobs, args.quiet)
+            reports = run_exhaust(configs, depth, faults, out_dir, args.jobs, args.quiet,
+                                  args.requests)
             raise_if_interrupted()
     except KeyboardInterrupt:
         print("INTERRUPTED (report incomplete)")
