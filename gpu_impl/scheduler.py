@@ -521,7 +521,8 @@ class Scheduler:
             batch.future_indices = rows
         elif cell.is_spec:
             batch.future_indices = None
-            self._reapply_new_seq_lens(batch, result.new_seq_lens)
+            if batch.forward_mode == "decode":  # an extend returns batch.seq_lens itself
+                self._reapply_new_seq_lens(batch, result.new_seq_lens)
         return result
 
     def _copy_result_to_host(self, result: ForwardResult, forward: str) -> None:

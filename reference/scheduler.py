@@ -597,8 +597,9 @@ class Scheduler:
 
     def _exit_isolation(self, batch: ScheduleBatch, snapshot: dict[str, Any],
                         rows: list[PoolRow], result: ForwardResult) -> tuple[int, ...] | None:
-        """Isolation exit: spec restores every field (then re-applies new_seq_lens without
-        overlap); non-spec keeps its own. Returns the re-applied seq_lens, if any."""
+        """Isolation exit: spec restores every field (then, without overlap, re-applies a
+        verify's new_seq_lens); non-spec keeps its own. Returns the re-applied seq_lens, if
+        any."""
         rt, cfg, hb = self.rt, self.config, self.rt.hb
         if cfg.cell.is_spec:
             self._isolation_restore(batch, snapshot)
@@ -610,6 +611,10 @@ class Scheduler:
                 batch.seq_lens = rt.new_tensor([-row for row in rows], "run_batch sentinel")
             return None
         batch.future_indices = list(rows) if cfg.cell.overlap else None
+        if not cfg.cell.overlap and batch.forward_mode == "extend":
+            # An extend returns batch.seq_lens itself: nothing to re-apply, no host sync
+            # (scheduler.py:4843, "copying it back would block the scheduler").
+            return None
         if not cfg.cell.overlap:
             batch.seq_lens = rt.new_tensor(result.new_seq_lens, "run_batch re-apply")
             if batch.seq_lens_cpu is not None:

@@ -474,10 +474,12 @@ class UpstreamScheduler:
         isolation = None
         if self.config.cell.is_spec and self.launch_entry is not None:
             # Without overlap the release re-applies the worker's new_seq_lens after the
-            # isolation restore (scheduler.py:4842), unless it is batch.seq_lens itself.
+            # isolation restore (scheduler.py:4842), unless it is batch.seq_lens itself,
+            # which an extend returns: then SL9 holds the batch to its entry lengths.
             reapplied = None
             new = getattr(result, "new_seq_lens", None)
-            if not self.config.cell.overlap and new is not None:
+            if (not self.config.cell.overlap and new is not None
+                    and not batch.forward_mode.is_extend()):
                 reapplied = tuple(int(v) for v in new.tolist())
             isolation = IsolationView(self.launch_entry, self.get_batch_view(batch), reapplied)
         self.observe(ObservationPoint.RUN_BATCH, batch=batch, launch=self.launch,
