@@ -365,7 +365,7 @@ def test_a_reference_crash_in_the_differential_is_a_failure_with_its_script(
     report.record(long, 2, "request r0.output_ids", "(1,)", "(1, 2)")
     report.record(short, 1, "reference crashed", "ValueError: boom", "ran")
     report.record(long, 2, "request r0.kv_committed_len", "3", "4")  # longer: not kept
-    finish_differential(report, config, 7, tmp_path, minimize=False)
+    finish_differential(report, config, 7, tmp_path, minimize=False, replay=False)
     assert report.divergence is not None and report.divergence["field"] == "reference crashed"
     assert report.error == "the reference crashed: ValueError: boom"
     saved = load_script(Path(report.divergence["script"]))

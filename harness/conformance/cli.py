@@ -291,6 +291,9 @@ def render_report(report: dict[str, Any]) -> str:
                          f"{div['field']}: reference {div['reference']}, upstream "
                          f"{div['upstream']}")
             lines.append(f"  replay: {replay.format(div['script'])}")
+            if div.get("replays") is False:
+                lines.append("  (the saved script alone did not show it again: still a "
+                             "failure; the run's own sequence diverged)")
         if diff.get("error"):
             lines.append(f"\ndifferential crashed in {cell}: {diff['error']}")
     driven = [c for c, r in report["cells"].items() if r["verdict"] != "n/a"]

@@ -386,20 +386,25 @@ class DifferentialReport:
 
 
 def finish_differential(report: DifferentialReport, config: ModelConfig, seed: int,
-                        save_dir: Path, minimize: bool) -> None:
-    """Minimise and save the divergence the run recorded, and say where it is."""
+                        save_dir: Path, minimize: bool, replay: bool = True) -> None:
+    """Minimise (``minimize``) and save the divergence the run recorded, and say where it
+    is. With ``replay`` (not after the release crashed) the saved script is replayed on
+    its own; ``replays`` says whether that showed the divergence again (a divergence that
+    does not is still a failure, never agreement)."""
     if report.divergence is None or report.divergence_script is None:
         return
     from overlap_spec.harness.drive.script import op_to_json
 
     script = replace(report.divergence_script, seed=seed,
                      implementation="upstream-differential")
-    if minimize:
-        script = minimize_divergence(script, report.divergence["field"])
+    if replay:
+        if minimize:
+            script = minimize_divergence(script, report.divergence["field"])
         compared, divergence, _ = replay_differential(script)
         if divergence is not None:
             script = replace(script, ops=script.ops[:compared])
             report.divergence = divergence
+        report.divergence["replays"] = divergence is not None
     path = save_script(script, save_dir / f"{config.cell.name}-differential.json")
     report.divergence["op"] = op_to_json(script.ops[report.divergence["step"]])
     report.divergence["script"] = str(path)
@@ -467,7 +472,8 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
                 diff.explained[entry] += 1
             diff.operations += 1
             diff.kinds[type(op).__name__.lower()] += 1
-            diff.processed_early += self.pair.upstream.processed_early
+            if isinstance(op, Iterate):
+                diff.processed_early += self.pair.upstream.processed_early
 
     test = get_machine_test(CellMachine, profile.max_examples, profile.step_count, seed, True)
     violation: InvariantViolation | None = None
@@ -545,8 +551,10 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
         witnessed = log.exercised[UPSTREAM_CHECKER_ID]
         invariants[UPSTREAM_CHECKER_ID] = "pass" if witnessed else "vacuous"
 
-    # Each minimising trial drives the release again; the quick profile saves as found.
-    finish_differential(diff, config, seed, save_dir, crash is None and profile.name != "quick")
+    # Each minimising trial drives the release again; the quick profile saves as found
+    # (replayed once); after a crash of the release nothing is replayed.
+    finish_differential(diff, config, seed, save_dir, profile.name != "quick",
+                        replay=crash is None)
     verdict = "pass"
     reason = None
     if diff.divergence is not None or diff.error is not None:
