@@ -24,8 +24,11 @@ from overlap_spec.spec.config import MINIMAL, ModelConfig, enumerate_cells, get_
 from overlap_spec.spec.state import IterationChoices
 
 
-def test_every_default_proof_is_proved_in_every_cell() -> None:
-    results = run_proofs(list(enumerate_cells()))
+def test_every_default_proof_is_proved_in_every_cell(tier_cell: str) -> None:
+    """The proofs tier of ``check`` (which covers every cell): six cells by default, the
+    rest under ``-m slow`` (tests/conftest.py, ``tier_cell``)."""
+    results = run_proofs([get_cell(tier_cell)])
+    assert list(results) == [tier_cell]
     for cell, rows in results.items():
         bad = [(r.transition, r.invariant, r.verdict, r.detail) for r in rows
                if r.verdict != zs.PROVED]
