@@ -64,13 +64,14 @@ def select_cells(patterns: str | None) -> list[Cell]:
     if not patterns:
         return cells
     wanted = [p.strip() for p in patterns.split(",") if p.strip()]
-    unmatched = [p for p in wanted if not any(fnmatch.fnmatch(c.name, p) for c in cells)]
     if not wanted:
         raise NoCellMatches(f"no cell matches {patterns!r} (see 'overlap-spec cells')")
+    matches = {p: [c for c in cells if fnmatch.fnmatch(c.name, p)] for p in wanted}
+    unmatched = [p for p, found in matches.items() if not found]
     if unmatched:
         raise NoCellMatches(f"no cell matches {', '.join(map(repr, unmatched))} "
                             "(see 'overlap-spec cells')")
-    return [c for c in cells if any(fnmatch.fnmatch(c.name, p) for p in wanted)]
+    return [c for c in cells if any(c in found for found in matches.values())]
 
 
 def select_configs(patterns: str | None, preset: str,
