@@ -99,9 +99,16 @@ def _config(cell: str) -> ModelConfig:
     return ModelConfig(get_cell(cell), PRESETS["minimal"])
 
 
-def _assert_killed(bug_id: str, cell: str, out: Path) -> None:
+# Fast kills whose counterexample has one request, searched over the one-request alphabet
+# (--requests 1): the same depth, about half the states (B16: 4,953 instead of 9,864, 18 s
+# instead of 27 s on 2026-11-27). The kill matrix searches them with two.
+ONE_REQUEST_FAST_KILLS = {("B16", "ov-p1-v2chain-cpu-honest")}
+
+
+def _assert_killed(bug_id: str, cell: str, out: Path, requests: int = 2) -> None:
     config = _config(cell)
-    depth, requests = DEEPER_KILLS.get((bug_id, cell), (get_default_depth(config.cell), 2))
+    depth, requests = DEEPER_KILLS.get((bug_id, cell),
+                                       (get_default_depth(config.cell), requests))
     report = run_exhaust_task(ExhaustTask(config, depth, frozenset({bug_id}), out, requests))
     assert report.error is None, report.error
     assert report.kill == KILLED, (bug_id, cell, report.kill, report.others)
@@ -114,13 +121,15 @@ def _assert_killed(bug_id: str, cell: str, out: Path) -> None:
 
 @pytest.mark.parametrize(("bug_id", "cell"), FAST_KILLS, ids=[f"{b}-{c}" for b, c in FAST_KILLS])
 def test_bug_is_killed_fast(bug_id: str, cell: str, tmp_path: Path) -> None:
-    _assert_killed(bug_id, cell, tmp_path)
+    _assert_killed(bug_id, cell, tmp_path, 1 if (bug_id, cell) in ONE_REQUEST_FAST_KILLS else 2)
 
 
 def test_the_fast_subset_has_every_bug_in_an_applicable_cell() -> None:
     assert all(get_bug(b).applies(get_cell(c)) for b, c in FAST_KILLS)
     assert [b for b, _ in FAST_KILLS] == [bug.id for bug in BUGS]
     assert not set(FAST_KILLS) & set(BEYOND_THE_ALPHABET)
+    assert ONE_REQUEST_FAST_KILLS <= set(FAST_KILLS) and not ONE_REQUEST_FAST_KILLS & set(
+        DEEPER_KILLS)
 
 
 def test_only_b9_with_the_releases_fence_is_beyond_the_alphabet() -> None:
@@ -197,16 +206,20 @@ EXPECTED_COUNTS = {
     ("ov-p1-v2chain-cpu-honest", 3): (912, 1535, 13197, (3, 40, 868)),
     ("ov-p1-v2chain-cpu-honest-rungreserve", 3): (1144, 1535, 13197, (3, 40, 1100)),
 }
+# The witnesses counted over the same runs, all invariants together.
+EXPECTED_WITNESSES = {("ov-p1-none", 3): 6844, ("ov-p1-v2chain-cpu-honest", 3): 141097,
+                      ("ov-p1-v2chain-cpu-honest-rungreserve", 3): 141697}
 
 
 @pytest.mark.parametrize(("cell", "depth"), list(EXPECTED_COUNTS))
 def test_counts_are_deterministic(cell: str, depth: int) -> None:
-    first, second = explore(_config(cell), depth), explore(_config(cell), depth)
-    counts = [(r.states, r.transitions, r.observations,
-               tuple(level.new_states for level in r.levels)) for r in (first, second)]
-    assert counts[0] == counts[1]
-    assert dict(first.exercised) == dict(second.exercised)
-    assert counts[0] == EXPECTED_COUNTS[(cell, depth)]
+    """One run against the pinned counts: a run that differed from the pin in any process
+    (this one, an xdist worker, CI's) fails, which is the determinism claimed."""
+    result = explore(_config(cell), depth)
+    counts = (result.states, result.transitions, result.observations,
+              tuple(level.new_states for level in result.levels))
+    assert counts == EXPECTED_COUNTS[(cell, depth)]
+    assert sum(result.exercised.values()) == EXPECTED_WITNESSES[(cell, depth)]
 
 
 # -- counterexamples ---------------------------------------------------------------------------

@@ -16,8 +16,10 @@ from overlap_spec.spec.invariants import INVARIANT_IDS
 @pytest.fixture(scope="module")
 def vectors(tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp("vectors")
-    report = generate_vectors(directory)
-    assert report.written >= 500 and report.valid >= 400 and report.invalid >= 100
+    # 15 random tries per (bug, cell) instead of the command's 60: the same clean vectors
+    # and 228 invalid ones instead of 247, in 8 s instead of 18 (2026-11-27).
+    report = generate_vectors(directory, fault_tries=15)
+    assert report.written >= 500 and report.valid >= 400 and report.invalid >= 200
     return directory
 
 
