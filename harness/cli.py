@@ -39,7 +39,10 @@ from overlap_spec.harness.drive.cells import (
 )
 from overlap_spec.harness.exhaust import MAX_DEPTH as EXHAUST_MAX_DEPTH
 from overlap_spec.harness.exhaust import MAX_REQUESTS as EXHAUST_MAX_REQUESTS
+from overlap_spec.harness.exhaust import MAX_REQUESTS_BY_SCOPE as EXHAUST_REQUESTS_BY_SCOPE
 from overlap_spec.harness.exhaust import NON_SPEC_DEPTH, SPEC_DEPTH
+from overlap_spec.harness.exhaust import PD_DECODE as EXHAUST_PD
+from overlap_spec.harness.exhaust import SCOPES as EXHAUST_SCOPES
 from overlap_spec.harness.measure import (
     BENCH_BATCH_SIZES,
     MAX_BATCH_SIZE,
@@ -78,8 +81,9 @@ commands:
   upstream     check sglang's own scheduler (the release, or --sglang-src DIR, a
                PR branch) against the spec: invariants, findings, differential
   mutants      switch each historical bug B1-B17 on alone and print the kill matrix
-  exhaust      every operation sequence up to a small depth (1-2 requests) in each
-               cell, every invariant checked, states and witnesses counted
+  exhaust      every operation sequence up to a small depth (1-2 requests; 3 in the
+               pd-decode alphabet) in each cell, every invariant checked, states and
+               witnesses counted
   diff         gpu_impl against the reference only (--device cuda, --cuda-sanitizer)
   syncs        host syncs, D2H copies and launches per steady-state iteration
   bench gpu    schedule-side host time and syncs per iteration, era A vs today
@@ -389,6 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
                          help="write the kill matrix as JSON")
     mutants.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     mutants.set_defaults(func=cmd_mutants)
+    pd_max_requests = EXHAUST_REQUESTS_BY_SCOPE[EXHAUST_PD]
     exhaust = sub.add_parser(
         "exhaust", help="every operation sequence up to a small depth, 1-2 requests per cell")
     exhaust.add_argument("--sizes", type=parse_sizes, metavar="NAME=N,...", default=None,
@@ -399,11 +404,18 @@ def build_parser() -> argparse.ArgumentParser:
                          help=f"operations per sequence, 1..{EXHAUST_MAX_DEPTH} (default: "
                               f"{NON_SPEC_DEPTH} in non-speculative cells, {SPEC_DEPTH} in "
                               "speculative ones)")
-    exhaust.add_argument("--requests", type=int_in(1, EXHAUST_MAX_REQUESTS),
+    exhaust.add_argument("--requests", type=int_in(1, pd_max_requests),
                          default=EXHAUST_MAX_REQUESTS,
-                         help=f"admissions per sequence, 1..{EXHAUST_MAX_REQUESTS} (default: "
-                              f"{EXHAUST_MAX_REQUESTS}); 1 reaches a depth further in the same "
-                              "time")
+                         help=f"admissions per sequence, 1..{EXHAUST_MAX_REQUESTS} "
+                              f"(1..{pd_max_requests} with --alphabet {EXHAUST_PD}; "
+                              f"default: {EXHAUST_MAX_REQUESTS}); 1 reaches a depth further "
+                              "in the same time")
+    exhaust.add_argument("--alphabet", choices=EXHAUST_SCOPES, default=EXHAUST_SCOPES[0],
+                         help=f"{EXHAUST_SCOPES[0]}: every kind of operation (default); "
+                              f"{EXHAUST_PD}: PD decode at the stream level, prebuilt "
+                              "admissions and EOS positions only, for a deeper search "
+                              "(B9 with the release's fence: --depth 6 --requests 3 "
+                              "--sizes max_running_requests=2)")
     exhaust.add_argument("--faults", type=bug_ids, default=None,
                          help="switch historical bugs on in the reference, e.g. B16: the "
                               "search stops at the shortest sequence that trips an "

@@ -19,3 +19,11 @@ MAX_DEPTH: Final = 12
 # Admissions per sequence (``--requests``): two by default; one for a kill that needs a
 # single request but one operation more than the cell's depth.
 MAX_REQUESTS: Final = 2
+# The alphabets (``--alphabet``): ``full``, every kind of operation, the tier's default; and
+# ``pd-decode``, the decode instance of PD disaggregation at the stream level: prebuilt
+# admissions only, iterations that vary only the EOS position, up to three requests (a row
+# reused while a forward still writes it needs a third). See ``alphabet``.
+FULL: Final = "full"
+PD_DECODE: Final = "pd-decode"
+SCOPES: Final = (FULL, PD_DECODE)
+MAX_REQUESTS_BY_SCOPE: Final = {FULL: MAX_REQUESTS, PD_DECODE: 3}

@@ -2,6 +2,7 @@
 
 One cell's alphabet (:func:`get_alphabet`) is a finite set of script operations
 (:mod:`overlap_spec.harness.drive.script`); at most two requests are admitted on a path.
+This is the ``full`` alphabet, the tier's default; the ``pd-decode`` one is at the end.
 
 ==================  =====================================================================
 operation           values
@@ -66,6 +67,19 @@ the oracle implements (any other read raises :class:`OracleReadError`), and it u
 model's state makes them irrelevant (:func:`is_prefill_possible`,
 :func:`is_retract_possible`, :func:`is_result_pending`, each restating the reference's
 own guard); a test checks that the search reaches exactly the same states without them.
+
+**The pd-decode alphabet** (``--alphabet pd-decode``) is a narrower scope for a deeper
+search: the decode instance of PD disaggregation, where every request arrives prebuilt
+(``admit_prebuilt`` with prompt_len as above and max_new_tokens 2 or the preset's
+maximum), at the stream level: every iteration field keeps its first value above except
+the EOS position, which ranges over none and each of up to three requests. It exists for
+B9 under the release's fence, the stash race of a pool row that a prebuilt request
+reuses while the forward that last held it is still in flight: that takes a request that
+stops and runs once more, one that finishes by length and sits that decode out (so both
+rows free in one result), and a third that takes the stopped one's row, in six
+operations at two pool rows (``--sizes max_running_requests=2``); at the preset's three
+rows it takes a fourth request and a seventh operation. The full alphabet cannot go that
+deep (a sixth operation over it costs hours a cell); this one kills it in 10 to 20 s.
 """
 
 from __future__ import annotations
@@ -75,7 +89,7 @@ from dataclasses import dataclass
 from typing import Final, cast
 
 from overlap_spec.harness.drive.script import Admit, AdmitPrebuilt
-from overlap_spec.harness.exhaust import MAX_REQUESTS
+from overlap_spec.harness.exhaust import FULL, MAX_REQUESTS, MAX_REQUESTS_BY_SCOPE, PD_DECODE
 from overlap_spec.reference.scheduler import Scheduler
 from overlap_spec.spec.config import ModelConfig, SpecShape
 from overlap_spec.spec.state import IterationChoices
@@ -97,6 +111,7 @@ class Alphabet:
     max_requests: int
     domains: dict[str, tuple[Hashable, ...]]
     rows: int  # batch positions the choices index (accept_lens, eos_positions)
+    scope: str = FULL  # the alphabet's name (FULL or PD_DECODE)
 
     def describe(self) -> str:
         """One line per kind of operation, for reports."""
@@ -105,8 +120,9 @@ class Alphabet:
         varied = [f"{name} {list(values)}" for name, values in self.domains.items()
                   if len(values) > 1]
         plural = "s" * (self.max_requests != 1)
-        return (f"up to {self.max_requests} request{plural}; {admits}; abort(each admitted); "
-                f"iterate over {'; '.join(varied)}")
+        named = "" if self.scope == FULL else f"{self.scope} alphabet: "
+        return (f"{named}up to {self.max_requests} request{plural}; {admits}; "
+                f"abort(each admitted); iterate over {'; '.join(varied)}")
 
 
 def get_rungs(config: ModelConfig) -> tuple[int, ...]:
@@ -124,16 +140,28 @@ def get_prompt_lens(config: ModelConfig) -> tuple[int, ...]:
     return tuple(sorted({1, max(config.cell.page_size - 1, 1)}))
 
 
-def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS) -> Alphabet:
-    """The cell's alphabet with at most ``max_requests`` admissions per sequence (1 or 2:
-    one request reaches deeper at the same cost, for kills that need one request but
-    five operations)."""
-    if not 1 <= max_requests <= MAX_REQUESTS:
-        raise ValueError(f"max_requests {max_requests} outside 1..{MAX_REQUESTS}")
+def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
+                 scope: str = FULL) -> Alphabet:
+    """The cell's alphabet with at most ``max_requests`` admissions per sequence.
+
+    ``full`` (1 or 2 requests: one reaches deeper at the same cost, for kills that need
+    one request but five operations): every kind of operation. ``pd-decode`` (1 to 3):
+    the decode instance of PD disaggregation at the stream level, where requests arrive
+    prebuilt (``admit_prebuilt`` with max_new_tokens 2 and the preset's maximum) and every
+    iteration field but the EOS position keeps its simplest value (accept length 1, the
+    configured rung, no forced retraction, no early processing): few enough operations
+    for a third request and a sixth operation, which a row reused under an in-flight
+    forward needs (B9 with the release's fence)."""
+    if scope not in MAX_REQUESTS_BY_SCOPE:
+        raise ValueError(f"alphabet {scope!r}: not one of {', '.join(MAX_REQUESTS_BY_SCOPE)}")
+    most = MAX_REQUESTS_BY_SCOPE[scope]
+    if not 1 <= max_requests <= most:
+        raise ValueError(f"max_requests {max_requests} outside 1..{most} "
+                         f"(the {scope} alphabet)")
     cell, preset = config.cell, config.preset
     longest = preset.max_new_tokens
-    admissions: list[Admit | AdmitPrebuilt] = [Admit(1, 2), Admit(1, longest)]
-    admissions += [AdmitPrebuilt(p, longest) for p in get_prompt_lens(config)]
+    prebuilt = [AdmitPrebuilt(p, longest) for p in get_prompt_lens(config)]
+    admissions: list[Admit | AdmitPrebuilt] = [Admit(1, 2), Admit(1, longest), *prebuilt]
     rows = preset.max_running_requests
     domains: dict[str, tuple[Hashable, ...]] = {
         "allow_prefill": (True, False),
@@ -143,7 +171,11 @@ def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS) -> Alpha
         ACCEPT_LEN: tuple(range(1, config.max_accept_len + 1)),
         EOS_POSITION: (None, *range(max_requests)),
     }
-    return Alphabet(config, tuple(admissions), max_requests, domains, rows)
+    if scope == PD_DECODE:
+        admissions = [AdmitPrebuilt(1, 2), *prebuilt]
+        domains = {name: values if name == EOS_POSITION else values[:1]
+                   for name, values in domains.items()}
+    return Alphabet(config, tuple(admissions), max_requests, domains, rows, scope)
 
 
 # -- where a field cannot matter -----------------------------------------------------------

@@ -24,7 +24,14 @@ from typing import Any, Final
 
 from overlap_spec.harness.drive.cells import CONFIG_WIDTH, UsageError, select_configs
 from overlap_spec.harness.drive.script import save_script
-from overlap_spec.harness.exhaust import MAX_REQUESTS, NON_SPEC_DEPTH, SPEC_DEPTH
+from overlap_spec.harness.exhaust import (
+    FULL,
+    MAX_REQUESTS,
+    MAX_REQUESTS_BY_SCOPE,
+    NON_SPEC_DEPTH,
+    PD_DECODE,
+    SPEC_DEPTH,
+)
 from overlap_spec.harness.exhaust.alphabet import get_alphabet
 from overlap_spec.harness.exhaust.search import (
     Exploration,
@@ -62,6 +69,7 @@ class ExhaustTask:
     faults: frozenset[str]
     out_dir: Path
     max_requests: int = MAX_REQUESTS
+    scope: str = FULL  # the alphabet (harness.exhaust.SCOPES)
 
 
 @dataclass(frozen=True)
@@ -159,7 +167,7 @@ def _save(task: ExhaustTask, result: Exploration, finding: Finding, suffix: str,
 def run_exhaust_task(task: ExhaustTask) -> CellReport:
     """One cell (module level: the pool pickles it by name)."""
     config, faults = task.config, task.faults
-    alphabet = get_alphabet(config, task.max_requests)
+    alphabet = get_alphabet(config, task.max_requests, task.scope)
     wanted = get_wanted_ids(faults)
     report = CellReport(config.name, task.depth, tuple(sorted(faults)), alphabet.describe(),
                         tuple(i.id for i in _applicable(config)))
@@ -194,8 +202,9 @@ def _applicable(config: ModelConfig) -> list[Invariant]:
 
 def run_exhaust(configs: list[ModelConfig], depth: int | None, faults: frozenset[str],
                 out_dir: Path, jobs: int, quiet: bool = True,
-                max_requests: int = MAX_REQUESTS) -> list[CellReport]:
-    tasks = [ExhaustTask(c, depth or get_default_depth(c.cell), faults, out_dir, max_requests)
+                max_requests: int = MAX_REQUESTS, scope: str = FULL) -> list[CellReport]:
+    tasks = [ExhaustTask(c, depth or get_default_depth(c.cell), faults, out_dir, max_requests,
+                         scope)
              for c in configs]
 
     def progress(task: ExhaustTask, report: CellReport) -> None:
@@ -296,13 +305,20 @@ def cmd_exhaust(args: argparse.Namespace) -> int:
     if faults - SUPPORTED_FAULTS:
         raise UsageError(f"unknown fault IDs {sorted(faults - SUPPORTED_FAULTS)}; supported: "
                          f"{', '.join(sorted(SUPPORTED_FAULTS))}")
+    most = MAX_REQUESTS_BY_SCOPE[args.alphabet]
+    if args.requests > most:
+        raise UsageError(f"--requests {args.requests}: the {args.alphabet} alphabet admits at "
+                         f"most {most}" + (f" ({PD_DECODE}: {MAX_REQUESTS_BY_SCOPE[PD_DECODE]})"
+                                           if args.alphabet == FULL else ""))
     configs = select_configs(args.cells, "minimal", getattr(args, "sizes", None))
     out_dir = Path(args.out or os.environ.get("OVERLAP_SPEC_OUT", ".overlap-spec")) / "exhaust"
     depth = args.depth
     depths = {depth or get_default_depth(c.cell) for c in configs}
     bound = (f"depth {depths.pop()}" if len(depths) == 1 else
              f"depth {NON_SPEC_DEPTH} in non-speculative cells, {SPEC_DEPTH} in speculative ones")
-    print(f"exhaust: every sequence of operations over each cell's alphabet, up to {bound}, "
+    alphabet = "" if args.alphabet == FULL else f" ({args.alphabet})"
+    print(f"exhaust: every sequence of operations over each cell's alphabet{alphabet}, up to "
+          f"{bound}, "
           f"at most {args.requests} request{'s' * (args.requests != 1)}, in {len(configs)} "
           f"cell{'s' * (len(configs) != 1)}"
           + (f", faults {','.join(sorted(faults))}" if faults else ""))
@@ -312,7 +328,7 @@ def cmd_exhaust(args: argparse.Namespace) -> int:
     try:
         with catching_interrupts():
             reports = run_exhaust(configs, depth, faults, out_dir, args.jobs, args.quiet,
-                                  args.requests)
+                                  args.requests, args.alphabet)
             raise_if_interrupted()
     except KeyboardInterrupt:
         print("INTERRUPTED (report incomplete)")
