@@ -395,7 +395,8 @@ def build_parser() -> argparse.ArgumentParser:
     mutants.set_defaults(func=cmd_mutants)
     pd_max_requests = EXHAUST_REQUESTS_BY_SCOPE[EXHAUST_PD]
     exhaust = sub.add_parser(
-        "exhaust", help="every operation sequence up to a small depth, 1-2 requests per cell")
+        "exhaust", help="every operation sequence up to a small depth, 1-2 requests per cell "
+                        "(1-3 in the pd-decode alphabet)")
     exhaust.add_argument("--sizes", type=parse_sizes, metavar="NAME=N,...", default=None,
                          help=SIZES_HELP)
     exhaust.add_argument("--cells", type=cell_patterns, default=None,

@@ -109,6 +109,9 @@ SWEEP: dict[tuple[str, ...], list[tuple[list[str], str]]] = {
         (["--json", "{dir}"], "is a directory"),
         (["--json", "{missing}/e.json"], "does not exist"),
         (["--out", "{file}"], "is a file, not a directory"),
+        (["--requests", "3"], "the full alphabet admits at most 2 (pd-decode: 3)"),
+        (["--requests", "4", "--alphabet", "pd-decode"], "4 is out of range (allowed: 1..3)"),
+        (["--alphabet", "pd"], "invalid choice: 'pd'"),
     ],
     ("diff",): [
         (["--device", "tpu"], "unknown device 'tpu'"),

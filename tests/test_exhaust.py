@@ -182,14 +182,34 @@ def test_every_bug_is_in_the_matrix_in_every_cell_where_it_applies() -> None:
 
 
 def test_b9_under_the_releases_fence_in_the_pd_decode_alphabet(tmp_path: Path) -> None:
-    """One pair of the matrix's pd-decode kills by default (the cheapest cell); the others
-    run with the matrix. The full alphabet does not kill it at its default bounds."""
+    """One pair of the matrix's pd-decode kills by default (the cheapest cell), through the
+    command line; the others run with the matrix (which calls the task directly)."""
     pair = ("B9", "ov-p1-v2tree-nocpu-honest")
-    assert DEEPER_KILLS[pair].scope == PD_DECODE
-    _assert_killed(*pair, tmp_path)
-    report = run_exhaust_task(ExhaustTask(_config(pair[1]), SPEC_DEPTH, frozenset({"B9"}),
-                                          tmp_path / "full"))
-    assert report.complete and report.kill != KILLED
+    search = DEEPER_KILLS[pair]
+    assert search == B9_SEARCH and search.scope == PD_DECODE
+    report_path = tmp_path / "report.json"
+    code = main(["exhaust", "--alphabet", "pd-decode", "--cells", pair[1], "--faults", "B9",
+                 "--depth", "6", "--requests", "3", "--sizes", "max_running_requests=2",
+                 "-j", "1", "-q", "--out", str(tmp_path), "--json", str(report_path)])
+    assert code == 1
+    cell = json.loads(report_path.read_text())["cells"][
+        f"{pair[1]}@minimal[max_running_requests=2]"]
+    assert cell["kill"] == KILLED and cell["stopped"]["invariant"] == "FM3"
+    assert cell["alphabet"].startswith("pd-decode alphabet: up to 3 requests;")
+    assert (cell["stopped"]["ops"], cell["stopped"]["requests"]) == (6, 3)
+    # Its own file name: a full-alphabet run into the same folder does not overwrite it.
+    script = Path(cell["stopped"]["script"])
+    assert script.name == f"{pair[1]}-minimal[max_running_requests=2]-pd-decode-B9.json"
+    assert cell["stopped"]["replay"] == f"overlap-spec replay {script}"
+    assert load_script(script).faults == ("B9",)
+
+
+@pytest.mark.slow
+def test_the_full_alphabet_does_not_kill_b9_under_the_releases_fence(tmp_path: Path) -> None:
+    """Why the pd-decode alphabet exists: at its default bounds the full one is clean."""
+    report = run_exhaust_task(ExhaustTask(_config("ov-p1-v2tree-nocpu-honest"), SPEC_DEPTH,
+                                          frozenset({"B9"}), tmp_path))
+    assert report.complete and report.kill != KILLED and report.states > 1000
 
 
 @pytest.mark.slow
@@ -204,6 +224,7 @@ def test_b9_with_the_releases_fence_has_no_row_race_in_the_overshoot_era(
     assert report.error is None and report.complete, report.error
     assert report.kill != KILLED and report.stopped is None and not report.others
     assert report.states > 1000  # it searched: 7,074 states in ov-p1-v2chain-cpu-preclaim
+    assert report.exercised.get("FM3", 0) > 0  # and judged the stash pairs it claims race-free
 
 
 def test_the_pd_decode_alphabet_is_prebuilt_admissions_and_eos_positions() -> None:

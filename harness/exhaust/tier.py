@@ -145,7 +145,8 @@ def _save(task: ExhaustTask, result: Exploration, finding: Finding, suffix: str,
     """Save, replay from scratch (it must fail the same way) and describe one finding."""
     check_replays(result, finding)
     script = get_script(result, finding)
-    name = "-".join([task.config.name.replace("@", "-"), *sorted(task.faults)]) + suffix
+    scope = [] if task.scope == FULL else [task.scope]  # a pd-decode run keeps its own files
+    name = "-".join([task.config.name.replace("@", "-"), *scope, *sorted(task.faults)]) + suffix
     path = save_script(script, task.out_dir / f"{name}.json")
     violation: InvariantViolation | None = finding.violation
     trace, trace_status = None, None
