@@ -77,6 +77,14 @@ ISOLATED_FIELDS = ("forward_mode", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "
                    "future_indices", "seq_len_cpu_ub")
 
 
+def get_chunking_refusal(config: ModelConfig) -> str:
+    """Why gpu_impl cannot run ``config``: it has no chunked prefill yet (the reference
+    has; README, coverage)."""
+    return (f"gpu_impl does not model chunked prefill (chunked_prefill_size="
+            f"{config.preset.chunked_prefill_size} in {config.name}); the reference does, "
+            "so the differential cannot compare it: leave chunked_prefill_size out of --sizes")
+
+
 @dataclass
 class QueuedResult:
     batch: ResultBatch
@@ -115,6 +123,8 @@ class Scheduler:
             raise ValueError(f"unknown fault IDs {sorted(unknown)}; gpu_impl supports "
                              f"{sorted(SUPPORTED_FAULTS)}")
         del observer  # see the module header: gpu_impl emits no spec Observations
+        if config.preset.chunked_prefill_size:
+            raise ValueError(get_chunking_refusal(config))
         self.config = config
         self.streams = streams if streams is not None else Streams(
             device if device is not None else torch.device("cpu"))

@@ -76,13 +76,17 @@ class FutureMap:
             self.consumption.publish(rows)
 
     def stash(self, reqs: list[Req], rows: list[PoolRow], tokens: list[int],
-              stream: str | None = None) -> None:
+              stream: str | None = None, middle: Req | None = None) -> None:
+        """``middle``: the request whose middle chunk this was; its token is written (the
+        release stashes every extend row) but is no token to consume: the next chunk's
+        stash overwrites it, so it is not counted for FM4."""
         rt = self.rt
         stream = stream or rt.forward_stream
         for req, row, token in zip(reqs, rows, tokens, strict=True):
             self.output_tokens_buf[row] = token
             self.stasher[row] = get_owner(req)
-            self.stashes_since_gather[row] = self.stashes_since_gather.get(row, 0) + 1
+            if req is not middle:
+                self.stashes_since_gather[row] = self.stashes_since_gather.get(row, 0) + 1
             rt.hb.write(stream, ("output_tokens_buf", row), "FutureMap.stash")
 
     def resolve_forward_inputs(self, reqs: list[Req], rows: list[PoolRow]

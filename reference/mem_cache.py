@@ -50,12 +50,20 @@ def back_columns(rt: Runtime, req: Req, start: int, operation: str) -> None:
     write_row_columns(rt, req, start, req.kv_allocated_len, operation)
 
 
-def alloc_for_extend(rt: Runtime, req: Req) -> None:
-    """One pool row, pages for fill_len positions; committed = allocated = fill_len."""
+def alloc_for_extend(rt: Runtime, req: Req, extend_end: int | None = None) -> None:
+    """One pool row, pages for the extend's positions; committed = allocated = its end
+    (fill_len unless a chunk). The chunked request's next chunk keeps its row (the release's
+    ``ReqToTokenPool.alloc`` reuses a held one) and backs only the new columns."""
+    if req.holds_kv:
+        assert extend_end is not None, "a continuing chunk needs its end"
+        allocated = req.kv_allocated_len
+        req.apply(relation.prepare_next_chunk, extend_end)
+        back_columns(rt, req, allocated, "alloc_for_extend")
+        return
     row = rt.req_to_token.alloc()
     if row is None:
         raise OutOfMemory("no free req_to_token row")
-    req.apply(relation.prepare_for_extend, row)
+    req.apply(relation.prepare_for_extend, row, extend_end)
     back_columns(rt, req, 0, "alloc_for_extend")
 
 

@@ -38,6 +38,7 @@ class Observed(Protocol):
 
     step_index: int
     requests: dict[RequestId, Req]
+    chunked_req: Req | None
 
 
 class Refinement:
@@ -109,6 +110,9 @@ class Refinement:
             spec_num_correct_drafts=req.spec_num_correct_drafts,
             output_ids=req.output_ids,
             last_prompt_token=req.last_prompt_token,
+            prefix_len=req.prefix_len,
+            extend_end=req.extend_end,
+            inflight_middle_chunks=req.inflight_middle_chunks,
             ghost=GhostView(
                 epoch=g.epoch,
                 kv_len_true=TokenCount(g.kv_len_true),
@@ -175,6 +179,7 @@ class Refinement:
             allocator=self.get_allocator_view(),
             races=tuple(races),
             checked_pairs=checked,
+            chunked_rid=None if scheduler.chunked_req is None else scheduler.chunked_req.rid,
             **parts,
         )
         self.observer(obs)

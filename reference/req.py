@@ -107,5 +107,17 @@ class Req:
         return self.state.committed_at_release
 
     @property
+    def prefix_len(self) -> int:
+        return self.state.prefix_len
+
+    @property
+    def extend_end(self) -> int:
+        return self.state.extend_end
+
+    @property
+    def inflight_middle_chunks(self) -> int:
+        return self.state.inflight_middle_chunks
+
+    @property
     def ghost(self) -> Ghost:
         return self.state.ghost

@@ -42,18 +42,22 @@ class ScheduleBatch:
     # The release's admission latch on the running batch: set when a prefill found no row or
     # no budget left, cleared when a request leaves; while set, no admission is tried.
     batch_is_full: bool = False
+    # The chunked request whose middle chunk this prefill carries (init_new's chunked_req).
+    chunked_req: Req | None = None
 
     # -- construction ---------------------------------------------------------
     @classmethod
-    def prepare_for_extend(cls, rt: Runtime, reqs: list[Req]) -> ScheduleBatch:
-        """Prefill: a pool row and KV for fill_len per request; every mirror exact.
+    def prepare_for_extend(cls, rt: Runtime, reqs: list[Req],
+                           ends: list[int] | None = None) -> ScheduleBatch:
+        """Prefill: a pool row and KV up to each extend's end (fill_len, or a chunk's end
+        in ``ends``); every mirror exact.
 
-        Per request: spec.relation.prepare_for_extend, then its pages. Batch: seq_lens
-        (pinned H2D), seq_lens_cpu, seq_lens_sum (eager).
+        Per request: spec.relation.prepare_for_extend (or prepare_next_chunk), then its
+        pages. Batch: seq_lens (pinned H2D), seq_lens_cpu, seq_lens_sum (eager).
         """
         lens: list[int] = []
-        for req in reqs:
-            alloc_for_extend(rt, req)
+        for j, req in enumerate(reqs):
+            alloc_for_extend(rt, req, None if ends is None else ends[j])
             lens.append(req.kv_allocated_len)
         rows = [req.req_pool_idx for req in reqs]
         assert all(row is not None for row in rows)

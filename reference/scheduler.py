@@ -54,6 +54,8 @@ from overlap_spec.spec.state import (
 from overlap_spec.spec.transitions import (
     INIT_NEW_TOKEN_RATIO,
     compute_admission,
+    compute_chunk_continuation_end,
+    compute_chunk_first_end,
     compute_decayed_ratio,
     compute_fill_len,
     compute_forward_write_width,
@@ -108,6 +110,11 @@ class Scheduler:
         self.kv_write_fault_count = 0
         self.accept_counters = (0, 0)
         self.new_token_ratio = INIT_NEW_TOKEN_RATIO  # NewTokenRatioTracker.current
+        # Chunked prefill (preset chunked_prefill_size > 0): the one request whose prompt is
+        # being prefilled in chunks, out of the running batch until its last chunk, and an
+        # abort of it, applied at the top of the next step (process_pending_chunked_abort).
+        self.chunked_req: Req | None = None
+        self.pending_chunked_abort: Req | None = None
 
     # ------------------------------------------------------------------ interface
     def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False) -> RequestId:
@@ -133,6 +140,9 @@ class Scheduler:
             return
         if req.waiting:
             self.waiting_queue.remove(req)
+        if req is self.chunked_req:
+            # abort_request only marks it; the teardown waits for the next step's top.
+            self.pending_chunked_abort = req
         req.apply(relation.abort)
         self.refinement.observe(ObservationPoint.ABORT, self)
 
@@ -228,10 +238,18 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def get_next_batch_to_run(self, choices: IterationChoices) -> ScheduleBatch | None:
         self.process_prebuilt()
+        self.process_pending_chunked_abort()
+        if self.chunked_req is not None and (
+                self.chunked_req.extend_end > self.chunked_req.prefix_len):
+            # The chunk scheduled last becomes the next one's prefix.
+            self.chunked_req.apply(relation.stash_chunked_request)
         last = self.last_batch
         if last is not None and last.forward_mode == "extend":
+            excluded = self.get_merge_exclusions(last)
             before = len(last.reqs)
-            last.filter_batch()
+            last.filter_batch([j for j, req in enumerate(last.reqs)
+                               if not req.finished() and id(req) not in excluded])
+            last.chunked_req = None  # what is left of it joins the running batch
             self._observe_batch(ObservationPoint.FILTER_BATCH, last)
             if len(last.reqs) < before and self.running_batch is not None:
                 self.running_batch.batch_is_full = False
@@ -315,34 +333,65 @@ class Scheduler:
             self.running_batch.merge_batch(batch)
             self._observe_batch(ObservationPoint.MERGE_BATCH, self.running_batch)
 
+    def get_merge_exclusions(self, last: ScheduleBatch) -> set[int]:
+        """``reqs_to_exclude``: the chunked request, and the one the last prefill carried a
+        middle chunk of, stay out of the running batch (ids of their ``Req``)."""
+        return {id(req) for req in (self.chunked_req, last.chunked_req) if req is not None}
+
+    def process_pending_chunked_abort(self) -> None:
+        """``process_pending_chunked_abort``: the chunked request an abort marked finishes
+        "abort" now and its KV is released without caching it (``checkpoint=False``); a
+        chunk still in flight drains through the result's chunked branch."""
+        req, self.pending_chunked_abort = self.pending_chunked_abort, None
+        if req is None or req is not self.chunked_req:
+            return
+        self.chunked_req = None
+        req.apply(relation.finish_chunked_abort)
+        release_kv_cache(self.rt, req, is_insert=False)
+
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        chosen, view = self.admit_by_budget()
+        chosen, ends, view = self.admit_by_budget()
         if not chosen:
             return None
         rt = self.rt
-        batch = ScheduleBatch.prepare_for_extend(rt, chosen)
+        continued = self.chunked_req
+        # The (one) request whose chunk stops short of its fill is the chunked request.
+        self.chunked_req = next((req for req, end in zip(chosen, ends, strict=True) if end
+                                 < compute_fill_len(req.prompt_len, len(req.output_ids))), None)
+        batch = ScheduleBatch.prepare_for_extend(rt, chosen, ends)
         for req in chosen:
-            self.future_map.on_row_acquired(req)
+            if req is not continued:
+                self.future_map.on_row_acquired(req)
+        batch.chunked_req = self.chunked_req
         self._observe_batch(ObservationPoint.PREPARE_FOR_EXTEND, batch, admission=view)
         return batch
 
-    def admit_by_budget(self) -> tuple[list[Req], AdmissionView | None]:
-        """``get_new_batch_prefill`` with the release's ``PrefillAdder``: waiting requests in
-        order, no skipping, while a row is left and each one asks for less than the budget
-        has left (``spec.transitions``: the free KV, less each running request's remaining
+    def admit_by_budget(self) -> tuple[list[Req], list[int], AdmissionView | None]:
+        """``get_new_batch_prefill`` with the release's ``PrefillAdder``: the chunked request
+        continues first (``add_chunked_req``), then waiting requests in order, no skipping,
+        while a row is left and each one asks for less than the budget has left
+        (``spec.transitions``: the free KV, less each running request's remaining
         ``max_new_tokens`` x ``new_token_ratio`` and what the admitted ones reserved). The
         first that does not fit, or no row or no budget left after one, stops admission and,
-        with anything running or admitted, latches ``batch_is_full`` until a request leaves."""
+        with anything running or admitted, latches ``batch_is_full`` until a request leaves.
+
+        With ``chunked_prefill_size``, each admission also spends the step's chunk budget
+        (page-ceiled); a prompt that does not fit what is left is cut to its page-floored
+        rest and reserves no ``max_new_tokens`` (``_select_prefill_admission``); a spent
+        budget stops admission without the latch. Returns the requests, each one's extend
+        end and the view KV11 checks."""
         rt, cfg = self.rt, self.config
         running = self.running_batch
         members = [] if running is None else running.reqs
         if running is not None and not members:
             running.batch_is_full = False
         waiting = [req for req in self.waiting_queue if not req.prebuilt]
-        if (running is not None and running.batch_is_full) or not waiting:
-            return [], None
+        continued = self.chunked_req
+        latched = running is not None and running.batch_is_full
+        if continued is None and (latched or not waiting):
+            return [], [], None
         rows = min(cfg.preset.max_running_requests - len(members),
-                   len(rt.req_to_token.free_slots))
+                   len(rt.req_to_token.free_slots) + (continued is not None))
         page = cfg.page_size
         available = get_available_pages(rt) * page
         # As PrefillBudget adds them: 0, then the running offsets' sum, then each reservation.
@@ -350,9 +399,28 @@ class Scheduler:
         total += sum([compute_running_token_offset(req.max_new_tokens, len(req.output_ids),
                                                    self.new_token_ratio) for req in members])
         current = 0
+        chunk = cfg.preset.chunked_prefill_size or None  # rem_chunk_tokens
         chosen: list[Req] = []
-        latch = rows <= 0
-        for req in waiting if rows > 0 else []:
+        ends: list[int] = []
+        continuation = None
+        if continued is not None:
+            fill = compute_fill_len(continued.prompt_len, len(continued.output_ids))
+            assert chunk is not None
+            end = compute_chunk_continuation_end(continued.prefix_len, fill, chunk,
+                                                 int(available - total))
+            paged = compute_page_align_up(end - continued.prefix_len, page)
+            total += paged + page + (continued.max_new_tokens if end == fill else 0)
+            current += paged + page
+            chunk -= paged
+            chosen.append(continued)
+            ends.append(end)
+            continuation = (continued.rid, continued.prefix_len, fill, continued.max_new_tokens,
+                            end)
+        latch = rows <= 0 and continued is None
+        for req in waiting if rows > 0 and not latched else []:
+            if chunk is not None and chunk <= 0 and available - total > 0 and (
+                    available - current > 0):
+                break  # OTHER: the step's chunk budget is spent
             if len(chosen) >= rows:
                 latch = True
                 break
@@ -362,23 +430,35 @@ class Scheduler:
             if not asked < available - total:
                 latch = bool(chosen) or bool(members)
                 break
+            end = compute_chunk_first_end(fill, chunk, page)
+            if end <= 0:
+                break  # OTHER: no whole page of the chunk budget is left
             chosen.append(req)
-            total += compute_prefill_reserved_tokens(fill, req.max_new_tokens, page)
-            current += compute_page_align_up(fill, page) + page
+            ends.append(end)
+            total += compute_prefill_reserved_tokens(end, req.max_new_tokens if end == fill
+                                                     else 0, page)
+            current += compute_page_align_up(end, page) + page
+            if chunk is not None:
+                chunk -= compute_page_align_up(end, page)
             if not (available - total > 0 and available - current > 0):
                 latch = True
+                break
+            if chunk is not None and chunk <= 0:
                 break
         if running is not None and latch:
             running.batch_is_full = True
         for req in chosen:
-            self.waiting_queue.remove(req)
+            if req is not continued:
+                self.waiting_queue.remove(req)
         view = AdmissionView(
             self.new_token_ratio, available, rows,
             tuple((req.max_new_tokens, len(req.output_ids)) for req in members),
             tuple((req.rid, compute_fill_len(req.prompt_len, len(req.output_ids)),
                    req.max_new_tokens, len(req.output_ids)) for req in waiting),
-            len(chosen))
-        return chosen, view
+            len(chosen) - (continued is not None),
+            chunk_size=cfg.preset.chunked_prefill_size, continued=continuation,
+            ends=tuple(ends[1:] if continued is not None else ends), latched=latched)
+        return chosen, ends, view
 
     def update_running_batch(self, batch: ScheduleBatch, forced_retracts: int) -> bool:
         """Filter, retract (or decay the new-token ratio), prepare the decode; False: no
@@ -581,7 +661,7 @@ class Scheduler:
             result.next_token_ids[j * result.stride + result.accept_lens[j] - 1]
             for j in range(len(batch.reqs))
         ]
-        self.future_map.stash(batch.reqs, list(rows), last_tokens)
+        self.future_map.stash(batch.reqs, list(rows), last_tokens, middle=batch.chunked_req)
         if rt.has_fault("B13") and cfg.cell.is_spec and cfg.cell.overlap:
             # ngram kept forward-written accept state on spec_info for filter_batch.
             batch.extra["accept_lens"] = rt.new_tensor(result.accept_lens, "verify accept_lens",

@@ -148,8 +148,8 @@ class ModelWorker:
         tokens: list[int] = []
         eos: list[int | None] = []
         for j, (req, fill_len) in enumerate(zip(batch.reqs, fb.seq_lens, strict=True)):
-            self._write_kv(req, 0, fill_len, faults)
-            req.apply(forward_extend, step)
+            self._write_kv(req, req.prefix_len, fill_len, faults)  # the chunk (or all of it)
+            req.apply(forward_extend, step, fill_len)
             run, eos_at = self._sample(batch, j, 1, choices, 1, fill_len)
             tokens += run
             eos.append(eos_at)

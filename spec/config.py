@@ -155,6 +155,10 @@ class Preset:
     tree_topk: int
     tree_steps: int
     tree_draft_tokens: int
+    # ``chunked_prefill_size`` (0: off). The release resolves it from the memory tier (2048
+    # and up), above every prompt these presets draw, so 0 is its behaviour here; a size
+    # below ``max_context_len`` chunks prompts as the release would with that setting.
+    chunked_prefill_size: int = 0
 
 
 MINIMAL: Final = Preset(

@@ -23,6 +23,7 @@ from overlap_spec.spec.state import (
     EOS_TOKEN,
     SCHEDULE_SIDE_POINTS,
     BatchView,
+    GhostView,
     Observation,
     ObservationPoint,
     RequestView,
@@ -30,9 +31,12 @@ from overlap_spec.spec.state import (
 )
 from overlap_spec.spec.transitions import (
     CLIP_MAX_NEW_TOKENS,
+    compute_chunk_continuation_end,
+    compute_chunk_first_end,
     compute_committed_lead,
     compute_host_sync_budget,
     compute_ns_expected_seq_len,
+    compute_page_align_up,
     compute_pages_for_len,
 )
 
@@ -119,6 +123,13 @@ def _holding(obs: Observation) -> Iterable[RequestView]:
 def _settling(obs: Observation) -> Iterable[RequestView]:
     """Live requests whose prefill result is processed: they have settled something."""
     return (r for r in obs.requests if r.is_live and not r.ghost.extend_inflight)
+
+
+def _is_mid_prefill(r: RequestView) -> bool:
+    """Its prefill is not done (a chunked request's). A call trace carries no ghost (a
+    stand-in that raises on any read): there a request with no output at all (an abort
+    after a prefill keeps its token)."""
+    return r.ghost.extend_inflight if isinstance(r.ghost, GhostView) else r.output_len == 0
 
 
 def _schedule_batches(obs: Observation) -> list[BatchView]:
@@ -512,7 +523,8 @@ def check_kv6(config: ModelConfig, obs: Observation) -> int:
         if r.committed_at_release is None:
             continue  # finished without a finish release: nothing settles after it
         # Only the J2-era spec pre-claim is refunded by late results (PR 23456).
-        refund = r.inflight_at_release if (config.cell.is_spec and config.cell.preclaim) else 0
+        refund = r.inflight_at_release if (config.cell.is_spec and config.cell.preclaim
+                                           and not r.ghost.extend_inflight) else 0
         settled = r.committed_at_release - refund
         low, high = settled, r.committed_at_release
         if r.ghost.inflight_steps == 0:
@@ -575,7 +587,8 @@ def check_kv7(config: ModelConfig, obs: Observation) -> int:
 def check_kv8(config: ModelConfig, obs: Observation) -> int:
     """KV8: each processed step settles exactly once: committed == settled truth + the
     lead of unprocessed claimed steps, for a live request and, where the release commits
-    the whole accepted run, at the finish release too (batch_result_processor.py)."""
+    the whole accepted run, at the finish release too; an abort mid-chunk has committed
+    what its chunks wrote (batch_result_processor.py, alloc_for_extend)."""
     if obs.point is not ObservationPoint.PROCESS_RESULT:
         return 0
     count = 0
@@ -590,7 +603,12 @@ def check_kv8(config: ModelConfig, obs: Observation) -> int:
         if r.committed_at_release is None or config.cell.trimmed_finish:
             continue  # the trimmed finish commits less than it settled (KV9 says how much)
         lead = compute_committed_lead(config.cell, r.claimed_at_release)
-        if r.committed_at_release != r.ghost.settled_len + lead:
+        if r.ghost.extend_inflight:  # an abort mid-chunk: each chunk commits when scheduled
+            if r.committed_at_release != r.ghost.kv_len_true:
+                raise fail("KV8", obs, f"for request r{r.rid}: kv_committed_len="
+                           f"{r.committed_at_release} at its abort mid-chunk != the "
+                           f"{r.ghost.kv_len_true} positions its chunks wrote")
+        elif r.committed_at_release != r.ghost.settled_len + lead:
             raise fail("KV8", obs, f"for request r{r.rid}: kv_committed_len="
                        f"{r.committed_at_release} at its finish release != settled true "
                        f"length {r.ghost.settled_len} + claimed lead {lead}")
@@ -604,8 +622,9 @@ def check_kv9(config: ModelConfig, obs: Observation) -> int:
     prompt + output - 1. At a finish the release has committed the whole accepted run
     (KV8 checks it against the settled truth) and caches ``owned_kv_len``: that cut at
     prompt + the visible output, all of it for an abort (no ``finished_len``); the
-    trimmed finish commits and caches prompt + output - 1 (``_resolve_spec_v2_tokens``,
-    ``Req.owned_kv_len``; the proposal: #35694, #24590)."""
+    trimmed finish commits and caches prompt + output - 1; an abort of the chunked request,
+    its prefill pending, caches nothing (``_resolve_spec_v2_tokens``, ``Req.owned_kv_len``,
+    ``process_pending_chunked_abort``; the proposal: #35694, #24590)."""
     count = 0
     if obs.point is ObservationPoint.PROCESS_RESULT and config.cell.is_spec:
         for r in _settling(obs):
@@ -632,11 +651,13 @@ def check_kv9(config: ModelConfig, obs: Observation) -> int:
         expected = with_kv if trimmed else committed if aborted else min(committed, shown)
         rule = ("prompt + output - 1 (trimmed finish)" if trimmed else
                 "kv_committed_len (abort)" if aborted else "owned_kv_len")
+        if aborted and _is_mid_prefill(r):  # mid-chunk: released, checkpoint=False
+            expected, rule = 0, "nothing (a chunked request's abort)"
         if r.cached_len != expected:
             raise fail("KV9", obs, f"for request r{r.rid}: cached {r.cached_len} tokens at "
                        f"finish, expected {rule} = {expected} (prompt + visible output "
                        f"{shown}, committed {committed})")
-        if trimmed and committed - lead != with_kv:  # else KV8: the settled length
+        if trimmed and committed - lead != with_kv and not _is_mid_prefill(r):
             raise fail("KV9", obs, f"for request r{r.rid}: kv_committed_len={committed} - "
                        f"claimed lead {lead} at finish != prompt + output - 1 = {with_kv}")
         count += 1
@@ -687,40 +708,108 @@ def check_kv10(config: ModelConfig, obs: Observation) -> int:
 @invariant("KV11", "admission within the release's running-total estimate",
            "schedule_policy.py PrefillAdder")
 def check_kv11(config: ModelConfig, obs: Observation) -> int:
-    """KV11: a prefill admits by the release's estimate of the running total: in queue order,
-    each admitted request asks (fill + remaining max_new_tokens + a page) for less than the
-    free KV less every running request's remaining max_new_tokens x new_token_ratio and what
-    those admitted before it reserved (paged fill + a page + max_new_tokens); admission stops
-    at the first that does not fit, or when rows or budget run out (schedule_policy.py
-    PrefillAdder, mem_cache/prefill_budget.py)."""
+    """KV11: a prefill admits by the release's estimate of the running total: the chunked
+    request's next chunk first (at most the chunk budget or, when positive and smaller, the
+    budget left), then in queue order, each admitted request asks (fill + remaining
+    max_new_tokens + a page) for less than the free KV less every running request's
+    remaining max_new_tokens x new_token_ratio and what those admitted before it reserved
+    (paged extend + a page + max_new_tokens unless cut into a first chunk); with chunked
+    prefill each extend also spends the step's chunk budget, and a fill it cannot hold is cut
+    to the budget's whole pages; admission stops at the first that does not fit, or when
+    rows, budget or chunk budget run out (schedule_policy.py PrefillAdder, add_chunked_req,
+    mem_cache/prefill_budget.py)."""
     view = obs.admission
     if view is None or obs.batch is None:
         return 0
+    continued = view.continued
     admitted = tuple(rid for rid, *_ in view.waiting[:view.admitted])
-    if admitted != obs.batch.rids:
+    expected_rids = ((continued[0],) if continued else ()) + admitted
+    if expected_rids != obs.batch.rids:
         raise fail("KV11", obs, f"for the prefill: it holds {list(obs.batch.rids)}, the "
-                   f"admission admitted {list(admitted)}")
+                   f"admission admitted {list(expected_rids)}")
     page, clip, free = config.page_size, CLIP_MAX_NEW_TOKENS, view.available_tokens
     # Summed as PrefillBudget sums them (float rounding included): 0, the running estimate,
     # then each admission's reservation.
     total: float = 0
     total += sum([min(max_new - out, clip) * view.new_token_ratio
                   for max_new, out in view.running])
-    current, count = 0, 0
+    current, count, chunk = 0, 0, view.chunk_size or None
+    if continued is not None:
+        rid, prefix, fill, max_new, end = continued
+        assert chunk is not None
+        expected = compute_chunk_continuation_end(prefix, fill, chunk, int(free - total))
+        if end != expected:
+            raise fail("KV11", obs, f"for request r{rid}: its next chunk ends at {end}, the "
+                       f"chunk budget {chunk} from prefix {prefix} of {fill} says {expected}")
+        paged = compute_page_align_up(end - prefix, page)
+        total += paged + page + (min(max_new, clip) if end == fill else 0)
+        current += paged + page
+        chunk -= paged
+        count += 1
+    held = continued is not None
     for k, (rid, fill, max_new, out) in enumerate(view.waiting):
         asked = fill + min(max(max_new - out, 0), clip) + page
         fits = asked < free - total
+        capacity = free - total > 0 and free - current > 0
+        spent = chunk is not None and capacity and compute_chunk_first_end(fill, chunk, page) <= 0
         if k == view.admitted:
-            if k < view.rows and free - total > 0 and free - current > 0 and fits:
+            if (not view.latched and k + held < view.rows and capacity and fits
+                    and not spent):
                 raise fail("KV11", obs, f"for request r{rid}: left waiting though it asks "
-                           f"{asked} tokens < {free - total:.3f} left (free {free})")
+                           f"{asked} tokens < {free - total:.3f} left (free {free}, chunk "
+                           f"budget {chunk})")
             return count + 1
-        if k >= view.rows or not fits:
+        if view.latched or k + held >= view.rows or not fits or spent:
             raise fail("KV11", obs, f"for request r{rid}: admitted asking {asked} tokens, "
-                       f"{free - total:.3f} left (free {free}, rows {view.rows})")
-        paged = -(-fill // page) * page
-        total += paged + page + min(max_new, clip)
+                       f"{free - total:.3f} left (free {free}, rows {view.rows}, chunk budget "
+                       f"{chunk}, latched {view.latched})")
+        end = view.ends[k]
+        if end != compute_chunk_first_end(fill, chunk, page):
+            raise fail("KV11", obs, f"for request r{rid}: its extend ends at {end} of {fill} "
+                       f"with {chunk} left of the chunk budget")
+        paged = compute_page_align_up(end, page)
+        total += paged + page + (min(max_new, clip) if end == fill else 0)
         current += paged + page
+        chunk = None if chunk is None else chunk - paged
+        count += 1
+    return count
+
+
+@invariant("KV12", "one chunked prefill, committed to its chunk, kept out of decode",
+           "scheduler.py chunked_req")
+def check_kv12(config: ModelConfig, obs: Observation) -> int:
+    """KV12: a prefill still pending is whole, or the scheduler's one chunked request's:
+    committed and allocated to the end of its latest chunk, past the prefix the earlier
+    chunks wrote, with at most one middle chunk in flight per launch the loop keeps queued
+    (1 without overlap, 2 with), and in no decode batch until its last chunk is scheduled
+    (scheduler.py chunked_req, stash_chunked_request, Req.inflight_middle_chunks,
+    batch_result_processor.py)."""
+    count = 0
+    most = 2 if config.cell.overlap else 1
+    for r in obs.requests:
+        if not 0 <= r.inflight_middle_chunks <= most:
+            raise fail("KV12", obs, f"for request r{r.rid}: inflight_middle_chunks="
+                       f"{r.inflight_middle_chunks}, outside 0..{most}")
+        if not (r.holds_kv and r.ghost.extend_inflight and not r.finished):
+            continue
+        count += 1
+        fill = r.prompt_len + r.output_len
+        if r.extend_end == fill and r.rid != obs.chunked_rid:
+            continue
+        if r.rid != obs.chunked_rid or not 0 < r.extend_end < fill:
+            raise fail("KV12", obs, f"for request r{r.rid}: its prefill is pending at "
+                       f"extend_end={r.extend_end} of {fill}, the chunked request is "
+                       f"{obs.chunked_rid}")
+        if not (r.prefix_len <= r.extend_end == r.kv_committed_len == r.kv_allocated_len):
+            raise fail("KV12", obs, f"for request r{r.rid}: chunk [{r.prefix_len}, "
+                       f"{r.extend_end}) with kv_committed_len={r.kv_committed_len}, "
+                       f"kv_allocated_len={r.kv_allocated_len}")
+    batch = obs.batch
+    if (batch is not None and obs.chunked_rid is not None and obs.point in (
+            ObservationPoint.PREPARE_FOR_DECODE, ObservationPoint.MERGE_BATCH)):
+        if obs.chunked_rid in batch.rids:
+            raise fail("KV12", obs, f"for request r{obs.chunked_rid}: mid-chunk in the "
+                       f"{'decode' if batch.forward_mode == 'decode' else 'running'} batch")
         count += 1
     return count
 
@@ -786,7 +875,8 @@ def check_fm3(config: ModelConfig, obs: Observation) -> int:
 @invariant("FM4", "consume-once relay rows", "#30471", _overlap)
 def check_fm4(config: ModelConfig, obs: Observation) -> int:
     """FM4: between two gathers of output_tokens_buf[p] there is exactly one stash of p
-    (consume-once, PR 30471)."""
+    holding a token to consume; a middle chunk's, which its next chunk's overwrites, is
+    none (consume-once, PR 30471)."""
     if obs.launch is None:
         return 0
     for g in obs.launch.relay_gathers:
@@ -985,7 +1075,7 @@ def check_rp3(config: ModelConfig, obs: Observation) -> int:
 def check_rp4(config: ModelConfig, obs: Observation) -> int:
     """RP4: a launch carries no request that its results in flight already finish by
     length: processed output tokens + results in flight < max_new_tokens, or 1 where a
-    refused prompt's cap is 0 (every result commits at least one token). The release
+    refused prompt's cap is 0 (every result but a middle chunk's commits at least one). The release
     leaves such a request out of the decode; the overshoot era decoded it once more
     (#24590), so the claim is n/a in its cells
     (scheduler.py ``_reqs_finishing_inflight``, ``enable_skip_finishing_decode``)."""
@@ -994,7 +1084,9 @@ def check_rp4(config: ModelConfig, obs: Observation) -> int:
         return 0
     for m in launch.members:
         r = obs.get_request(m.rid)
-        in_flight = r.ghost.inflight_steps - 1  # the launched step itself is counted
+        # The launched step itself is counted, and middle chunks in flight carry no token.
+        middle_now = launch.forward_mode == "extend" and r.extend_end < r.prompt_len + r.output_len
+        in_flight = r.ghost.inflight_steps - 1 - (r.inflight_middle_chunks - middle_now)
         if r.output_len + in_flight >= max(r.max_new_tokens, 1):  # a first token, always
             raise fail("RP4", obs, f"for request r{r.rid}: launched with {r.output_len} "
                        f"output tokens and {in_flight} result(s) in flight, which already "

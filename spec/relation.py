@@ -25,6 +25,12 @@ One request's life (sglang 0.5.23 names)::
                  │                        release_kv_cache(is_insert=True)
                  └─ reset_for_retract ◀─ release_kv_cache(is_insert=False)   (retract_decode)
 
+With chunked prefill the prefill goes in chunks: ``prepare_for_extend`` to the first
+chunk's end, then per step ``stash_chunked_request`` (the checkpoint) and
+``prepare_next_chunk``, each chunk launched, forwarded and processed (a middle chunk's
+result only counts down ``inflight_middle_chunks``); an abort of the chunked request ends
+in ``finish_chunked_abort`` and a release without caching.
+
 ``abort`` fires at any time before the finish; ``process_prebuilt`` replaces the prefill's
 result for a PD-decode request. Pages and ``req_to_token`` columns are the allocator's: an
 implementation backs the lengths decided here with memory (``reference/mem_cache.py``).
@@ -73,6 +79,7 @@ class GhostStep:
     epoch: int  # the request's epoch at launch: a result of an older epoch settles nothing
     kv_len: int | None = None  # kv_len_true after this step's forward
     is_extend: bool = False  # the forward was the prefill
+    middle_chunk: bool = False  # a prefill chunk that left part of the fill unwritten
 
 
 @dataclass(frozen=True)
@@ -88,7 +95,7 @@ class Ghost:
     settled_len: int = 0
     inflight_steps: int = 0  # launched in this epoch, result not yet processed
     prepared_steps: int = 0  # a decode prepared (claim made) but not yet launched
-    extend_inflight: bool = False
+    extend_inflight: bool = False  # prefill prepared, the result of its last chunk unprocessed
     output_len_true: int = 0
     finished: bool = False
     # Why the environment ended the output: "abort" (requested before the result that
@@ -125,6 +132,12 @@ class RequestRecord:
     committed_at_release: int | None = None
     spec_verify_ct: int = 0
     spec_num_correct_drafts: int = 0
+    # Chunked prefill (``Req.prefix_len``, ``extend_end``, ``inflight_middle_chunks``): the
+    # positions earlier chunks wrote (checkpointed at the next step's top), the end of the
+    # latest extend, and its middle chunks launched with their results unprocessed.
+    prefix_len: int = 0
+    extend_end: int = 0
+    inflight_middle_chunks: int = 0
     ghost: Ghost = field(default_factory=Ghost)
     last_prompt_token: int = 0  # origin_input_ids[-1], where the token chain starts (RP7)
 
@@ -212,6 +225,11 @@ def transition(*frame: str) -> Callable[[Callable[Concatenate[R, P], R]],
 
 
 # --- the scheduler's transitions -------------------------------------------------------------
+def _require_decodable(name: str, req: RequestRecord) -> None:
+    require(req.holds_kv, name, req, "holds_kv", "expected a request holding KV")
+    require(not req.is_finished(), name, req, "finished_reason", "expected None")
+
+
 def admit(rid: RequestId, prompt_len: TokenCount, max_new_tokens: TokenCount,
           prebuilt: bool = False, refused: bool = False) -> RequestRecord:
     """A new request in the waiting queue (``Scheduler.handle_generate_request``), with
@@ -233,6 +251,18 @@ def admit(rid: RequestId, prompt_len: TokenCount, max_new_tokens: TokenCount,
                          last_prompt_token=last)
 
 
+@transition("finished_reason", "to_finish", "ghost.abort_requested", "ghost.finished",
+            "ghost.finish_reason")
+def finish_chunked_abort(req: RequestRecord) -> RequestRecord:
+    """``process_pending_chunked_abort`` (the next step's top): the chunked request an abort
+    marked finishes "abort" at once, before its release (``prepare_abort``)."""
+    _require_decodable("finish_chunked_abort", req)
+    require(req.to_finish == "abort", "finish_chunked_abort", req, "to_finish",
+            "expected an abort requested")
+    return replace(req, finished_reason="abort", to_finish=None,
+                   ghost=ghost_abort(req.ghost, waiting=True))
+
+
 @transition("waiting", "is_retracted", "finished_reason", "to_finish",
             "ghost.abort_requested", "ghost.finished", "ghost.finish_reason")
 def abort(req: RequestRecord) -> RequestRecord:
@@ -247,24 +277,53 @@ def abort(req: RequestRecord) -> RequestRecord:
 
 
 @transition("req_pool_idx", "holds_kv", "kv_allocated_len", "kv_committed_len",
-            "is_retracted", "waiting", "ghost.extend_inflight")
-def prepare_for_extend(req: RequestRecord, row: PoolRow) -> RequestRecord:
+            "is_retracted", "waiting", "extend_end", "inflight_middle_chunks",
+            "ghost.extend_inflight")
+def prepare_for_extend(req: RequestRecord, row: PoolRow,
+                       extend_end: int | None = None) -> RequestRecord:
     """``ScheduleBatch.prepare_for_extend`` / ``alloc_for_extend`` for one request: a pool
-    row and committed = allocated = fill_len (prompt plus every output token, so a
-    retracted request is re-prefilled). Leaves output_ids."""
+    row and committed = allocated = the extend's end, ``extend_end``: fill_len (prompt plus
+    every output token, so a retracted request is re-prefilled) unless chunked prefill cut
+    a first chunk. A chunk short of fill_len is a middle chunk (``inflight_middle_chunks``
+    + 1, as ``_get_new_batch_prefill_raw`` counts it). Leaves output_ids."""
     name = "prepare_for_extend"
     require(req.waiting, name, req, "waiting", "expected a waiting request")
     require(not req.holds_kv, name, req, "holds_kv", "expected a request without KV")
     require(not req.is_finished(), name, req, "finished_reason", "expected None")
     fill_len = compute_fill_len(req.prompt_len, req.output_len)
-    return replace(req, req_pool_idx=row, holds_kv=True, kv_allocated_len=fill_len,
-                   kv_committed_len=fill_len, is_retracted=False, waiting=False,
+    end = fill_len if extend_end is None else extend_end
+    require(0 < end <= fill_len, name, req, "extend_end", f"chunk end {end} outside 1..{fill_len}")
+    return replace(req, req_pool_idx=row, holds_kv=True, kv_allocated_len=end,
+                   kv_committed_len=end, is_retracted=False, waiting=False, extend_end=end,
+                   inflight_middle_chunks=req.inflight_middle_chunks + (end < fill_len),
                    ghost=ghost_prepare_extend(req.ghost))
 
 
-def _require_decodable(name: str, req: RequestRecord) -> None:
-    require(req.holds_kv, name, req, "holds_kv", "expected a request holding KV")
-    require(not req.is_finished(), name, req, "finished_reason", "expected None")
+@transition("kv_allocated_len", "kv_committed_len", "extend_end", "inflight_middle_chunks")
+def prepare_next_chunk(req: RequestRecord, extend_end: int) -> RequestRecord:
+    """``PrefillAdder.add_chunked_req`` then ``alloc_for_extend``: the chunked request's next
+    chunk, in the row it kept, from its checkpointed ``prefix_len`` to ``extend_end``;
+    committed = allocated = ``extend_end``, counted as a middle chunk unless it ends the fill."""
+    name = "prepare_next_chunk"
+    _require_decodable(name, req)
+    fill_len = compute_fill_len(req.prompt_len, req.output_len)
+    require(req.prefix_len == req.extend_end == req.kv_committed_len, name, req, "prefix_len",
+            f"expected the last chunk checkpointed (extend_end={req.extend_end}, "
+            f"committed={req.kv_committed_len})")
+    require(req.prefix_len < extend_end <= fill_len, name, req, "extend_end",
+            f"chunk end {extend_end} outside {req.prefix_len + 1}..{fill_len}")
+    return replace(req, kv_allocated_len=extend_end, kv_committed_len=extend_end,
+                   extend_end=extend_end,
+                   inflight_middle_chunks=req.inflight_middle_chunks + (extend_end < fill_len))
+
+
+@transition("prefix_len")
+def stash_chunked_request(req: RequestRecord) -> RequestRecord:
+    """``Scheduler.stash_chunked_request`` / ``checkpoint_kv_cache`` at the top of the next
+    step: the chunk scheduled last is the prefix of the next one (``prefix_len :=
+    extend_end``; with the radix cache off nothing else changes, the row is kept)."""
+    _require_decodable("stash_chunked_request", req)
+    return replace(req, prefix_len=req.extend_end)
 
 
 @transition("kv_allocated_len", "kv_committed_len", "ghost.prepared_steps")
@@ -306,9 +365,10 @@ def launch(req: RequestRecord, step: StepId) -> RequestRecord:
 
 
 @transition("ghost.kv_len_true", "ghost.steps")
-def forward_extend(req: RequestRecord, step: StepId) -> RequestRecord:
-    """The prefill forward (environment): KV for prompt and output is really written."""
-    return replace(req, ghost=ghost_forward_extend(req.ghost, step, req.prompt_len))
+def forward_extend(req: RequestRecord, step: StepId, end: int) -> RequestRecord:
+    """The prefill forward (environment): KV for prompt and output is really written up to
+    ``end``, the batch's seq_len (a chunk's end)."""
+    return replace(req, ghost=ghost_forward_extend(req.ghost, step, req.prompt_len, end))
 
 
 @transition("ghost.kv_len_true", "ghost.steps")
@@ -335,7 +395,8 @@ def is_stale(req: RequestRecord) -> bool:
 
 
 @transition("output_ids", "kv_committed_len", "finished_reason", "spec_verify_ct",
-            "spec_num_correct_drafts", "ghost.inflight_steps", "ghost.extend_inflight",
+            "spec_num_correct_drafts", "inflight_middle_chunks", "ghost.inflight_steps",
+            "ghost.extend_inflight",
             "ghost.steps", "ghost.settled_len", "ghost.output_len_true", "ghost.finished",
             "ghost.finish_reason", "ghost.verify_ct", "ghost.correct_drafts")
 def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: str,
@@ -350,6 +411,10 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
     and updates the finish state; a stale row only settles its pre-claim. The release of a
     finished request is :func:`release_kv_cache`, next.
 
+    A middle chunk's row (``inflight_middle_chunks`` > 0 at an extend result, retracted
+    or not finished) only takes one off the counter: no token, no finish check, no commit
+    (``process_batch_result_prefill``'s chunked branch); its sampled token is thrown away.
+
     Faults: B3 commits a stale row's run as if live (the pre-claim era's commit loop
     before #23456; output, finish and release kept their skip); B11 commits the uncut run
     (the trimmed finish's cell too).
@@ -359,6 +424,8 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
     verified = cell.is_spec and forward_mode == "decode"
     ghost = ghost_result(req.ghost, step, req.max_new_tokens, accept_len, eos_at, verified)
     finished_before = req.is_finished()
+    if forward_mode == "extend" and req.inflight_middle_chunks > 0 and not req.is_retracted:
+        return replace(req, inflight_middle_chunks=req.inflight_middle_chunks - 1, ghost=ghost)
     stale = is_stale(req)
     run_len = compute_run_len(accept_len, compute_output_budget(
         req.max_new_tokens, req.output_len, req.to_finish is not None), eos_at)
@@ -408,6 +475,9 @@ def release_kv_cache(req: RequestRecord, cell: Cell, is_insert: bool,
     require(req.req_pool_idx is not None, name, req, "req_pool_idx", "released twice")
     released = replace(req, release_count=req.release_count + 1, holds_kv=False,
                        req_pool_idx=None, kv_allocated_len=0)
+    if not is_insert and req.is_finished():  # a chunked request's abort: nothing cached
+        return replace(released, cached_len=0, committed_at_release=req.kv_committed_len,
+                       ghost=ghost_release(req.ghost))
     if not is_insert:
         return released
     committed = req.kv_committed_len
@@ -422,7 +492,8 @@ def release_kv_cache(req: RequestRecord, cell: Cell, is_insert: bool,
 
 
 @transition("is_retracted", "prebuilt", "kv_committed_len", "kv_allocated_len",
-            "req_pool_idx", "holds_kv", "waiting", "release_count", "ghost.epoch",
+            "req_pool_idx", "holds_kv", "waiting", "release_count", "prefix_len", "extend_end",
+            "inflight_middle_chunks", "ghost.epoch",
             "ghost.kv_len_true", "ghost.settled_len", "ghost.inflight_steps",
             "ghost.prepared_steps", "ghost.extend_inflight")
 def reset_for_retract(req: RequestRecord) -> RequestRecord:
@@ -433,7 +504,8 @@ def reset_for_retract(req: RequestRecord) -> RequestRecord:
             "expected the KV released first (release_kv_cache)")
     return replace(req, is_retracted=True, prebuilt=False, kv_committed_len=0,
                    kv_allocated_len=0, req_pool_idx=None, holds_kv=False, waiting=True,
-                   release_count=0, ghost=ghost_retract(req.ghost))
+                   release_count=0, prefix_len=0, extend_end=0, inflight_middle_chunks=0,
+                   ghost=ghost_retract(req.ghost))
 
 
 @transition("output_ids", "ghost.kv_len_true", "ghost.settled_len", "ghost.output_len_true",
@@ -476,11 +548,13 @@ def _require_launched(name: str, ghost: Ghost, step: StepId) -> GhostStep:
 
 
 @transition("kv_len_true", "steps")
-def ghost_forward_extend(ghost: Ghost, step: StepId, prompt_len: int) -> Ghost:
+def ghost_forward_extend(ghost: Ghost, step: StepId, prompt_len: int, end: int) -> Ghost:
+    """The forward writes up to ``end``, never past the fill; short of it, a middle chunk."""
     launched = _require_launched("ghost_forward_extend", ghost, step)
-    kv_len = prompt_len + ghost.output_len_true
-    return replace(ghost, kv_len_true=kv_len,
-                   steps={**ghost.steps, step: replace(launched, kv_len=kv_len, is_extend=True)})
+    fill = prompt_len + ghost.output_len_true
+    kv_len = min(end, fill)
+    return replace(ghost, kv_len_true=kv_len, steps={**ghost.steps, step: replace(
+        launched, kv_len=kv_len, is_extend=True, middle_chunk=kv_len < fill)})
 
 
 @transition("kv_len_true", "steps")
@@ -498,7 +572,8 @@ def ghost_result(ghost: Ghost, step: StepId, max_new_tokens: int, accept_len: in
     """Settle a step by the environment's own cut: EOS and max_new_tokens end the visible
     output. Written out here rather than with compute_run_len, so that a wrong cut in the
     scheduler cannot hide in the truth it is checked against. A result of an older epoch
-    (launched before a retraction) settles nothing. ``verified``: a speculative verify
+    (launched before a retraction) settles nothing, and a middle chunk's settles its KV
+    but no token: the prefill ends with its last chunk. ``verified``: a speculative verify
     result, which feeds the request's verify count and accepted drafts when it is live.
 
     The finish reason is upstream's precedence (``Req.update_finish_state``): a requested
@@ -509,7 +584,11 @@ def ghost_result(ghost: Ghost, step: StepId, max_new_tokens: int, accept_len: in
     if launched is None or launched.epoch != ghost.epoch:
         return replace(ghost, steps=steps)
     settled = replace(ghost, steps=steps, inflight_steps=ghost.inflight_steps - 1,
-                      extend_inflight=ghost.extend_inflight and not launched.is_extend)
+                      extend_inflight=ghost.extend_inflight and not (
+                          launched.is_extend and not launched.middle_chunk))
+    if launched.middle_chunk:
+        return settled if ghost.finished or launched.kv_len is None else replace(
+            settled, settled_len=launched.kv_len)
     if ghost.finished:
         return settled
     run_len = min(accept_len, max(compute_output_budget(max_new_tokens, ghost.output_len_true,

@@ -96,6 +96,11 @@ class RequestView:
     # The token values (RP7); None where an implementation or a trace does not show them.
     output_ids: tuple[int, ...] | None = None  # the visible output
     last_prompt_token: int | None = None  # origin_input_ids[-1]
+    # Chunked prefill: Req.prefix_len (the earlier chunks' positions, checkpointed),
+    # Req.extend_end (the latest extend's end), Req.inflight_middle_chunks.
+    prefix_len: int = 0
+    extend_end: int = 0
+    inflight_middle_chunks: int = 0
 
     @property
     def is_live(self) -> bool:
@@ -232,6 +237,13 @@ class AdmissionView:
     # first ``admitted`` of them were admitted.
     waiting: tuple[tuple[RequestId, int, int, int], ...]
     admitted: int
+    # Chunked prefill: chunked_prefill_size (0: off); the chunked request continued first,
+    # as (rid, prefix_len, fill_len, max_new_tokens, extend_end); each admitted waiting
+    # request's extend end; whether batch_is_full was latched before this admission.
+    chunk_size: int = 0
+    continued: tuple[RequestId, int, int, int, int] | None = None
+    ends: tuple[int, ...] = ()
+    latched: bool = False
 
 
 @dataclass(frozen=True)
@@ -274,6 +286,7 @@ class Observation:
     result: ResultView | None = None
     admission: AdmissionView | None = None
     host_syncs: tuple[str, ...] | None = None  # at ITERATION_END: syncs of this iteration
+    chunked_rid: RequestId | None = None  # Scheduler.chunked_req (chunked prefill)
     launched_this_iteration: bool = False
     # Cross-participant access pairs whose order was checked since the previous
     # observation (races included): the stream claims' witnesses. Not written to traces:

@@ -99,6 +99,25 @@ def compute_ratio_after_retract(output_lens: list[int], max_new_tokens: list[int
     return min(1.0, estimate)
 
 
+def compute_chunk_first_end(fill_len: int, chunk_budget: int | None, page_size: int) -> int:
+    """``_select_prefill_admission``: where a prompt's first extend ends. All of it when
+    chunking is off or its paged length fits what is left of the step's chunk budget; else
+    that budget page-floored (a first chunk, reserving no ``max_new_tokens``; 0: no page
+    is left, ``AddReqResult.OTHER``)."""
+    if chunk_budget is None or compute_page_align_up(fill_len, page_size) <= chunk_budget:
+        return fill_len
+    return chunk_budget // page_size * page_size
+
+
+def compute_chunk_continuation_end(prefix_len: int, fill_len: int, chunk_budget: int,
+                                   remaining_total: int) -> int:
+    """``add_chunked_req``: the chunked request's next extend, from its checkpointed prefix,
+    at most the chunk budget or, when positive, the budget's remaining total if smaller
+    (``PrefillBudget.available_chunk_tokens``); not page-floored."""
+    room = min(chunk_budget, remaining_total)
+    return prefix_len + min(fill_len - prefix_len, room if room > 0 else chunk_budget)
+
+
 # --- prepare_for_extend ------------------------------------------------------
 def compute_fill_len(prompt_len: int, output_len: int) -> TokenCount:
     """Prefill length: the prompt plus every output token (re-prefill after retraction).

@@ -307,8 +307,8 @@ EXPECTED_COUNTS = {
     ("ov-p1-v2chain-cpu-honest-rungreserve", 3): (1144, 1535, 13197, (3, 40, 1100)),
 }
 # The witnesses counted over the same runs, all invariants together.
-EXPECTED_WITNESSES = {("ov-p1-none", 3): 6844, ("ov-p1-v2chain-cpu-honest", 3): 141097,
-                      ("ov-p1-v2chain-cpu-honest-rungreserve", 3): 141697}
+EXPECTED_WITNESSES = {("ov-p1-none", 3): 7160, ("ov-p1-v2chain-cpu-honest", 3): 143213,
+                      ("ov-p1-v2chain-cpu-honest-rungreserve", 3): 143813}
 
 
 @pytest.mark.parametrize(("cell", "depth"), list(EXPECTED_COUNTS))

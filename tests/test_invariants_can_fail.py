@@ -100,6 +100,10 @@ def _settling(r: object) -> bool:
     return bool(r.is_live and not r.ghost.extend_inflight)  # type: ignore[attr-defined]
 
 
+def _prefilling(r: object) -> bool:
+    return bool(r.holds_kv and r.ghost.extend_inflight and not r.finished)  # type: ignore[attr-defined]
+
+
 PERTURB: dict[str, Callable[[Observation], Observation]] = {
     "SL1": lambda o: replace(o, forward=replace(o.forward, seq_lens_sum=(o.forward.seq_lens_sum or 0) + 1)),
     "SL2": lambda o: replace(o, batch=replace(o.batch, seq_lens=_bump(o.batch.seq_lens))),
@@ -131,6 +135,9 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
     "KV10": lambda o: _with_request(o, _settling, kv_committed_len=o.requests[_first_request(o, _settling)].kv_committed_len + 2),
     # No KV left to admit into: the first admitted request asked for more than remained.
     "KV11": lambda o: replace(o, admission=replace(o.admission, available_tokens=0)),
+    # A pending prefill cut short of its fill while no request is the chunked one.
+    "KV12": lambda o: _with_request(o, _prefilling, extend_end=next(
+        r.extend_end for r in o.requests if _prefilling(r)) - 1),
     "FM1": lambda o: replace(o, races=(_race("new_seq_lens_buf", (FORWARD, "write"), (SCHEDULE, "read")),)),
     "FM2": lambda o: replace(o, resolve=replace(o.resolve, uncovered_rows=o.resolve.rows[:1])),
     "FM3": lambda o: replace(o, races=(_race("output_tokens_buf", (SCHEDULE, "write"), (FORWARD, "read")),)),

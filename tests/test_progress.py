@@ -111,7 +111,7 @@ def test_every_request_finishes_within_the_bound(cell: str, requests: list[tuple
 
 def test_a_scheduler_that_stops_admitting_makes_no_progress(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(Scheduler, "admit_by_budget", lambda self: ([], None))
+    monkeypatch.setattr(Scheduler, "admit_by_budget", lambda self: ([], [], None))
     progress = run_fair("ov-p1-none", [(3, 4)], (1,))
     assert progress.unfinished and progress.iterations == progress.bound
 

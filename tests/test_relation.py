@@ -39,7 +39,7 @@ def new(prompt_len: int = 4, max_new_tokens: int = 3) -> RequestRecord:
 def prefilled(prompt_len: int = 4, max_new_tokens: int = 3) -> RequestRecord:
     """Prefilled and its first token processed: a running request holding KV."""
     req = relation.prepare_for_extend(new(prompt_len, max_new_tokens), PoolRow(1))
-    req = relation.forward_extend(relation.launch(req, S0), S0)
+    req = relation.forward_extend(relation.launch(req, S0), S0, prompt_len)
     return relation.process_result(req, NON_SPEC, S0, "extend", 1, None, (11,))
 
 
@@ -51,10 +51,15 @@ def launched_ghost() -> Ghost:
 VALID_CALLS: list[tuple[str, Any, tuple[Any, ...]]] = [
     ("abort", new(), ()),
     ("prepare_for_extend", new(), (PoolRow(1),)),
+    ("prepare_next_chunk", relation.stash_chunked_request(
+        relation.prepare_for_extend(new(), PoolRow(1), 2)), (4,)),
+    ("stash_chunked_request", relation.prepare_for_extend(new(), PoolRow(1), 2), ()),
+    ("finish_chunked_abort", relation.abort(relation.prepare_for_extend(new(), PoolRow(1), 2)),
+     ()),
     ("prepare_for_decode", prefilled(), (5,)),
     ("prepare_for_decode_spec_v2", prefilled(), (4, 1, True)),
     ("launch", prefilled(), (S1,)),
-    ("forward_extend", relation.launch(prefilled(), S1), (S1,)),
+    ("forward_extend", relation.launch(prefilled(), S1), (S1, 5)),
     ("forward_decode", relation.launch(prefilled(), S1), (S1, 1)),
     ("process_result", relation.launch(prefilled(), S1), (NON_SPEC, S1, "decode", 1, None, (12,))),
     ("release_kv_cache", prefilled(), (NON_SPEC, True)),
@@ -65,7 +70,7 @@ VALID_CALLS: list[tuple[str, Any, tuple[Any, ...]]] = [
     ("ghost_prepare_extend", Ghost(), ()),
     ("ghost_prepare_decode", Ghost(), ()),
     ("ghost_launch", Ghost(), (S0,)),
-    ("ghost_forward_extend", launched_ghost(), (S0, 4)),
+    ("ghost_forward_extend", launched_ghost(), (S0, 4, 4)),
     ("ghost_forward_decode", launched_ghost(), (S0, 2)),
     ("ghost_result", launched_ghost(), (S0, 3, 1, None, False)),
     ("ghost_prebuilt", Ghost(), (4,)),
@@ -104,7 +109,7 @@ BAD_CALLS: list[tuple[str, Callable[[], Any], str]] = [
     ("prepare_for_decode_spec_v2",
      lambda: relation.prepare_for_decode_spec_v2(new(), 4, 1, False), "holds_kv"),
     ("ghost_launch", lambda: relation.launch(relation.launch(prefilled(), S1), S1), "steps"),
-    ("ghost_forward_extend", lambda: relation.forward_extend(prefilled(), S2), "steps"),
+    ("ghost_forward_extend", lambda: relation.forward_extend(prefilled(), S2, 5), "steps"),
     ("ghost_forward_decode", lambda: relation.forward_decode(prefilled(), S2, 1), "steps"),
     ("process_result",
      lambda: relation.process_result(prefilled(), NON_SPEC, S2, "decode", 0, None, (1,)),

@@ -132,8 +132,9 @@ def test_the_spec_chain_and_gpu_impls_closed_form_agree() -> None:
 
 
 def _off_by_one_reference_stash(original: Any) -> Any:
-    def stash(self: Any, reqs: Any, rows: Any, tokens: list[int], *rest: Any) -> Any:
-        return original(self, reqs, rows, [t % 97 + 1 for t in tokens], *rest)
+    def stash(self: Any, reqs: Any, rows: Any, tokens: list[int], *rest: Any,
+              **kwargs: Any) -> Any:
+        return original(self, reqs, rows, [t % 97 + 1 for t in tokens], *rest, **kwargs)
     return stash
 
 

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS as GPU_SUPPORTED_FAULTS
+from overlap_spec.gpu_impl.scheduler import get_chunking_refusal
 from overlap_spec.harness.differential.compare import (
     MIN_COMPARED_OPS,
     MIN_LAUNCHES,
@@ -176,6 +177,10 @@ def cmd_diff(args: argparse.Namespace) -> int:
               f"; supported: {', '.join(sorted(GPU_SUPPORTED_FAULTS))}", file=sys.stderr)
         return 2
     configs = select_configs(args.cells, args.preset, args.sizes)
+    chunked = [config for config in configs if config.preset.chunked_prefill_size]
+    if chunked:
+        print(f"overlap-spec: {get_chunking_refusal(chunked[0])}", file=sys.stderr)
+        return 2
     started = time.perf_counter()
     results = run_differential_tier(configs, profile, args.seed, device, args.quiet,
                                     Path(args.out) if args.out else None, faults)

@@ -98,6 +98,7 @@ SIZE_LIMITS: Final = {
     "kv_tokens": (1, 8192, "the token-to-KV pool size in tokens, whole pages"),
     "max_running_requests": (1, 32, "the request pool's rows"),
     "chain_steps": (1, 7, "the v2 chain's draft steps (draft tokens = steps + 1)"),
+    "chunked_prefill_size": (0, 8192, "prefill chunk tokens, whole pages (0: no chunking)"),
 }
 SIZES_MARK: Final = "["  # a preset with sizes is named like "minimal[kv_tokens=16]"
 
@@ -138,6 +139,10 @@ def check_sizes(config: ModelConfig) -> str | None:
     if config.preset.kv_tokens % page:
         return (f"size 'kv_tokens' is {config.preset.kv_tokens}; cell {config.cell.name} "
                 f"needs whole pages of {page} tokens")
+    if config.preset.chunked_prefill_size % page:
+        return (f"size 'chunked_prefill_size' is {config.preset.chunked_prefill_size}; cell "
+                f"{config.cell.name} needs whole pages of {page} tokens (the release's "
+                "validation_hook asserts it)")
     return None
 
 

@@ -1,0 +1,202 @@
+"""Chunked prefill (``chunked_prefill_size``): the relation's chunk transitions, the
+release's cut rules, the reference run step by step against the release's field table
+(docs/upstream-chunked-prefill.md), the Hypothesis machine with chunking on, and the new
+claims shown able to fail."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import pytest
+
+from overlap_spec.harness.drive.cells import UsageError, check_sizes, make_preset
+from overlap_spec.harness.drive.stateful import check_cell, describe_failure, get_profile
+from overlap_spec.reference.scheduler import Scheduler
+from overlap_spec.spec import relation
+from overlap_spec.spec.config import ModelConfig, get_cell
+from overlap_spec.spec.invariants import INVARIANTS, InvariantViolation
+from overlap_spec.spec.relation import GuardViolation
+from overlap_spec.spec.state import IterationChoices, Observation, ObservationPoint
+from overlap_spec.spec.transitions import (
+    compute_chunk_continuation_end,
+    compute_chunk_first_end,
+)
+from overlap_spec.spec.units import PoolRow, RequestId, StepId, TokenCount
+
+SEED = 20261122
+NON_SPEC = get_cell("ov-p1-none")
+
+
+def chunked(cell: str, size: int = 4, **sizes: int) -> ModelConfig:
+    return ModelConfig(get_cell(cell), make_preset("minimal",
+                                                   {"chunked_prefill_size": size, **sizes}))
+
+
+# --- the relation -------------------------------------------------------------------------
+def test_a_middle_chunk_commits_its_end_and_its_result_only_counts_down() -> None:
+    req = relation.admit(RequestId(3), TokenCount(10), TokenCount(4))
+    req = relation.prepare_for_extend(req, PoolRow(1), 4)
+    assert (req.kv_committed_len, req.kv_allocated_len, req.extend_end) == (4, 4, 4)
+    assert req.inflight_middle_chunks == 1
+    req = relation.forward_extend(relation.launch(req, StepId(0)), StepId(0), 4)
+    req = relation.process_result(req, NON_SPEC, StepId(0), "extend", 1, None, (55,))
+    assert req.inflight_middle_chunks == 0 and req.output_ids == ()
+    assert req.ghost.extend_inflight and req.ghost.output_len_true == 0
+    with pytest.raises(GuardViolation, match="prefix_len"):
+        relation.prepare_next_chunk(req, 8)  # not checkpointed yet
+    req = relation.prepare_next_chunk(relation.stash_chunked_request(req), 10)
+    assert (req.prefix_len, req.extend_end, req.inflight_middle_chunks) == (4, 10, 0)
+    req = relation.forward_extend(relation.launch(req, StepId(1)), StepId(1), 10)
+    req = relation.process_result(req, NON_SPEC, StepId(1), "extend", 1, None, (56,))
+    assert req.output_ids == (56,) and not req.ghost.extend_inflight
+    assert req.ghost.output_len_true == 1 and req.ghost.settled_len == 10
+
+
+def test_the_chunked_abort_needs_a_requested_abort_and_caches_nothing() -> None:
+    req = relation.prepare_for_extend(
+        relation.admit(RequestId(1), TokenCount(9), TokenCount(2)), PoolRow(1), 4)
+    with pytest.raises(GuardViolation, match="to_finish"):
+        relation.finish_chunked_abort(req)
+    req = relation.finish_chunked_abort(relation.abort(req))
+    assert req.finished_reason == "abort" and req.ghost.finished
+    released = relation.release_kv_cache(req, NON_SPEC, False)
+    assert (released.cached_len, released.committed_at_release) == (0, 4)
+
+
+@pytest.mark.parametrize(("fill", "budget", "page", "end"), [
+    (10, None, 1, 10),  # chunking off
+    (4, 4, 1, 4),  # fits whole
+    (10, 4, 1, 4),
+    (10, 4, 4, 4),
+    (10, 7, 4, 4),  # page-floored
+    (3, 4, 4, 3),  # its paged length (4) fits
+    (5, 4, 4, 4),
+    (5, 3, 4, 0),  # no whole page left: OTHER
+])
+def test_a_first_chunk_is_the_budget_page_floored(fill: int, budget: int | None, page: int,
+                                                  end: int) -> None:
+    assert compute_chunk_first_end(fill, budget, page) == end
+
+
+@pytest.mark.parametrize(("prefix", "fill", "budget", "remaining", "end"), [
+    (4, 10, 4, 100, 8),
+    (8, 10, 4, 100, 10),  # the last chunk
+    (4, 10, 4, 3, 7),  # the budget's remaining total binds: not page-floored
+    (4, 10, 4, 0, 8),  # none remaining: the chunk budget all the same
+    (4, 10, 4, -5, 8),
+])
+def test_a_continuing_chunk_takes_the_budget_or_what_remains(
+        prefix: int, fill: int, budget: int, remaining: int, end: int) -> None:
+    assert compute_chunk_continuation_end(prefix, fill, budget, remaining) == end
+
+
+def test_the_chunk_size_is_range_and_page_checked() -> None:
+    with pytest.raises(UsageError, match="chunked_prefill_size"):
+        make_preset("minimal", {"chunked_prefill_size": -1})
+    message = check_sizes(chunked("ov-p4-none", 6))
+    assert message is not None and "whole pages of 4" in message
+    assert check_sizes(chunked("ov-p4-none", 8)) is None
+
+
+# --- the reference, step by step ------------------------------------------------------------
+@contextmanager
+def observed(config: ModelConfig, faults: frozenset[str] = frozenset()
+             ) -> Iterator[tuple[Scheduler, list[Observation]]]:
+    """A reference scheduler whose every observation is checked against every invariant
+    that applies in its cell (the first violation raises)."""
+    seen: list[Observation] = []
+    applying = [inv for inv in INVARIANTS if inv.applies(config.cell)]
+
+    def observe(obs: Observation) -> None:
+        for inv in applying:
+            inv.check(config, obs)
+        seen.append(obs)
+
+    yield Scheduler(config, faults, observe), seen
+
+
+@pytest.mark.parametrize("cell", ["ov-p1-none", "nov-p1-none", "ov-p1-v2chain-cpu-honest",
+                                  "nov-p4-v2chain-cpu-honest"])
+def test_a_prompt_goes_in_chunks_out_of_the_running_batch(cell: str) -> None:
+    """Prompt 10 in chunks of 4 (the release's field table): committed 4, 8, then 10; no
+    output until the last chunk's result; the chunked request in no decode batch."""
+    config = chunked(cell)
+    with observed(config) as (sched, seen):
+        rid = sched.admit(10, 3)
+        committed = []
+        for _ in range(3):
+            sched.run_iteration(IterationChoices())
+            req = sched.requests[rid]
+            committed.append(req.kv_committed_len)
+            if sched.chunked_req is not None:
+                assert req.output_ids == ()
+        assert committed == [4, 8, 10]
+        for _ in range(8):
+            sched.run_iteration(IterationChoices())
+        assert sched.requests[rid].finished_reason == "length"
+        assert len(sched.requests[rid].output_ids) == 3
+    decodes = [obs for obs in seen if obs.point is ObservationPoint.PREPARE_FOR_DECODE]
+    mid_chunk = [obs for obs in seen if obs.chunked_rid == rid]
+    assert decodes and mid_chunk
+    assert all(obs.chunked_rid is None for obs in decodes)
+    assert max(r.inflight_middle_chunks for obs in seen for r in obs.requests) == (
+        2 if config.cell.overlap else 1)
+
+
+def test_an_abort_mid_chunk_waits_for_the_next_step_and_frees_everything() -> None:
+    config = chunked("ov-p1-none")
+    with observed(config) as (sched, _):
+        rid = sched.admit(10, 3)
+        sched.run_iteration(IterationChoices())
+        free_before = sched.get_observable_state().free_pages
+        sched.abort(rid)
+        req = sched.requests[rid]
+        assert not req.finished() and req.holds_kv  # marked, not torn down
+        sched.run_iteration(IterationChoices())
+        assert req.finished_reason == "abort" and not req.holds_kv
+        assert req.cached_len == 0 and sched.chunked_req is None
+        assert sched.get_observable_state().free_pages == free_before + 4
+
+
+# --- the machine with chunking on ---------------------------------------------------------------
+def test_the_reference_holds_every_invariant_with_chunking(tier_cell: str) -> None:
+    """The six default-tier cells (every cell under ``-m slow``) with prompts in chunks of
+    4 (page 4: 8): clean, and KV12 witnessed."""
+    config = chunked(tier_cell, 8 if get_cell(tier_cell).page_size == 4 else 4)
+    result = check_cell(config, get_profile("quick"), SEED)
+    assert result.ok, describe_failure(result)
+    assert result.exercised["KV12"] > 0 and result.exercised["KV11"] > 0
+
+
+def _run_until_violation(config: ModelConfig) -> InvariantViolation:
+    with observed(config) as (sched, _):
+        sched.admit(14, 2)
+        sched.admit(3, 2)
+        with pytest.raises(InvariantViolation) as caught:
+            for _ in range(12):
+                sched.run_iteration(IterationChoices())
+    return caught.value
+
+
+def test_a_continuing_chunk_left_uncounted_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
+    """sgl-project/sglang-jax #971: the counter not bumped for a continuing middle chunk,
+    so with three chunks or more a middle chunk's result is taken for the last one."""
+    original = relation.prepare_next_chunk
+
+    def uncounted(req: relation.RequestRecord, extend_end: int) -> relation.RequestRecord:
+        post = original(req, extend_end)
+        return replace(post, inflight_middle_chunks=req.inflight_middle_chunks)
+
+    monkeypatch.setattr(relation, "prepare_next_chunk", uncounted)
+    violation = _run_until_violation(chunked("nov-p1-none"))
+    assert violation.invariant_id == "RP2", str(violation)  # a token the model never emitted
+
+
+def test_a_chunked_request_merged_into_the_running_batch_is_caught(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """The chunked request left in the merge (no ``reqs_to_exclude``): decoded mid-prompt."""
+    monkeypatch.setattr(Scheduler, "get_merge_exclusions", lambda self, last: set())
+    violation = _run_until_violation(chunked("ov-p1-none"))
+    assert violation.invariant_id == "KV12", str(violation)
