@@ -68,18 +68,31 @@ def grow_to(rt: Runtime, reqs: list[Req], targets: list[int]) -> None:
     rt.req_to_token_pool.write(rows, columns, slots)
 
 
-def alloc_for_extend(rt: Runtime, reqs: list[Req], fill_lens: list[int]) -> None:
-    """A pool row each and pages for ``fill_len`` positions; committed = allocated = fill_len."""
-    for req in reqs:
+def alloc_for_extend(rt: Runtime, reqs: list[Req], ends: list[int],
+                     fill_lens: list[int]) -> None:
+    """A pool row each and pages up to each extend's end (``fill_len``, or a chunk's end);
+    committed = allocated = end. The chunked request's next chunk keeps its row (the
+    release's ``ReqToTokenPool.alloc`` reuses a held one) and backs only the new columns;
+    a chunk short of ``fill_len`` is a middle chunk (``inflight_middle_chunks`` + 1; B18,
+    sglang-jax #971, leaves a continuing one uncounted)."""
+    counted = [True] * len(reqs)
+    for j, req in enumerate(reqs):
+        if req.holds_kv:  # a continuing chunk, from its checkpointed prefix
+            assert req.prefix_len == req.extend_end == req.kv_committed_len, (
+                f"r{req.rid}: the last chunk is not checkpointed")
+            counted[j] = not rt.has_fault("B18")
+            continue
         row = rt.req_to_token_pool.alloc()
         if row is None:
             raise OutOfMemory("no free req_to_token row")
         req.req_pool_idx = row
         req.holds_kv = True
         req.kv_allocated_len = 0
-    grow_to(rt, reqs, fill_lens)
-    for req, fill_len in zip(reqs, fill_lens, strict=True):
-        req.kv_committed_len = fill_len
+    grow_to(rt, reqs, ends)
+    for req, end, fill_len, count in zip(reqs, ends, fill_lens, counted, strict=True):
+        req.kv_committed_len = end
+        req.extend_end = end
+        req.inflight_middle_chunks += end < fill_len and count
 
 
 def alloc_for_decode(rt: Runtime, reqs: list[Req], seq_lens: list[int]) -> None:
@@ -118,6 +131,8 @@ def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
         cached = max(0, min(cached, req.kv_allocated_len))
         cached_pages = compute_pages_for_len(cached, rt.config.page_size)
         req.cached_len = cached
+    elif req.finished():  # a chunked request's abort (checkpoint=False): nothing cached
+        req.cached_len = 0
     # Only the pages the row records, [0, kv_allocated_len), are found and freed (upstream
     # reads them from req_to_token); a page stranded past a shrunk allocation leaks (B12).
     recorded_pages = compute_pages_for_len(req.kv_allocated_len, rt.config.page_size)

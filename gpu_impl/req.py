@@ -65,6 +65,12 @@ class Req:
     cached_len: int | None = None
     spec_verify_ct: int = 0
     spec_num_correct_drafts: int = 0
+    # Chunked prefill (spec.state.RequestRecord): the checkpointed prefix the next chunk
+    # starts from, where the extend scheduled last ends, and the middle chunks launched
+    # with their results unprocessed.
+    prefix_len: int = 0
+    extend_end: int = 0
+    inflight_middle_chunks: int = 0
 
     def finished(self) -> bool:
         return self.finished_reason is not None
@@ -89,3 +95,6 @@ class Req:
         self.kv_committed_len = 0
         self.kv_allocated_len = 0
         self.release_count = 0
+        self.prefix_len = 0
+        self.extend_end = 0
+        self.inflight_middle_chunks = 0

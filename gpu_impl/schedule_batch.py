@@ -56,29 +56,36 @@ class ScheduleBatch:
     spec_extra: dict[str, torch.Tensor] = field(default_factory=dict)
     is_prefill_only: bool = False  # never decoded (reference/schedule_batch.py)
     batch_is_full: bool = False  # admission's latch, while this is the running batch
+    # The chunked request whose middle chunk this prefill carries (init_new's chunked_req).
+    chunked_req: Req | None = None
 
     @classmethod
-    def prepare_for_extend(cls, rt: Runtime, reqs: list[Req]) -> ScheduleBatch:
-        """Prefill: a row and fill_len positions each; every mirror exact, the sum eager.
+    def prepare_for_extend(cls, rt: Runtime, reqs: list[Req],
+                           ends: list[int] | None = None) -> ScheduleBatch:
+        """Prefill: a row and positions up to each extend's end (fill_len, or a chunk's
+        end in ``ends``); every mirror exact, the sum eager.
 
-        Changes per request: req_pool_idx, pages, kv_committed_len = kv_allocated_len =
-        fill_len, is_retracted = waiting = False. Leaves output_ids.
+        Changes per request: req_pool_idx (kept by a continuing chunk), pages,
+        kv_committed_len = kv_allocated_len = extend_end = the end, inflight_middle_chunks
+        (+1 for a chunk short of fill_len), is_retracted = waiting = False. Leaves output_ids.
         """
         streams = rt.streams
-        fill_lens = [compute_fill_len(req.prompt_len, len(req.output_ids)) for req in reqs]
-        alloc_for_extend(rt, reqs, list(fill_lens))
+        fill_lens: list[int] = [compute_fill_len(req.prompt_len, len(req.output_ids))
+                                for req in reqs]
+        lens = list(fill_lens) if ends is None else list(ends)
+        alloc_for_extend(rt, reqs, lens, fill_lens)
         for req in reqs:
             req.is_retracted = False
             req.waiting = False
         rows = [req.req_pool_idx or 0 for req in reqs]
-        seq_lens_cpu = streams.host_tensor(fill_lens)
+        seq_lens_cpu = streams.host_tensor(lens)
         return cls(
             rt=rt,
             reqs=list(reqs),
             forward_mode="extend",
-            seq_lens=streams.device_tensor(fill_lens),  # the pinned H2D upstream does
+            seq_lens=streams.device_tensor(lens),  # the pinned H2D upstream does
             seq_lens_cpu=seq_lens_cpu,
-            seq_lens_sum=sum(fill_lens),
+            seq_lens_sum=sum(lens),
             req_pool_indices=streams.device_tensor(rows),
             req_pool_indices_cpu=streams.host_tensor(rows),
             is_prefill_only=is_prefill_only(rt.config.cell.is_spec,

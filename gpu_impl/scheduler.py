@@ -53,11 +53,14 @@ from overlap_spec.spec.state import IterationChoices, compute_env_token, get_las
 from overlap_spec.spec.transitions import (
     INIT_NEW_TOKEN_RATIO,
     compute_admission,
+    compute_chunk_continuation_end,
+    compute_chunk_first_end,
     compute_committed_after_result,
     compute_committed_run,
     compute_decayed_ratio,
     compute_fill_len,
     compute_output_budget,
+    compute_page_align_up,
     compute_pages_for_len,
     compute_prefill_check_tokens,
     compute_prefill_reserved_tokens,
@@ -75,14 +78,6 @@ SUPPORTED_FAULTS = frozenset(BUG_IDS)
 # The isolation snapshot of _forward_isolation: spec restores these fields after launch.
 ISOLATED_FIELDS = ("forward_mode", "seq_lens", "seq_lens_cpu", "seq_lens_sum", "input_ids",
                    "future_indices", "seq_len_cpu_ub")
-
-
-def get_chunking_refusal(config: ModelConfig) -> str:
-    """Why gpu_impl cannot run ``config``: it has no chunked prefill yet (the reference
-    has; README, coverage)."""
-    return (f"gpu_impl does not model chunked prefill (chunked_prefill_size="
-            f"{config.preset.chunked_prefill_size} in {config.name}); the reference does, "
-            "so the differential cannot compare it: leave chunked_prefill_size out of --sizes")
 
 
 @dataclass
@@ -123,8 +118,6 @@ class Scheduler:
             raise ValueError(f"unknown fault IDs {sorted(unknown)}; gpu_impl supports "
                              f"{sorted(SUPPORTED_FAULTS)}")
         del observer  # see the module header: gpu_impl emits no spec Observations
-        if config.preset.chunked_prefill_size:
-            raise ValueError(get_chunking_refusal(config))
         self.config = config
         self.streams = streams if streams is not None else Streams(
             device if device is not None else torch.device("cpu"))
@@ -152,6 +145,11 @@ class Scheduler:
         self.num_correct_drafts = 0
         self.metrics_batch_size = 0
         self.ratio = INIT_NEW_TOKEN_RATIO  # NewTokenRatioTracker.current
+        # Chunked prefill (preset chunked_prefill_size > 0): the one request whose prompt is
+        # being prefilled in chunks, out of the running batch until its last chunk, and an
+        # abort of it, applied at the top of the next step (process_pending_chunked_abort).
+        self.chunked_req: Req | None = None
+        self.pending_chunked_abort: Req | None = None
 
     # ------------------------------------------------------------------ interface
     def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False) -> RequestId:
@@ -181,6 +179,9 @@ class Scheduler:
         req = self.requests.get(rid)
         if req is None or req.finished():
             return
+        if req is self.chunked_req:
+            # abort_request only marks it; the teardown waits for the next step's top.
+            self.pending_chunked_abort = req
         if not req.waiting:
             req.to_finish = "abort"
             return
@@ -222,9 +223,11 @@ class Scheduler:
         self.cur_batch = None
 
     def _reset_ratio_if_idle(self) -> None:
-        """``on_idle`` past its fully-idle gate resets the new-token ratio."""
+        """``on_idle`` past its fully-idle gate (nothing chunked either) resets the
+        new-token ratio."""
         busy = [b for b in (self.running_batch, self.last_batch) if b is not None and b.reqs]
-        if not busy and not self.result_queue and not self.waiting_queue:
+        if (not busy and not self.result_queue and not self.waiting_queue
+                and self.chunked_req is None):
             self.ratio = INIT_NEW_TOKEN_RATIO
 
     def get_request_ids(self) -> tuple[RequestId, ...]:
@@ -273,10 +276,18 @@ class Scheduler:
     # ------------------------------------------------------------------ scheduling
     def get_next_batch_to_run(self, choices: IterationChoices) -> ScheduleBatch | None:
         self.process_prebuilt()
+        self.process_pending_chunked_abort()
+        chunked = self.chunked_req
+        if chunked is not None and chunked.extend_end > chunked.prefix_len:
+            # stash_chunked_request: the chunk scheduled last is the next one's prefix.
+            chunked.prefix_len = chunked.extend_end
         last = self.last_batch
         if last is not None and last.forward_mode == "extend":
             size = len(last.reqs)
-            last.filter_batch()
+            excluded = self.get_merge_exclusions(last)
+            last.filter_batch([j for j, req in enumerate(last.reqs)
+                               if not req.finished() and id(req) not in excluded])
+            last.chunked_req = None  # what is left of it joins the running batch
             if self.running_batch is not None and len(last.reqs) != size:
                 self.running_batch.batch_is_full = False  # a request left
             if not last.is_empty():
@@ -349,51 +360,108 @@ class Scheduler:
             batch.future_indices = rows
         self._merge_into_running(batch)
 
+    def get_merge_exclusions(self, last: ScheduleBatch) -> set[int]:
+        """``reqs_to_exclude``: the chunked request, and the one the last prefill carried a
+        middle chunk of, stay out of the running batch (ids of their ``Req``)."""
+        return {id(req) for req in (self.chunked_req, last.chunked_req) if req is not None}
+
+    def process_pending_chunked_abort(self) -> None:
+        """``process_pending_chunked_abort``: the chunked request an abort marked finishes
+        "abort" now and its KV is released without caching it (``checkpoint=False``); a
+        chunk still in flight drains through the result's chunked branch."""
+        req, self.pending_chunked_abort = self.pending_chunked_abort, None
+        if req is None or req is not self.chunked_req:
+            return
+        self.chunked_req = None
+        assert req.to_finish == "abort" and not req.finished(), f"r{req.rid}: no abort marked"
+        req.finished_reason, req.to_finish = "abort", None
+        release_kv_cache(self.rt, req, is_insert=False)
+
     def get_new_batch_prefill(self) -> ScheduleBatch | None:
-        """``PrefillAdder`` over the waiting queue (FCFS, no skipping): the batch of what it
-        admitted, or None; ``batch_is_full`` latched when it ran out of rows or budget."""
+        """``PrefillAdder``: the chunked request's next chunk first, then the waiting queue
+        (FCFS, no skipping): the batch of what it admitted, or None; ``batch_is_full``
+        latched when it ran out of rows or budget. The one request whose chunk stops short
+        of its fill becomes the chunked request (and the batch's ``chunked_req``)."""
         running = self.running_batch
         if running is not None and running.is_empty():
             running.batch_is_full = False
         full = running is not None and running.batch_is_full
         queue = [r for r in self.waiting_queue if not r.prebuilt]
-        if full or not queue:
+        continued = self.chunked_req
+        if continued is None and (full or not queue):
             return None
         members = running.reqs if running is not None else []
         slots = min(self.config.preset.max_running_requests - len(members),
-                    len(self.rt.req_to_token_pool.free_slots))
-        chosen, full = self._add_requests(queue, members, slots)
-        if running is not None:
-            running.batch_is_full = full
+                    len(self.rt.req_to_token_pool.free_slots) + (continued is not None))
+        chosen, ends, latch = self._add_requests([] if full else queue, members, slots,
+                                                 continued)
+        if running is not None and latch:
+            running.batch_is_full = True
         for req in chosen:
-            self.waiting_queue.remove(req)
-        return ScheduleBatch.prepare_for_extend(self.rt, chosen) if chosen else None
+            if req is not continued:
+                self.waiting_queue.remove(req)
+        if not chosen:
+            return None
+        self.chunked_req = next((req for req, end in zip(chosen, ends, strict=True) if end
+                                 < compute_fill_len(req.prompt_len, len(req.output_ids))), None)
+        batch = ScheduleBatch.prepare_for_extend(self.rt, chosen, ends)
+        batch.chunked_req = self.chunked_req
+        return batch
 
-    def _add_requests(self, queue: list[Req], members: list[Req], slots: int
-                      ) -> tuple[list[Req], bool]:
-        """(admitted, latch): ``add_one_req`` until one does not fit or nothing is left."""
-        if slots <= 0:
-            return [], True
+    def _add_requests(self, queue: list[Req], members: list[Req], slots: int,
+                      continued: Req | None) -> tuple[list[Req], list[int], bool]:
+        """(admitted, each one's extend end, latch): ``add_chunked_req`` for the chunked
+        request, then ``add_one_req`` until one does not fit or nothing is left.
+
+        With ``chunked_prefill_size`` each admission also spends the step's chunk budget
+        (page-ceiled); a prompt that does not fit what is left is cut to its page-floored
+        rest and reserves no ``max_new_tokens``; a spent budget stops without the latch."""
         page = self.config.page_size
         budget = PrefillBudget(get_available_pages(self.rt) * page)
         budget.total_offset += sum([
             compute_running_token_offset(r.max_new_tokens, len(r.output_ids), self.ratio)
             for r in members])
+        chunk = self.config.preset.chunked_prefill_size or None  # rem_chunk_tokens
         admitted: list[Req] = []
+        ends: list[int] = []
+        if continued is not None:
+            assert chunk is not None
+            fill = compute_fill_len(continued.prompt_len, len(continued.output_ids))
+            end = compute_chunk_continuation_end(continued.prefix_len, fill, chunk,
+                                                 int(budget.available - budget.total_offset))
+            paged = compute_page_align_up(end - continued.prefix_len, page)
+            budget.reserve(paged + page + (continued.max_new_tokens if end == fill else 0),
+                           paged + page)
+            chunk -= paged
+            admitted.append(continued)
+            ends.append(end)
+        if slots <= 0:
+            return admitted, ends, continued is None
         for req in queue:
-            if len(admitted) == slots:
-                return admitted, True
+            if chunk is not None and chunk <= 0 and budget.has_capacity():
+                return admitted, ends, False  # OTHER: the step's chunk budget is spent
+            if len(admitted) >= slots:
+                return admitted, ends, True
             out = len(req.output_ids)
             fill = compute_fill_len(req.prompt_len, out)
             if not budget.admits(compute_prefill_check_tokens(fill, req.max_new_tokens, out,
                                                               page)):
-                return admitted, bool(admitted or members)  # NO_TOKEN
+                return admitted, ends, bool(admitted or members)  # NO_TOKEN
+            end = compute_chunk_first_end(fill, chunk, page)
+            if end <= 0:
+                return admitted, ends, False  # OTHER: no whole page of the chunk budget
             admitted.append(req)
-            budget.reserve(compute_prefill_reserved_tokens(fill, req.max_new_tokens, page),
-                           compute_pages_for_len(fill, page) * page + page)
+            ends.append(end)
+            budget.reserve(compute_prefill_reserved_tokens(
+                end, req.max_new_tokens if end == fill else 0, page),
+                compute_pages_for_len(end, page) * page + page)
+            if chunk is not None:
+                chunk -= compute_page_align_up(end, page)
             if not budget.has_capacity():
-                return admitted, True
-        return admitted, False
+                return admitted, ends, True
+            if chunk is not None and chunk <= 0:
+                return admitted, ends, False
+        return admitted, ends, False
 
     def update_running_batch(self, batch: ScheduleBatch, forced_retracts: int) -> bool:
         """False: no decode this step (only requests the queued result finishes by
@@ -605,6 +673,14 @@ class Scheduler:
         counted = [0, 0]  # correct drafts, batch size
         for j, req in enumerate(batch.reqs):
             accept, eos_at = accept_lens[j], result.eos_at[j]
+            if not is_decode and req.inflight_middle_chunks > 0 and not req.is_retracted:
+                # A middle chunk (process_batch_result_prefill's chunked branch): one off
+                # the counter; no token, no finish check, no commit.
+                req.inflight_middle_chunks -= 1
+                if rt.has_fault("B4") or not (req.finished() or req.is_retracted):
+                    counted[0] += accept - 1
+                    counted[1] += 1
+                continue
             was_finished = req.finished()
             stale = was_finished or req.is_retracted
             run_len = compute_run_len(accept, compute_output_budget(

@@ -7,8 +7,9 @@ Upstream: ``model_executor/forward_batch_info.py`` (``ForwardBatch.init_new``),
 
 Everything here runs on the forward stream (the schedule stream without overlap). The
 worker writes the KV cache exactly where the real model would, through ``req_to_token``
-gathers at the positions the reference worker writes (prefill ``[0, fill_len)``; non-spec
-decode ``seq_len - 1``; spec draft ``[s, s + topk * steps)`` and verify ``[s, s + D_tok)``).
+gathers at the positions the reference worker writes (prefill ``[prefix_len, end)``,
+``[0, fill_len)`` unless a chunk continues; non-spec decode ``seq_len - 1``; spec draft
+``[s, s + topk * steps)`` and verify ``[s, s + D_tok)``).
 A write through a -1 entry, past ``kv_allocated_len`` or into a page another request owns
 is masked into the trash slot and counted as a kv_write_fault, all with tensor ops; a
 request that holds no pool row counts one fault per write, as in the reference.
@@ -194,8 +195,15 @@ class ModelWorker:
         rt = self.rt
         fb = ForwardBatch.init_new(rt, batch, "extend")
         assert fb.seq_lens_cpu is not None, "a prefill always carries its host lengths"
-        widest = max(rt.streams.to_list(fb.seq_lens_cpu, "extend width"))
-        faults = self._write_kv(fb, inputs, self._fill(fb, 0), fb.seq_lens, widest)
+        ends = rt.streams.to_list(fb.seq_lens_cpu, "extend width")
+        prefixes = [req.prefix_len for req in batch.reqs]
+        # The chunk, [prefix_len, end): all of it from 0 unless a chunk continues.
+        widest = max(end - prefix for end, prefix in zip(ends, prefixes, strict=True))
+        if any(prefixes):
+            starts = rt.streams.device_tensor(prefixes, rt.forward_stream)
+            faults = self._write_kv(fb, inputs, starts, fb.seq_lens - starts, widest)
+        else:
+            faults = self._write_kv(fb, inputs, self._fill(fb, 0), fb.seq_lens, widest)
         eos_at = [choices.get_eos_index(j, 1) for j in range(len(batch.reqs))]
         tokens = self._sample(batch, inputs, fb.seq_lens, 1, eos_at)  # at fill_len
         if not rt.config.cell.is_spec or rt.config.cell.early_fence:

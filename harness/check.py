@@ -30,7 +30,7 @@ from overlap_spec.harness.differential.tier import (
     render_differential,
     run_differential_tier,
 )
-from overlap_spec.harness.drive.cells import CONFIG_WIDTH, select_configs
+from overlap_spec.harness.drive.cells import CONFIG_WIDTH, get_fault_sizes, select_configs
 from overlap_spec.harness.drive.stateful import (
     CellResult,
     CellTask,
@@ -56,7 +56,7 @@ from overlap_spec.spec.config import ModelConfig
 def cmd_check(args: argparse.Namespace) -> int:
     profile = get_profile(args.profile)
     faults = get_faults_and_check_jobs(args)
-    configs = select_configs(args.cells, args.preset)
+    configs = select_configs(args.cells, args.preset, get_fault_sizes(None, faults))
     run = _Run(args, profile, faults, configs, CheckReport(args.seed, profile.name))
     started = time.perf_counter()
     tiers = (("hypothesis", _hypothesis_tier), ("differential", _differential_tier),

@@ -21,7 +21,7 @@ from overlap_spec.harness.conformance.cli import (
     run_upstream_check,
     upstream_tier_report,
 )
-from overlap_spec.harness.drive.cells import format_sizes, select_configs
+from overlap_spec.harness.drive.cells import format_sizes, get_fault_sizes, select_configs
 from overlap_spec.harness.drive.stateful import get_profile
 from overlap_spec.harness.pool import catching_interrupts, raise_if_interrupted
 from overlap_spec.harness.report import (
@@ -41,7 +41,7 @@ def cmd_review(args: argparse.Namespace) -> int:
     if args.sglang_src is not None and faults:
         raise UsageError("--faults switches bugs on in the reference; it does not apply to "
                          "--sglang-src")
-    configs = select_configs(args.cells, "minimal", args.sizes)
+    configs = select_configs(args.cells, "minimal", get_fault_sizes(args.sizes, faults))
     report = CheckReport(args.seed, profile.name)
     started = time.perf_counter()
     try:

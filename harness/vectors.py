@@ -24,7 +24,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from overlap_spec.harness.drive.cells import DEFAULT_SEED, UsageError
+from overlap_spec.harness.drive.cells import (
+    DEFAULT_SEED,
+    SIZE_LIMITS,
+    SIZES_MARK,
+    UsageError,
+    make_preset,
+)
 from overlap_spec.harness.drive.checker import InvariantChecker
 from overlap_spec.harness.drive.generate import generate_random_ops
 from overlap_spec.harness.drive.script import (
@@ -151,10 +157,11 @@ def generate_vectors(directory: Path, seed: int = DEFAULT_SEED, scripts_per_cell
         for bug in BUGS:
             if not bug.applies(cell):
                 continue
+            sized = ModelConfig(cell, make_preset(preset, dict(bug.sizes)))  # B18: chunks
             for _ in range(fault_tries):
                 script = Script(cell.name, preset,
-                                generate_random_ops(config, rng, ops_per_script + 4),
-                                (bug.id,))
+                                generate_random_ops(sized, rng, ops_per_script + 4),
+                                (bug.id,), sizes=dict(bug.sizes))
                 run = record_script(script, snapshots=False)
                 if run.violation is not None and run.failed_at is not None:
                     emit(build_vector(script, run.failed_at, run,
@@ -192,8 +199,11 @@ def check_vector(vector: dict[str, Any], file: str) -> VectorFailure | None:
     ops = [op_from_json(op, i) for i, op in enumerate([*vector["prefix"],
                                                         _op_of(vector["events"])])]
     step = len(ops) - 1
-    script = Script(vector["cell"]["name"], vector["preset"]["name"], ops,
-                    tuple(vector["faults"]))
+    base = str(vector["preset"]["name"]).split(SIZES_MARK, 1)[0]
+    sizes = {name: vector["preset"][name] for name in SIZE_LIMITS
+             if name in vector["preset"] and base in PRESETS
+             and vector["preset"][name] != getattr(PRESETS[base], name)}
+    script = Script(vector["cell"]["name"], base, ops, tuple(vector["faults"]), sizes=sizes)
     check_op_ranges(script.get_config(), ops)
     run = record_script(script, snapshots=False)
     again = build_vector(script, step, run, vector["name"])
@@ -284,7 +294,7 @@ Keys of a vector:
 - `preset`, `derived`: sizes: `max_running_requests` (req_to_token rows),
   `kv_tokens`, the draft shape; `derived` holds `draft_tokens` (D_tok),
   `alloc_len_per_decode` (A), `lag_bound`, `row_width`.
-- `faults`: historical bugs switched on (B1..B17); empty for a correct design.
+- `faults`: historical bugs switched on (B1..B18); empty for a correct design.
 - `prefix`: the operations from an empty scheduler to the pre state (the same
   objects as the `op` event).
 - `pre`: the state at the last observation point before the operation, or null.

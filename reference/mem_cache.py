@@ -57,7 +57,7 @@ def alloc_for_extend(rt: Runtime, req: Req, extend_end: int | None = None) -> No
     if req.holds_kv:
         assert extend_end is not None, "a continuing chunk needs its end"
         allocated = req.kv_allocated_len
-        req.apply(relation.prepare_next_chunk, extend_end)
+        req.apply(relation.prepare_next_chunk, extend_end, rt.faults)
         back_columns(rt, req, allocated, "alloc_for_extend")
         return
     row = rt.req_to_token.alloc()

@@ -189,10 +189,11 @@ class Scheduler:
                                 launched_this_iteration=launched)
 
     def on_idle(self) -> None:
-        """``Scheduler.on_idle``: once nothing runs, waits or is in flight, the new-token
-        ratio starts over."""
+        """``Scheduler.on_idle``: once nothing runs, waits, is in flight or is being chunked
+        (``is_fully_idle``), the new-token ratio starts over."""
         if (all(b is None or b.is_empty() for b in (self.running_batch, self.last_batch))
-                and not self.result_queue and not self.waiting_queue):
+                and not self.result_queue and not self.waiting_queue
+                and self.chunked_req is None):
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 
     def get_request_ids(self) -> tuple[RequestId, ...]:

@@ -1,6 +1,6 @@
-"""The historical bugs B1-B17 (digest section 5; B16 is the reserve upstream fixed in
-#26354, B17 what the upstream tier found the release doing), each a mutant the checkers
-must kill.
+"""The historical bugs B1-B18 (digest section 5; B16 is the reserve upstream fixed in
+#26354, B17 what the upstream tier found the release doing, B18 a chunked-prefill counter
+bug of the JAX port), each a mutant the checkers must kill.
 
 Each entry names the upstream PRs, the trigger, the invariants the digest says it
 breaks and the cells where the trigger can occur. An implementation re-introduces
@@ -36,6 +36,9 @@ class Bug:
     current_upstream: str = ""
     # Non-empty when the Z3 model cannot express the trigger: its column is n/a, saying why.
     not_in_z3: str = ""
+    # Sizes the trigger needs in place of the preset's (chunked prefill for B18): every
+    # column runs the mutant at them.
+    sizes: tuple[tuple[str, int], ...] = ()
 
 
 BUGS: Final[tuple[Bug, ...]] = (
@@ -167,6 +170,16 @@ BUGS: Final[tuple[Bug, ...]] = (
         current_upstream="every spec cell: schedule_batch.py:2011 Req.update_finish_state "
                          "(findings U5, U6)",
         not_in_z3="aborts are not among the BMC's choices (proofs/bmc.py)"),
+    Bug("B18", "a continuing middle chunk left uncounted",
+        "sgl-project/sglang-jax #971 (merged 2026-04-27; the JAX port of the scheduler)",
+        "a prompt of three chunks or more: the next chunk, itself a middle one, is scheduled "
+        "without bumping inflight_middle_chunks, so its result is taken for the last chunk's: "
+        "a token the model never emitted is appended and the finish state updated while the "
+        "prompt is still being prefilled",
+        "add_chunked_req's continuing middle chunk is not counted", ("RP2",),
+        lambda cell: True,
+        not_in_z3="the Z3 model and BMC have no chunked prefill (proofs/model.py)",
+        sizes=(("chunked_prefill_size", 4),)),
 )
 
 BUG_IDS: Final = tuple(bug.id for bug in BUGS)

@@ -300,10 +300,12 @@ def prepare_for_extend(req: RequestRecord, row: PoolRow,
 
 
 @transition("kv_allocated_len", "kv_committed_len", "extend_end", "inflight_middle_chunks")
-def prepare_next_chunk(req: RequestRecord, extend_end: int) -> RequestRecord:
+def prepare_next_chunk(req: RequestRecord, extend_end: int,
+                       faults: frozenset[str] = NO_FAULTS) -> RequestRecord:
     """``PrefillAdder.add_chunked_req`` then ``alloc_for_extend``: the chunked request's next
     chunk, in the row it kept, from its checkpointed ``prefix_len`` to ``extend_end``;
-    committed = allocated = ``extend_end``, counted as a middle chunk unless it ends the fill."""
+    committed = allocated = ``extend_end``, counted as a middle chunk unless it ends the fill
+    (B18: not counted, sglang-jax #971)."""
     name = "prepare_next_chunk"
     _require_decodable(name, req)
     fill_len = compute_fill_len(req.prompt_len, req.output_len)
@@ -314,7 +316,8 @@ def prepare_next_chunk(req: RequestRecord, extend_end: int) -> RequestRecord:
             f"chunk end {extend_end} outside {req.prefix_len + 1}..{fill_len}")
     return replace(req, kv_allocated_len=extend_end, kv_committed_len=extend_end,
                    extend_end=extend_end,
-                   inflight_middle_chunks=req.inflight_middle_chunks + (extend_end < fill_len))
+                   inflight_middle_chunks=req.inflight_middle_chunks + (
+                       extend_end < fill_len and "B18" not in faults))
 
 
 @transition("prefix_len")
@@ -395,7 +398,8 @@ def is_stale(req: RequestRecord) -> bool:
 
 
 @transition("output_ids", "kv_committed_len", "finished_reason", "spec_verify_ct",
-            "spec_num_correct_drafts", "inflight_middle_chunks", "ghost.inflight_steps",
+            "spec_num_correct_drafts", "inflight_middle_chunks", "prefix_len",
+            "ghost.inflight_steps",
             "ghost.extend_inflight",
             "ghost.steps", "ghost.settled_len", "ghost.output_len_true", "ghost.finished",
             "ghost.finish_reason", "ghost.verify_ct", "ghost.correct_drafts")
@@ -411,6 +415,7 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
     and updates the finish state; a stale row only settles its pre-claim. The release of a
     finished request is :func:`release_kv_cache`, next.
 
+    A prefill's live row that does not finish checkpoints (``prefix_len := extend_end``).
     A middle chunk's row (``inflight_middle_chunks`` > 0 at an extend result, retracted
     or not finished) only takes one off the counter: no token, no finish check, no commit
     (``process_batch_result_prefill``'s chunked branch); its sampled token is thrown away.
@@ -455,7 +460,10 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
                     spec_num_correct_drafts=req.spec_num_correct_drafts
                     + (accept_len - 1 if verified else 0))
     hit_eos = eos_at is not None and eos_at < run_len
-    return replace(grown, finished_reason=compute_finished_reason(grown, hit_eos))
+    reason = compute_finished_reason(grown, hit_eos)
+    if not decode and reason is None:  # checkpoint_kv_cache: the prefill is the prefix now
+        grown = replace(grown, prefix_len=req.extend_end)
+    return replace(grown, finished_reason=reason)
 
 
 @transition("release_count", "holds_kv", "req_pool_idx", "kv_allocated_len", "cached_len",

@@ -1,7 +1,7 @@
 """Chunked prefill (``chunked_prefill_size``): the relation's chunk transitions, the
 release's cut rules, the reference run step by step against the release's field table
-(docs/upstream-chunked-prefill.md), the Hypothesis machine with chunking on, and the new
-claims shown able to fail."""
+(docs/upstream-chunked-prefill.md), the Hypothesis machine with chunking on, the new
+claims shown able to fail, and gpu_impl differential-tested against the reference with it."""
 
 from __future__ import annotations
 
@@ -185,8 +185,9 @@ def test_a_continuing_chunk_left_uncounted_is_caught(monkeypatch: pytest.MonkeyP
     so with three chunks or more a middle chunk's result is taken for the last one."""
     original = relation.prepare_next_chunk
 
-    def uncounted(req: relation.RequestRecord, extend_end: int) -> relation.RequestRecord:
-        post = original(req, extend_end)
+    def uncounted(req: relation.RequestRecord, extend_end: int,
+                  faults: frozenset[str] = frozenset()) -> relation.RequestRecord:
+        post = original(req, extend_end, faults)
         return replace(post, inflight_middle_chunks=req.inflight_middle_chunks)
 
     monkeypatch.setattr(relation, "prepare_next_chunk", uncounted)
@@ -200,3 +201,19 @@ def test_a_chunked_request_merged_into_the_running_batch_is_caught(
     monkeypatch.setattr(Scheduler, "get_merge_exclusions", lambda self, last: set())
     violation = _run_until_violation(chunked("ov-p1-none"))
     assert violation.invariant_id == "KV12", str(violation)
+
+
+# --- gpu_impl against the reference with chunking on -------------------------------------------
+def test_gpu_impl_agrees_with_the_reference_with_chunking(tier_cell: str) -> None:
+    """The differential (``overlap-spec diff --sizes chunked_prefill_size=4``) in the six
+    default-tier cells (every cell under ``-m slow``): gpu_impl's chunks, kept row, merge
+    exclusions, middle-chunk results and deferred abort agree with the reference after
+    every operation, with no race."""
+    from overlap_spec.harness.differential.compare import check_cell_differential
+
+    result = check_cell_differential(chunked(tier_cell), get_profile("quick"), SEED,
+                                     max_examples=12, top_up=True)
+    assert result.error is None, f"crash: {result.error!r}"
+    assert result.failure is None, (
+        f"{result.failure.outcome.describe()}\nscript: {result.failure.script.ops}")
+    assert result.compared_ops > 0 and result.launches > 0

@@ -122,7 +122,7 @@ FAST_KILLS = [
     ("B11", "ov-p1-v2tree-cpu-honest"), ("B12", "nov-p1-v2chain-cpu-honest-rungreserve"),
     ("B13", "ov-p1-v2tree-nocpu-preclaim"), ("B14", "ov-p1-v2tree-nocpu-honest"),
     ("B15", "ov-p1-v2tree-nocpu-honest"), ("B16", "ov-p1-v2chain-cpu-honest"),
-    ("B17", "nov-p1-v2chain-cpu-honest"),
+    ("B17", "nov-p1-v2chain-cpu-honest"), ("B18", "nov-p1-v2tree-cpu-honest"),
 ]
 
 
@@ -133,13 +133,14 @@ def _config(cell: str) -> ModelConfig:
 # Fast kills whose counterexample has one request, searched over the one-request alphabet
 # (--requests 1): the same depth, about half the states (B16: 4,953 instead of 9,864, 18 s
 # instead of 27 s on 2026-11-27). The kill matrix searches them with two.
-ONE_REQUEST_FAST_KILLS = {("B16", "ov-p1-v2chain-cpu-honest")}
+ONE_REQUEST_FAST_KILLS = {("B16", "ov-p1-v2chain-cpu-honest"), ("B18", "nov-p1-v2tree-cpu-honest")}
 
 
 def _assert_killed(bug_id: str, cell: str, out: Path, requests: int = 2) -> None:
     search = DEEPER_KILLS.get((bug_id, cell),
                               Search(get_default_depth(get_cell(cell)), requests))
-    config = ModelConfig(get_cell(cell), make_preset("minimal", dict(search.sizes)))
+    config = ModelConfig(get_cell(cell), make_preset(
+        "minimal", {**dict(get_bug(bug_id).sizes), **dict(search.sizes)}))
     depth, requests = search.depth, search.requests
     report = run_exhaust_task(ExhaustTask(config, depth, frozenset({bug_id}), out, requests,
                                           search.scope))
@@ -257,11 +258,17 @@ def test_one_request_narrows_the_alphabet_and_the_search() -> None:
         get_alphabet(config, 3)
 
 
+# B18's counterexample is one request of three chunks; over the two-request alphabet the
+# spec overlap cells took 60 to 150 s each (29 cells: 672 s with 2 workers, 2026-11-27), so
+# the matrix searches it with one, as the fast subset does B16.
+ONE_REQUEST_BUGS = {"B18"}
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("bug_id", "cell"), KILL_PAIRS, ids=[f"{b}-{c}" for b, c in KILL_PAIRS])
 def test_every_bug_is_killed_in_every_applicable_cell(bug_id: str, cell: str,
                                                       tmp_path: Path) -> None:
-    _assert_killed(bug_id, cell, tmp_path)
+    _assert_killed(bug_id, cell, tmp_path, 1 if bug_id in ONE_REQUEST_BUGS else 2)
 
 
 def test_default_depths() -> None:

@@ -23,6 +23,7 @@ from overlap_spec.harness.conformance.findings import (
     match_finding,
 )
 from overlap_spec.harness.conformance.tier import UpstreamChecker, explain, get_differences
+from overlap_spec.harness.drive.cells import make_preset
 from overlap_spec.spec.config import (
     MINIMAL,
     ModelConfig,
@@ -34,7 +35,7 @@ from overlap_spec.spec.interface import BatchState, ObservableState, RequestStat
 from overlap_spec.spec.invariants import INVARIANT_IDS, InvariantViolation
 from overlap_spec.spec.units import RequestId
 from overlap_spec.upstream.bootstrap import UpstreamUnavailable
-from overlap_spec.upstream.session import check_no_chunking, is_drivable
+from overlap_spec.upstream.session import configure_chunking, is_drivable
 from overlap_spec.upstream.standins import STAND_INS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -292,18 +293,38 @@ def test_the_upstream_environment_is_looked_for_at_the_repository_root() -> None
     assert (REPO_ROOT / "pyproject.toml").is_file() and (REPO_ROOT / "upstream").is_dir()
 
 
-def test_a_release_that_would_chunk_or_mix_is_refused_not_driven() -> None:
-    """The model has no chunked prefill and no mixed batch: a driven release that could
-    split a prompt the preset draws, or mix decodes into a prefill, is not compared."""
+def test_the_release_chunks_at_the_presets_size_and_never_mixes() -> None:
+    """chunked_prefill_size 0: a release that could split a prompt the preset draws is not
+    compared; > 0: the built scheduler chunks at the preset's size (ServerArgs alone is
+    resolved again from the memory tier). A mixed chunk is refused either way."""
+
+    def release(chunk: int | None, mixed: bool = False) -> SimpleNamespace:
+        return SimpleNamespace(chunked_prefill_size=chunk, is_mixed_chunk=mixed,
+                               dynamic_chunk_sizer=None, truncation_align_size=None)
+
     config = ModelConfig(get_cell("ov-p1-none"), MINIMAL)
     longest = MINIMAL.max_context_len - 1
     for chunk in (None, 4096, longest + 1):  # 0.5.23 resolves 4096 here
-        check_no_chunking(config, SimpleNamespace(chunked_prefill_size=chunk,
-                                                  is_mixed_chunk=False))
+        sched = release(chunk)
+        configure_chunking(config, sched)
+        assert sched.chunked_prefill_size == chunk
     for chunk, mixed in ((longest, False), (4, False), (4096, True)):
         with pytest.raises(UpstreamUnavailable, match="chunk"):
-            check_no_chunking(config, SimpleNamespace(chunked_prefill_size=chunk,
-                                                      is_mixed_chunk=mixed))
+            configure_chunking(config, release(chunk, mixed))
+    chunked = ModelConfig(get_cell("ov-p4-none"), make_preset("minimal",
+                                                              {"chunked_prefill_size": 4}))
+    sched = release(4096)
+    configure_chunking(chunked, sched)
+    assert sched.chunked_prefill_size == 4
+    with pytest.raises(UpstreamUnavailable, match="mix"):
+        configure_chunking(chunked, release(4096, mixed=True))
+    with pytest.raises(UpstreamUnavailable, match="dynamically"):
+        configure_chunking(chunked, SimpleNamespace(
+            chunked_prefill_size=4096, is_mixed_chunk=False, dynamic_chunk_sizer=object()))
+    unaligned = ModelConfig(get_cell("ov-p4-none"), make_preset("minimal",
+                                                                {"chunked_prefill_size": 6}))
+    with pytest.raises(UpstreamUnavailable, match="page"):
+        configure_chunking(unaligned, release(4096))
 
 
 def test_accept_counters_that_differ_are_explained_by_nothing() -> None:

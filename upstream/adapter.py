@@ -18,6 +18,9 @@ output_len                    ``len(req.output_ids_through_stop)``: the visible 
 kv_committed/allocated_len    ``req.kv.kv_committed_len`` / ``req.kv.kv_allocated_len``
 req_pool_idx, holds_kv        ``req.kv.req_pool_idx``, ``req.kv.holds_kv``
 finished, is_retracted        ``req.finished()``, ``req.is_retracted``
+prefix_len, extend_end,       ``req.prefix_len``, ``req.extend_end`` (None: 0),
+inflight_middle_chunks        ``req.inflight_middle_chunks`` (chunked prefill)
+Observation.chunked_rid       ``Scheduler.chunked_req``
 waiting                       ``req`` in ``Scheduler.waiting_queue``
 row_slots                     ``req_to_token[row, 0:kv_allocated_len]``
 owned_pages                   pages of those slots (upstream keeps no owner table; a page
@@ -148,8 +151,13 @@ class UpstreamScheduler:
         # iteration (is_disable_overlap_for_batch said so): the differential gives the
         # reference the same choice.
         self.processed_early = False
-        # PrefillAdder's inputs, read when get_new_batch_prefill starts (KV11).
+        # PrefillAdder's inputs, read when get_new_batch_prefill starts (KV11), and the
+        # chunked request it continues first (its Req and prefix_len then), if any.
         self.admission: AdmissionView | None = None
+        self.continued: tuple[Any, int] | None = None
+        # The requests of the prefill being prepared that already held KV: a continuing
+        # chunk (prepare_next_chunk in the spec, which leaves the ghost alone).
+        self.holding_before_extend: set[int] = set()
         # The relay rows: stashes since the last gather, who stashed and who published last
         # (request, epoch), and what the next launch gathered (FM4, FM5).
         self.stashes: dict[int, int] = {}
@@ -157,6 +165,9 @@ class UpstreamScheduler:
         self.published_by: dict[int, tuple[RequestId, int]] = {}
         self.gathers: list[RelayGather] = []
         self.unseeded: list[tuple[RequestId, PoolRow]] = []
+        # The request whose middle chunk the launched batch carries (batch.chunked_req):
+        # its stash is overwritten by its next chunk's, no token to consume (FM4).
+        self.middle_chunk: Any = None
         # FM6, FM7 (spec/happens_before.RelayConsumption), kept from the calls sglang
         # makes, because the release resets its own _publish_fresh only in CI.
         self.relay = RelayConsumption()
@@ -299,6 +310,7 @@ class UpstreamScheduler:
                   widths: list[int], is_extend: bool) -> None:
         self.launched = True
         self.publishes = []
+        self.middle_chunk = batch.chunked_req if is_extend else None
         self.launch_entry = self.get_batch_view(batch)
         spec_overlap = self.config.cell.is_spec and self.config.cell.overlap
         buf = self.scheduler.future_map.new_seq_lens_buf if spec_overlap else None
@@ -311,8 +323,6 @@ class UpstreamScheduler:
                 rid=self.get_rid(req), holds_kv=bool(req.kv.holds_kv), seq_len=seq_len,
                 published_seq_len=published, kv_allocated_len=int(req.kv.kv_allocated_len),
                 ghost_kv_len=TokenCount(ghost.kv_len_true), write_width=TokenCount(width)))
-            if is_extend:
-                self.update_ghost(req, ghost_prepare_extend)
             self.update_ghost(req, ghost_launch, step)
         self.members = tuple(members)
 
@@ -367,7 +377,9 @@ class UpstreamScheduler:
             if owner != self.stashed_by.get(row):
                 # A new owner's first stash: what a previous owner left is overwritten.
                 self.stashes[row] = 0
-            self.stashes[row] = self.stashes.get(row, 0) + 1
+            middle = self.middle_chunk
+            if middle is None or middle.kv.req_pool_idx != row:
+                self.stashes[row] = self.stashes.get(row, 0) + 1
             if owner is not None:
                 self.stashed_by[row] = owner
 
@@ -414,27 +426,63 @@ class UpstreamScheduler:
 
     def on_admission_start(self, sched: Any, running_batch: Any) -> None:
         """What the release's PrefillAdder decides from, read before it runs (KV11): the
-        admitted count is filled in at the prefill's prepare_for_extend."""
+        admitted count, the extends' ends and the continued chunk's end are filled in at
+        the prefill's prepare_for_extend. The chunked request (``Scheduler.chunked_req``)
+        goes first (``add_chunked_req``) and keeps its row (``num_held_rows``)."""
         if sched is None:
             self.admission = None
+            self.continued = None
             return
         running = list(running_batch.reqs)
+        chunked = sched.chunked_req
+        self.continued = None if chunked is None else (chunked, int(chunked.prefix_len))
         self.admission = AdmissionView(
             new_token_ratio=float(sched.new_token_ratio_tracker.current),
             available_tokens=int(sched.token_to_kv_pool_allocator.available_size()
                                  + sched.tree_cache.evictable_size()),
-            rows=int(sched.get_num_allocatable_reqs(len(running), running_batch=running_batch)),
+            rows=int(sched.get_num_allocatable_reqs(len(running), running_batch=running_batch,
+                                                    num_held_rows=int(chunked is not None))),
             running=tuple((int(r.sampling_params.max_new_tokens), len(r.output_ids))
                           for r in running),
             waiting=tuple((self.get_rid(r), len(r.origin_input_ids) + len(r.output_ids),
                            int(r.sampling_params.max_new_tokens), len(r.output_ids))
                           for r in sched.waiting_queue),
-            admitted=0)
+            admitted=0,
+            chunk_size=int(sched.chunked_prefill_size or 0),
+            # _get_new_batch_prefill_raw clears a stale latch on an empty running batch.
+            latched=bool(running_batch.batch_is_full) and not running_batch.is_empty())
+
+    def _complete_admission(self, admission: AdmissionView, batch: Any) -> AdmissionView:
+        """The admission as the prepared prefill shows it: the continued chunk first."""
+        reqs = list(batch.reqs)
+        continued = None
+        if self.continued is not None and reqs and reqs[0] is self.continued[0]:
+            req, prefix = self.continued
+            continued = (self.get_rid(req), prefix,
+                         len(req.origin_input_ids) + len(req.output_ids),
+                         int(req.sampling_params.max_new_tokens), int(req.extend_end))
+            reqs = reqs[1:]
+        return replace(admission, admitted=len(reqs), continued=continued,
+                       ends=tuple(int(r.extend_end) for r in reqs))
+
+    def on_before_prepare_extend(self, batch: Any) -> None:
+        self.holding_before_extend = {id(req) for req in batch.reqs if req.kv.holds_kv}
 
     def on_prepare_extend(self, batch: Any) -> None:
-        """A prefill claims its fill length at prepare time; nothing is settled yet."""
+        """A prefill claims its fill length at prepare time, at its first chunk only (a
+        continuing chunk keeps the claim: spec.relation.prepare_next_chunk); nothing is
+        settled yet."""
         for req in batch.reqs:
-            self.update_ghost(req, ghost_prepare_extend)
+            if id(req) not in self.holding_before_extend:
+                self.update_ghost(req, ghost_prepare_extend)
+        self.holding_before_extend = set()
+
+    def on_chunked_abort(self, req: Any) -> None:
+        """``process_pending_chunked_abort`` is about to finish the chunked request "abort"
+        and release its KV uncached: the ghost finishes first, as in
+        spec.relation.finish_chunked_abort."""
+        if id(req) in self.by_req:
+            self.update_ghost(req, ghost_abort, True)
 
     def on_prepare_decode(self, batch: Any) -> None:
         for req in batch.reqs:
@@ -538,8 +586,11 @@ class UpstreamScheduler:
         if self.observer is None:
             return
         if point is ObservationPoint.PREPARE_FOR_EXTEND and self.admission is not None:
-            parts["admission"] = replace(self.admission, admitted=len(batch.reqs))
+            parts["admission"] = self._complete_admission(self.admission, batch)
             self.admission = None
+            self.continued = None
+        chunked = self.scheduler.chunked_req
+        chunked_track = None if chunked is None else self.by_req.get(id(chunked))
         obs = Observation(
             point=point,
             step_index=self.step_index,
@@ -547,6 +598,7 @@ class UpstreamScheduler:
             batch=None if batch is None else self.get_batch_view(batch),
             allocator=self.get_allocator_view(),
             races=(),
+            chunked_rid=None if chunked_track is None else chunked_track.rid,
             **parts,
         )
         try:
@@ -597,6 +649,9 @@ class UpstreamScheduler:
             spec_num_correct_drafts=int(req.spec_num_correct_drafts),
             output_ids=tuple(int(t) for t in req.output_ids_through_stop),
             last_prompt_token=int(req.origin_input_ids[-1]),
+            prefix_len=int(req.prefix_len),
+            extend_end=int(req.extend_end or 0),
+            inflight_middle_chunks=int(req.inflight_middle_chunks),
             ghost=GhostView(
                 epoch=g.epoch, kv_len_true=TokenCount(g.kv_len_true),
                 settled_len=TokenCount(g.settled_len),

@@ -114,6 +114,10 @@ def _after_prepare_decode(batch: Any, value: Any) -> None:
     HOST.on_prepare_decode(batch)
 
 
+def _before_prepare_extend(batch: Any) -> None:
+    HOST.on_before_prepare_extend(batch)
+
+
 def _after_prepare_extend(batch: Any, value: Any) -> None:
     HOST.on_prepare_extend(batch)
 
@@ -147,6 +151,7 @@ def install(scheduler_module: Any) -> None:
 
     sb = ScheduleBatch
     sb.prepare_for_extend = _batch_call(ObservationPoint.PREPARE_FOR_EXTEND,
+                                        before=_before_prepare_extend,
                                         after=_after_prepare_extend)(sb.prepare_for_extend)
     sb.prepare_for_decode = _batch_call(ObservationPoint.PREPARE_FOR_DECODE,
                                         before=_flush_retract,
@@ -226,6 +231,19 @@ def install(scheduler_module: Any) -> None:
             HOST.on_admission_start(None, None)
 
     cls.get_new_batch_prefill = get_new_batch_prefill
+
+    chunked_abort = cls.process_pending_chunked_abort
+
+    @functools.wraps(chunked_abort)
+    def process_pending_chunked_abort(self: Any) -> Any:
+        # The teardown happens only while the marked request is still the chunked one
+        # (scheduler.py process_pending_chunked_abort); otherwise the marker is dropped.
+        req = self._pending_chunked_abort_req
+        if req is not None and req is self.chunked_req:
+            HOST.on_chunked_abort(req)
+        return chunked_abort(self)
+
+    cls.process_pending_chunked_abort = process_pending_chunked_abort
 
     decide = cls.is_disable_overlap_for_batch
 

@@ -189,7 +189,7 @@ class Session:
         if cfg.cell.overlap != bool(sched.enable_overlap):
             raise UpstreamUnavailable(
                 f"{cfg.name}: the release resolved enable_overlap={sched.enable_overlap}")
-        check_no_chunking(cfg, sched)
+        configure_chunking(cfg, sched)
         return sched
 
     # ------------------------------------------------------------------ stepping
@@ -276,18 +276,45 @@ class Session:
         sched.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)
 
 
-def check_no_chunking(config: ModelConfig, sched: Any) -> None:
-    """The model has no chunked prefill and no mixed batch (README, coverage): the driven
-    release must not chunk a prompt the preset can draw (up to ``max_context_len - 1``
-    tokens), nor mix decodes into a prefill. 0.5.23 resolves ``chunked_prefill_size`` from
-    the memory tier (4096 here) and ``enable_mixed_chunk`` is off by default."""
-    chunk = sched.chunked_prefill_size
-    if sched.is_mixed_chunk or (chunk is not None and chunk < config.preset.max_context_len):
+def configure_chunking(config: ModelConfig, sched: Any) -> None:
+    """Chunked prefill as the preset says, never a mixed batch (README, coverage).
+
+    ``chunked_prefill_size`` > 0: the built scheduler chunks at that size. ``ServerArgs``
+    alone does not do it (0.5.23 resolves the size again from the memory tier,
+    ``arg_groups/memory_hook.py``), so it is set on the scheduler, where
+    ``init_chunked_prefill`` put it and ``_get_new_batch_prefill_raw`` reads it; the release's
+    own checks of that size are run (``validation_hook``: a page multiple;
+    ``check_truncation_align_fits_chunk``), and nothing may resize a chunk (no dynamic
+    chunking). 0: the release must not chunk a prompt the preset can draw (up to
+    ``max_context_len - 1`` tokens); it resolves 4096 here. Either way no mixed chunk
+    (``enable_mixed_chunk`` is off by default): the model has no mixed batch."""
+    size = config.preset.chunked_prefill_size
+    if sched.is_mixed_chunk:
         raise UpstreamUnavailable(
-            f"{config.name}: the release resolved chunked_prefill_size={chunk}, "
-            f"is_mixed_chunk={sched.is_mixed_chunk}: it would chunk prompts of up to "
-            f"{config.preset.max_context_len - 1} tokens or mix decodes into a prefill, "
-            "which the model does not")
+            f"{config.name}: the release resolved is_mixed_chunk=True: it would mix decodes "
+            "into a prefill chunk, which the model does not")
+    if size > 0:
+        if size % config.page_size:
+            raise UpstreamUnavailable(
+                f"{config.name}: chunked_prefill_size={size} is not a multiple of the page "
+                f"size {config.page_size} (the release's validation_hook asserts it)")
+        if getattr(sched, "dynamic_chunk_sizer", None) is not None:
+            raise UpstreamUnavailable(
+                f"{config.name}: the release sizes chunks dynamically; the model does not")
+        sched.chunked_prefill_size = size
+        check = getattr(sched, "check_truncation_align_fits_chunk", None)
+        try:
+            if check is not None:
+                check()
+        except ValueError as error:
+            raise UpstreamUnavailable(f"{config.name}: {str(error)[:200]}") from None
+        return
+    chunk = sched.chunked_prefill_size
+    if chunk is not None and chunk < config.preset.max_context_len:
+        raise UpstreamUnavailable(
+            f"{config.name}: the release resolved chunked_prefill_size={chunk}: it would "
+            f"chunk prompts of up to {config.preset.max_context_len - 1} tokens, and the "
+            "preset says chunked_prefill_size=0 (no chunking)")
 
 
 def _rids(batch: Any) -> list[str] | None:

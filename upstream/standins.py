@@ -50,6 +50,15 @@ STAND_INS: Final[tuple[StandIn, ...]] = (
             "returns an empty plan when the environment's choice allow_prefill is False "
             "(the PrefillAdder budget is the environment's, as in the reference); otherwise "
             "the real method"),
+    StandIn("Scheduler.process_pending_chunked_abort", "observed",
+            "tells the adapter, before the real method tears the chunked request down, "
+            "that an abort marked it (the ghost finishes \"abort\" as in the spec's "
+            "finish_chunked_abort); the real method runs unchanged"),
+    StandIn("Scheduler.chunked_prefill_size", "replaced",
+            "set on the built scheduler to the preset's chunked_prefill_size when it is > 0 "
+            "(ServerArgs alone is resolved again from the memory tier, 4096 here); 0 keeps "
+            "the release's value, which must not chunk a drawable prompt; a mixed chunk is "
+            "refused (upstream/session.py configure_chunking)"),
     StandIn("scheduler.TEST_RETRACT / TEST_RETRACT_INTERVAL", "replaced",
             "upstream's own retraction test knob, set for one iteration when the "
             "environment asks for a retraction (choices.retract > 0)"),

@@ -108,14 +108,17 @@ class StandInWorker:
         eos_at: list[int | None] = []
         for j, (req, rid, seq_len) in enumerate(zip(reqs, rids, seq_lens, strict=True)):
             if is_extend:
-                start, end = 0, seq_len  # the prefill writes every position it fills
+                # The prefill (or this chunk of it) writes from where earlier chunks
+                # stopped (Req.prefix_len, 0 unless chunked) to the batch's seq_len.
+                start, end = int(req.prefix_len), seq_len
             elif spec:
                 start, end = seq_len, seq_len + widths[j]  # draft + verify, A positions
             else:
                 start, end = seq_len - 1, seq_len  # the token being processed
             faults += host.write_kv(req, rid, start, end)
             if is_extend:
-                host.update_ghost(req, ghost_forward_extend, step, len(req.origin_input_ids))
+                host.update_ghost(req, ghost_forward_extend, step, len(req.origin_input_ids),
+                                  seq_len)
             else:
                 host.update_ghost(req, ghost_forward_decode, step, accept_lens[j])
             # The token at seq_len (decode) / after the fill (prefill) is the first emitted;

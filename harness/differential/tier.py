@@ -14,7 +14,6 @@ from typing import Any
 import torch
 
 from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS as GPU_SUPPORTED_FAULTS
-from overlap_spec.gpu_impl.scheduler import get_chunking_refusal
 from overlap_spec.harness.differential.compare import (
     MIN_COMPARED_OPS,
     MIN_LAUNCHES,
@@ -23,7 +22,12 @@ from overlap_spec.harness.differential.compare import (
     get_default_device,
     get_differential_examples,
 )
-from overlap_spec.harness.drive.cells import CONFIG_WIDTH, UsageError, select_configs
+from overlap_spec.harness.drive.cells import (
+    CONFIG_WIDTH,
+    UsageError,
+    get_fault_sizes,
+    select_configs,
+)
 from overlap_spec.harness.drive.script import save_script
 from overlap_spec.harness.drive.stateful import (
     Profile,
@@ -176,11 +180,7 @@ def cmd_diff(args: argparse.Namespace) -> int:
         print(f"overlap-spec: gpu_impl does not know faults {sorted(faults - GPU_SUPPORTED_FAULTS)}"
               f"; supported: {', '.join(sorted(GPU_SUPPORTED_FAULTS))}", file=sys.stderr)
         return 2
-    configs = select_configs(args.cells, args.preset, args.sizes)
-    chunked = [config for config in configs if config.preset.chunked_prefill_size]
-    if chunked:
-        print(f"overlap-spec: {get_chunking_refusal(chunked[0])}", file=sys.stderr)
-        return 2
+    configs = select_configs(args.cells, args.preset, get_fault_sizes(args.sizes, faults))
     started = time.perf_counter()
     results = run_differential_tier(configs, profile, args.seed, device, args.quiet,
                                     Path(args.out) if args.out else None, faults)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
+from overlap_spec.spec.bugs import BUGS
 from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, Preset, enumerate_cells
 
 # The seed every tier runs under unless told otherwise; printed with every failure.
@@ -72,6 +73,19 @@ def select_cells(patterns: str | None) -> list[Cell]:
         raise NoCellMatches(f"no cell matches {', '.join(map(repr, unmatched))} "
                             "(see 'overlap-spec cells')")
     return [c for c in cells if any(c in found for found in matches.values())]
+
+
+def get_fault_sizes(sizes: dict[str, int] | None, faults: frozenset[str]
+                    ) -> dict[str, int] | None:
+    """``sizes`` with the sizes each switched-on bug's trigger needs (``Bug.sizes``: B18
+    needs chunked prefill) where ``sizes`` leaves them at the preset's, so a fault is never
+    run where it cannot trip; the configuration's name then shows them."""
+    merged = dict(sizes or {})
+    for bug in BUGS:
+        if bug.id in faults:
+            for name, value in bug.sizes:
+                merged.setdefault(name, value)
+    return merged or sizes
 
 
 def select_configs(patterns: str | None, preset: str,

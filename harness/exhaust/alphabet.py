@@ -151,7 +151,8 @@ def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
     iteration field but the EOS position keeps its simplest value (accept length 1, the
     configured rung, no forced retraction, no early processing): few enough operations
     for a third request and a sixth operation, which a row reused under an in-flight
-    forward needs (B9 with the release's fence)."""
+    forward needs (B9 with the release's fence). With ``chunked_prefill_size`` the full
+    alphabet also admits a prompt of three chunks."""
     if scope not in MAX_REQUESTS_BY_SCOPE:
         raise ValueError(f"alphabet {scope!r}: not one of {', '.join(MAX_REQUESTS_BY_SCOPE)}")
     most = MAX_REQUESTS_BY_SCOPE[scope]
@@ -162,6 +163,9 @@ def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
     longest = preset.max_new_tokens
     prebuilt = [AdmitPrebuilt(p, longest) for p in get_prompt_lens(config)]
     admissions: list[Admit | AdmitPrebuilt] = [Admit(1, 2), Admit(1, longest), *prebuilt]
+    chunk = preset.chunked_prefill_size
+    if chunk:  # a prompt of three chunks: a middle chunk continued, then the last (B18)
+        admissions.append(Admit(min(2 * chunk + 1, preset.max_context_len - 1), 2))
     rows = preset.max_running_requests
     domains: dict[str, tuple[Hashable, ...]] = {
         "allow_prefill": (True, False),

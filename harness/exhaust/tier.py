@@ -22,7 +22,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from overlap_spec.harness.drive.cells import CONFIG_WIDTH, UsageError, select_configs
+from overlap_spec.harness.drive.cells import (
+    CONFIG_WIDTH,
+    UsageError,
+    get_fault_sizes,
+    select_configs,
+)
 from overlap_spec.harness.drive.script import save_script
 from overlap_spec.harness.exhaust import (
     FULL,
@@ -311,7 +316,8 @@ def cmd_exhaust(args: argparse.Namespace) -> int:
         raise UsageError(f"--requests {args.requests}: the {args.alphabet} alphabet admits at "
                          f"most {most}" + (f" ({PD_DECODE}: {MAX_REQUESTS_BY_SCOPE[PD_DECODE]})"
                                            if args.alphabet == FULL else ""))
-    configs = select_configs(args.cells, "minimal", getattr(args, "sizes", None))
+    configs = select_configs(args.cells, "minimal",
+                             get_fault_sizes(getattr(args, "sizes", None), faults))
     out_dir = Path(args.out or os.environ.get("OVERLAP_SPEC_OUT", ".overlap-spec")) / "exhaust"
     depth = args.depth
     depths = {depth or get_default_depth(c.cell) for c in configs}

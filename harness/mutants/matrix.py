@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from overlap_spec.harness.drive.cells import CONFIG_WIDTH
+from overlap_spec.harness.drive.cells import CONFIG_WIDTH, make_preset
 from overlap_spec.harness.drive.minimize import minimize_script
 from overlap_spec.harness.drive.script import (
     Script,
@@ -269,9 +269,10 @@ def run_mutants(profile: Profile, seed: int, bug_ids: set[str] | None = None,
             elif checker == "gpu_impl" and bug.id not in gpu_faults:
                 result.not_applicable = NO_GPU_PATH
             else:
-                tasks.extend((result, MutantTask(bug.id, checker,
-                                                 ModelConfig(cell, PRESETS[preset]), profile,
-                                                 seed, directory)) for cell in targets)
+                sized = make_preset(preset, dict(bug.sizes)) if bug.sizes else PRESETS[preset]
+                tasks.extend((result, MutantTask(bug.id, checker, ModelConfig(cell, sized),
+                                                 profile, seed, directory))
+                             for cell in targets)
     order = sorted(range(len(tasks)), key=lambda i: (_CHECKER_COST[tasks[i][1].checker], i))
     owner = {id(tasks[i][1]): tasks[i][0] for i in order}
 
