@@ -275,8 +275,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def get_next_batch_to_run(self, choices: IterationChoices) -> ScheduleBatch | None:
+        self.process_pending_chunked_abort()  # the release's first step (scheduler.py:3897)
         self.process_prebuilt()
-        self.process_pending_chunked_abort()
         chunked = self.chunked_req
         if chunked is not None and chunked.extend_end > chunked.prefix_len:
             # stash_chunked_request: the chunk scheduled last is the next one's prefix.
@@ -430,8 +430,9 @@ class Scheduler:
             end = compute_chunk_continuation_end(continued.prefix_len, fill, chunk,
                                                  int(budget.available - budget.total_offset))
             paged = compute_page_align_up(end - continued.prefix_len, page)
-            budget.reserve(paged + page + (continued.max_new_tokens if end == fill else 0),
-                           paged + page)
+            budget.reserve(compute_prefill_reserved_tokens(
+                end - continued.prefix_len, continued.max_new_tokens if end == fill else 0, page),
+                paged + page)
             chunk -= paged
             admitted.append(continued)
             ends.append(end)

@@ -94,7 +94,7 @@ commands:
   cells        list the configuration cells
   invariants   list the invariant IDs with their claims and sources
 
-Invariant IDs follow the digest: SL1-SL11, KV1-KV11, FM1-FM7, ST1-ST5, RP1-RP7.
+Invariant IDs follow the digest: SL1-SL11, KV1-KV12, FM1-FM7, ST1-ST5, RP1-RP7.
 A check passes only if no invariant fails, every applicable invariant had a
 witness in every cell (else "vacuous"), gpu_impl agrees with the reference with
 no race, every proof is proved (a solver timeout or "unknown" fails), and every

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from overlap_spec.reference.runtime import Runtime
 from overlap_spec.spec.interface import Observer
-from overlap_spec.spec.relation import RequestRecord
+from overlap_spec.spec.relation import RequestRecord, count_middle_chunks
 from overlap_spec.spec.state import (
     AllocatorView,
     BatchView,
@@ -124,6 +124,7 @@ class Refinement:
                 finish_reason=g.finish_reason,
                 verify_ct=g.verify_ct,
                 correct_drafts=g.correct_drafts,
+                middle_chunks=count_middle_chunks(g),
             ),
         )
 

@@ -238,8 +238,8 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def get_next_batch_to_run(self, choices: IterationChoices) -> ScheduleBatch | None:
+        self.process_pending_chunked_abort()  # the release's first step (scheduler.py:3897)
         self.process_prebuilt()
-        self.process_pending_chunked_abort()
         if self.chunked_req is not None and (
                 self.chunked_req.extend_end > self.chunked_req.prefix_len):
             # The chunk scheduled last becomes the next one's prefix.
@@ -410,7 +410,8 @@ class Scheduler:
             end = compute_chunk_continuation_end(continued.prefix_len, fill, chunk,
                                                  int(available - total))
             paged = compute_page_align_up(end - continued.prefix_len, page)
-            total += paged + page + (continued.max_new_tokens if end == fill else 0)
+            total += compute_prefill_reserved_tokens(
+                end - continued.prefix_len, continued.max_new_tokens if end == fill else 0, page)
             current += paged + page
             chunk -= paged
             chosen.append(continued)

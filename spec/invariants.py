@@ -31,8 +31,6 @@ from overlap_spec.spec.state import (
 )
 from overlap_spec.spec.transitions import (
     CLIP_MAX_NEW_TOKENS,
-    compute_chunk_continuation_end,
-    compute_chunk_first_end,
     compute_committed_lead,
     compute_host_sync_budget,
     compute_ns_expected_seq_len,
@@ -737,7 +735,8 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
     if continued is not None:
         rid, prefix, fill, max_new, end = continued
         assert chunk is not None
-        expected = compute_chunk_continuation_end(prefix, fill, chunk, int(free - total))
+        room = min(chunk, int(free - total))  # available_chunk_tokens, not page-floored
+        expected = prefix + min(fill - prefix, room if room > 0 else chunk)
         if end != expected:
             raise fail("KV11", obs, f"for request r{rid}: its next chunk ends at {end}, the "
                        f"chunk budget {chunk} from prefix {prefix} of {fill} says {expected}")
@@ -751,7 +750,9 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
         asked = fill + min(max(max_new - out, 0), clip) + page
         fits = asked < free - total
         capacity = free - total > 0 and free - current > 0
-        spent = chunk is not None and capacity and compute_chunk_first_end(fill, chunk, page) <= 0
+        # A fill the chunk budget cannot hold is cut to its whole pages (none: OTHER).
+        first = fill if chunk is None or -(-fill // page) * page <= chunk else chunk // page * page
+        spent = capacity and first <= 0
         if k == view.admitted:
             if (not view.latched and k + held < view.rows and capacity and fits
                     and not spent):
@@ -764,7 +765,7 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
                        f"{free - total:.3f} left (free {free}, rows {view.rows}, chunk budget "
                        f"{chunk}, latched {view.latched})")
         end = view.ends[k]
-        if end != compute_chunk_first_end(fill, chunk, page):
+        if end != first:
             raise fail("KV11", obs, f"for request r{rid}: its extend ends at {end} of {fill} "
                        f"with {chunk} left of the chunk budget")
         paged = compute_page_align_up(end, page)
@@ -779,17 +780,24 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
            "scheduler.py chunked_req")
 def check_kv12(config: ModelConfig, obs: Observation) -> int:
     """KV12: a prefill still pending is whole, or the scheduler's one chunked request's:
-    committed and allocated to the end of its latest chunk, past the prefix the earlier
-    chunks wrote, with at most one middle chunk in flight per launch the loop keeps queued
-    (1 without overlap, 2 with), and in no decode batch until its last chunk is scheduled
-    (scheduler.py chunked_req, stash_chunked_request, Req.inflight_middle_chunks,
-    batch_result_processor.py)."""
+    committed and allocated to the end of its latest chunk, with at most one middle chunk
+    in flight per launch the loop keeps queued (1 without overlap, 2 with), counted as the
+    forward ran them (at an iteration's end, ``inflight_middle_chunks`` equals the middle
+    chunks launched with results unprocessed), and in no decode batch until its last chunk
+    is scheduled (scheduler.py chunked_req, stash_chunked_request,
+    Req.inflight_middle_chunks, batch_result_processor.py)."""
     count = 0
     most = 2 if config.cell.overlap else 1
     for r in obs.requests:
         if not 0 <= r.inflight_middle_chunks <= most:
             raise fail("KV12", obs, f"for request r{r.rid}: inflight_middle_chunks="
                        f"{r.inflight_middle_chunks}, outside 0..{most}")
+        if obs.point is ObservationPoint.ITERATION_END and r.holds_kv:
+            if r.inflight_middle_chunks != r.ghost.middle_chunks:
+                raise fail("KV12", obs, f"for request r{r.rid}: inflight_middle_chunks="
+                           f"{r.inflight_middle_chunks}, {r.ghost.middle_chunks} middle "
+                           "chunks in flight")
+            count += 1
         if not (r.holds_kv and r.ghost.extend_inflight and not r.finished):
             continue
         count += 1
@@ -1084,9 +1092,10 @@ def check_rp4(config: ModelConfig, obs: Observation) -> int:
         return 0
     for m in launch.members:
         r = obs.get_request(m.rid)
-        # The launched step itself is counted, and middle chunks in flight carry no token.
+        # The launched step itself is counted, and middle chunks in flight (the ghost's, this
+        # one's included once forwarded) carry no token.
         middle_now = launch.forward_mode == "extend" and r.extend_end < r.prompt_len + r.output_len
-        in_flight = r.ghost.inflight_steps - 1 - (r.inflight_middle_chunks - middle_now)
+        in_flight = r.ghost.inflight_steps - 1 - (r.ghost.middle_chunks - middle_now)
         if r.output_len + in_flight >= max(r.max_new_tokens, 1):  # a first token, always
             raise fail("RP4", obs, f"for request r{r.rid}: launched with {r.output_len} "
                        f"output tokens and {in_flight} result(s) in flight, which already "

@@ -529,6 +529,12 @@ def process_prebuilt(req: RequestRecord, token: int) -> RequestRecord:
                    ghost=ghost_prebuilt(req.ghost, req.prompt_len))
 
 
+def count_middle_chunks(ghost: Ghost) -> int:
+    """Middle prefill chunks of the current epoch forwarded, their results unprocessed (the
+    truth ``Req.inflight_middle_chunks`` counts, once each chunk is launched)."""
+    return sum(1 for s in ghost.steps.values() if s.middle_chunk and s.epoch == ghost.epoch)
+
+
 # --- the ghost's transitions (the environment's account) ---------------------------------------
 @transition("extend_inflight")
 def ghost_prepare_extend(ghost: Ghost) -> Ghost:

@@ -67,6 +67,7 @@ class GhostView:
     finish_reason: str | None  # "abort" | "stop" | "length", by upstream's precedence
     verify_ct: int  # speculative verify results processed while the request was live
     correct_drafts: int  # their accepted drafts (accept_len - 1 each)
+    middle_chunks: int = 0  # middle prefill chunks of this epoch forwarded, results unprocessed
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import replace
 
 import pytest
 
@@ -120,32 +119,44 @@ def observed(config: ModelConfig, faults: frozenset[str] = frozenset()
 @pytest.mark.parametrize("cell", ["ov-p1-none", "nov-p1-none", "ov-p1-v2chain-cpu-honest",
                                   "nov-p4-v2chain-cpu-honest"])
 def test_a_prompt_goes_in_chunks_out_of_the_running_batch(cell: str) -> None:
-    """Prompt 10 in chunks of 4 (the release's field table): committed 4, 8, then 10; no
-    output until the last chunk's result; the chunked request in no decode batch."""
+    """A prompt of 2 then one of 10, chunks of 4 (the release's field table): on page 1 the
+    short one leaves 2 of the first step's budget, so the long one is committed 2, 6, then
+    10; on page 4 it leaves none, so 4, 8, then 10 a step later. No output until the last
+    chunk's result; a step that admits nothing decodes the short one, the chunked one left
+    out."""
     config = chunked(cell)
+    page_1 = config.page_size == 1
     with observed(config) as (sched, seen):
+        short = sched.admit(2, 6)
         rid = sched.admit(10, 3)
         committed = []
-        for _ in range(3):
-            sched.run_iteration(IterationChoices())
+        for allow_prefill in (True, True, False, True, True):
+            sched.run_iteration(IterationChoices(allow_prefill=allow_prefill))
             req = sched.requests[rid]
             committed.append(req.kv_committed_len)
             if sched.chunked_req is not None:
                 assert req.output_ids == ()
-        assert committed == [4, 8, 10]
-        for _ in range(8):
+        # (page 1: the fifth step decodes it, a non-spec decode claiming one more slot)
+        assert committed[:4] == [2, 6, 6, 10] if page_1 else committed == [0, 4, 4, 8, 10]
+        for _ in range(10):
             sched.run_iteration(IterationChoices())
         assert sched.requests[rid].finished_reason == "length"
         assert len(sched.requests[rid].output_ids) == 3
     decodes = [obs for obs in seen if obs.point is ObservationPoint.PREPARE_FOR_DECODE]
-    mid_chunk = [obs for obs in seen if obs.chunked_rid == rid]
-    assert decodes and mid_chunk
-    assert all(obs.chunked_rid is None for obs in decodes)
+    mid_chunk = [obs for obs in decodes if obs.chunked_rid == rid]
+    assert mid_chunk, "the short request decoded while the long one was chunked"
+    assert all(obs.batch is not None and short in obs.batch.rids and rid not in obs.batch.rids
+               for obs in mid_chunk)
+    continued = [obs.admission.continued for obs in seen if obs.admission is not None
+                 and obs.admission.continued is not None]
+    assert [c[0] for c in continued] == [rid, rid]
     assert max(r.inflight_middle_chunks for obs in seen for r in obs.requests) == (
         2 if config.cell.overlap else 1)
 
 
 def test_an_abort_mid_chunk_waits_for_the_next_step_and_frees_everything() -> None:
+    """Under overlap the first chunk is still in flight at the teardown: its result then
+    only counts down, and no token is shown."""
     config = chunked("ov-p1-none")
     with observed(config) as (sched, _):
         rid = sched.admit(10, 3)
@@ -154,10 +165,15 @@ def test_an_abort_mid_chunk_waits_for_the_next_step_and_frees_everything() -> No
         sched.abort(rid)
         req = sched.requests[rid]
         assert not req.finished() and req.holds_kv  # marked, not torn down
+        assert req.inflight_middle_chunks == 1
         sched.run_iteration(IterationChoices())
         assert req.finished_reason == "abort" and not req.holds_kv
         assert req.cached_len == 0 and sched.chunked_req is None
         assert sched.get_observable_state().free_pages == free_before + 4
+        for _ in range(2):
+            sched.run_iteration(IterationChoices())
+        assert req.inflight_middle_chunks == 0 and req.output_ids == ()
+        assert not sched.result_queue
 
 
 # --- the machine with chunking on ---------------------------------------------------------------
@@ -170,8 +186,9 @@ def test_the_reference_holds_every_invariant_with_chunking(tier_cell: str) -> No
     assert result.exercised["KV12"] > 0 and result.exercised["KV11"] > 0
 
 
-def _run_until_violation(config: ModelConfig) -> InvariantViolation:
-    with observed(config) as (sched, _):
+def _run_until_violation(config: ModelConfig,
+                         faults: frozenset[str] = frozenset()) -> InvariantViolation:
+    with observed(config, faults) as (sched, _):
         sched.admit(14, 2)
         sched.admit(3, 2)
         with pytest.raises(InvariantViolation) as caught:
@@ -180,19 +197,15 @@ def _run_until_violation(config: ModelConfig) -> InvariantViolation:
     return caught.value
 
 
-def test_a_continuing_chunk_left_uncounted_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    """sgl-project/sglang-jax #971: the counter not bumped for a continuing middle chunk,
-    so with three chunks or more a middle chunk's result is taken for the last one."""
-    original = relation.prepare_next_chunk
-
-    def uncounted(req: relation.RequestRecord, extend_end: int,
-                  faults: frozenset[str] = frozenset()) -> relation.RequestRecord:
-        post = original(req, extend_end, faults)
-        return replace(post, inflight_middle_chunks=req.inflight_middle_chunks)
-
-    monkeypatch.setattr(relation, "prepare_next_chunk", uncounted)
-    violation = _run_until_violation(chunked("nov-p1-none"))
-    assert violation.invariant_id == "RP2", str(violation)  # a token the model never emitted
+@pytest.mark.parametrize(("cell", "caught_by"), [("nov-p1-none", "RP2"),
+                                                ("ov-p1-none", "KV12")])
+def test_b18_a_continuing_chunk_left_uncounted_is_caught(cell: str, caught_by: str) -> None:
+    """B18 (sgl-project/sglang-jax #971): the counter not bumped for a continuing middle
+    chunk. Without overlap the chunk's result is taken for the last one's at once (RP2: a
+    token the model never emitted); with overlap the iteration ends with the counter one
+    short of the middle chunks in flight (KV12)."""
+    violation = _run_until_violation(chunked(cell), frozenset({"B18"}))
+    assert violation.invariant_id == caught_by, str(violation)
 
 
 def test_a_chunked_request_merged_into_the_running_batch_is_caught(

@@ -548,8 +548,8 @@ def test_the_release_chunking_agrees_with_the_reference(tmp_path: Path) -> None:
     for name, diff in report["differential"]["cells"].items():
         assert diff["verdict"] == "pass" and diff["stopped"] == {}, name
         assert set(diff["operations_by_kind"]) == {"admit", "iterate", "abort"}, name
-    # A prompt of 10 in chunks of 4, aborted after its second chunk (under overlap with two
-    # in flight), then a second prompt through all three chunks and its decodes.
+    # A prompt of 10 in chunks of 4, aborted with its second chunk scheduled (under overlap
+    # still in flight), then a second prompt through all three chunks and its decodes.
     iterate = {"op": "iterate", "allow_prefill": True, "retract": 0, "accept_lens": [1, 1, 1],
                "eos_positions": [], "disable_overlap": False, "spec_steps": 0, "eos_offset": 0}
     ops = ([{"op": "admit", "prompt_len": 10, "max_new_tokens": 3}, iterate, iterate,

@@ -57,6 +57,7 @@ from overlap_spec.spec.interface import (
 from overlap_spec.spec.invariants import InvariantViolation
 from overlap_spec.spec.relation import (
     Ghost,
+    count_middle_chunks,
     ghost_abort,
     ghost_launch,
     ghost_prepare_decode,
@@ -659,7 +660,7 @@ class UpstreamScheduler:
                 extend_inflight=g.extend_inflight,
                 output_len_true=TokenCount(g.output_len_true), finished=g.finished,
                 finish_reason=g.finish_reason, verify_ct=g.verify_ct,
-                correct_drafts=g.correct_drafts),
+                correct_drafts=g.correct_drafts, middle_chunks=count_middle_chunks(g)),
         )
 
     def get_batch_view(self, batch: Any) -> BatchView:
