@@ -179,11 +179,16 @@ def test_an_abort_mid_chunk_waits_for_the_next_step_and_frees_everything() -> No
 # --- the machine with chunking on ---------------------------------------------------------------
 def test_the_reference_holds_every_invariant_with_chunking(tier_cell: str) -> None:
     """The six default-tier cells (every cell under ``-m slow``) with prompts in chunks of
-    4 (page 4: 8): clean, and KV12 witnessed."""
-    config = chunked(tier_cell, 8 if get_cell(tier_cell).page_size == 4 else 4)
+    4 (on page 4 one page a chunk): clean, and KV12 witnessed. KV12's witnesses do not
+    show a chunk by themselves (it counts whole prefills too), so the same budget and seed
+    with B18 switched on must fail: the machine drew prompts of three chunks or more (with
+    chunks of 8 on page 4 it did not, at this budget, in 6 of the 8 page-4 cells)."""
+    config = chunked(tier_cell)
     result = check_cell(config, get_profile("quick"), SEED)
     assert result.ok, describe_failure(result)
     assert result.exercised["KV12"] > 0 and result.exercised["KV11"] > 0
+    faulted = check_cell(config, get_profile("quick"), SEED, frozenset({"B18"}), shrink=False)
+    assert not faulted.ok, f"B18 survived in {config.name}: no prompt of three chunks drawn"
 
 
 def _run_until_violation(config: ModelConfig,
