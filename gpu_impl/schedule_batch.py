@@ -15,6 +15,10 @@ future_indices and req_pool_indices"). Filter and merge are gathers and concaten
 the schedule stream; they always build new tensors, because the in-flight forward may
 still read the old ones (kept alive by ``Scheduler.record_batch_in_overlap``).
 
+A mixed batch (``enable_mixed_chunk``, non-spec) is a prefill whose ``mix_with_running``
+appended the prepared running decodes as one-token extends; ``decoding_reqs`` names those
+rows (by identity, the way upstream's ``decoding_reqs`` does), a suffix of ``reqs``.
+
 ``spec_extra`` is where the B13 mutant keeps the forward-produced ``accept_lens`` that
 ngram's ``spec_info.filter_batch`` used to gather on S (PR 35198); it is empty otherwise.
 """
@@ -44,7 +48,7 @@ NS_DECODE_STEP = compute_decode_seq_len_ns(0)
 class ScheduleBatch:
     rt: Runtime
     reqs: list[Req]
-    forward_mode: str  # "extend" | "decode"
+    forward_mode: str  # "extend" | "decode" | "mixed" | "idle"
     seq_lens: torch.Tensor  # device
     seq_lens_cpu: torch.Tensor | None  # host
     seq_lens_sum: int | None
@@ -58,6 +62,8 @@ class ScheduleBatch:
     batch_is_full: bool = False  # admission's latch, while this is the running batch
     # The chunked request whose middle chunk this prefill carries (init_new's chunked_req).
     chunked_req: Req | None = None
+    # A mixed batch's decode rows, after its prefill rows (None unless mixed).
+    decoding_reqs: list[Req] | None = None
 
     @classmethod
     def prepare_for_extend(cls, rt: Runtime, reqs: list[Req],
@@ -92,8 +98,31 @@ class ScheduleBatch:
                                             [req.max_new_tokens for req in reqs]),
         )
 
+    @classmethod
+    def empty(cls, rt: Runtime, batch_is_full: bool) -> ScheduleBatch:
+        """``ScheduleBatch(reqs=[], batch_is_full=...)``: the running batch a mixed step
+        leaves behind, holding only the admission latch."""
+        streams = rt.streams
+        return cls(rt=rt, reqs=[], forward_mode="idle", seq_lens=streams.device_tensor([]),
+                   seq_lens_cpu=streams.host_tensor([]), seq_lens_sum=0,
+                   req_pool_indices=streams.device_tensor([]),
+                   req_pool_indices_cpu=streams.host_tensor([]), batch_is_full=batch_is_full)
+
     def is_empty(self) -> bool:
         return not self.reqs
+
+    def is_decode_row(self, j: int) -> bool:
+        """Whether row ``j`` decodes: every row of a decode batch, a mixed batch's
+        ``decoding_reqs``, no row of a prefill."""
+        if self.forward_mode != "mixed":
+            return self.forward_mode == "decode"
+        assert self.decoding_reqs is not None, "a mixed batch without decoding_reqs"
+        member = self.reqs[j]
+        return any(req is member for req in self.decoding_reqs)
+
+    def get_decode_rows(self) -> list[int]:
+        """The positions of the rows that decode (see :meth:`is_decode_row`)."""
+        return [j for j in range(len(self.reqs)) if self.is_decode_row(j)]
 
     def get_seq_lens_host(self) -> list[int]:
         """The host mirror as ints (non-spec cells always keep it)."""
@@ -136,6 +165,26 @@ class ScheduleBatch:
             for req in self.reqs:
                 req.kv_committed_len += 1
 
+    # -- mixed chunks -------------------------------------------------------------
+    def mix_with_running(self, running: ScheduleBatch) -> None:
+        """``ScheduleBatch.mix_with_running`` (non-spec): the prepared decodes of ``running``
+        ride after this prefill's rows as one-token extends ending at their decode seq_len
+        (``spec.relation.mix_with_running``: extend_end := seq_len; prefix_len kept), merged
+        as ``merge_batch`` merges. The batch becomes "mixed" and is never prefill-only.
+
+        Changes: extend_end of the running requests; this batch's rows, tensors,
+        forward_mode, decoding_reqs, is_prefill_only (B19 keeps the prefill's). Leaves
+        ``running`` as it was.
+        """
+        prefill_only = self.is_prefill_only
+        for req, seq_len in zip(running.reqs, running.get_seq_lens_host(), strict=True):
+            req.extend_end = seq_len
+        self.merge_batch(running)
+        self.forward_mode = "mixed"
+        self.decoding_reqs = list(running.reqs)
+        # B19 (before #10889): the flag stayed the prefill's, as if the merge kept it.
+        self.is_prefill_only = prefill_only if self.rt.has_fault("B19") else False
+
     # -- filter / merge -----------------------------------------------------------
     def filter_batch(self, keep_indices: list[int] | None = None) -> None:
         """Keep the unfinished requests (or ``keep_indices``): gathers on S, sum None."""
@@ -147,6 +196,9 @@ class ScheduleBatch:
         keep = streams.device_tensor(keep_indices)
         keep_cpu = streams.host_tensor(keep_indices)
         self.reqs = [self.reqs[j] for j in keep_indices]
+        if self.decoding_reqs is not None:  # a mixed batch's decode rows that are kept
+            kept = {id(req) for req in self.reqs}
+            self.decoding_reqs = [req for req in self.decoding_reqs if id(req) in kept]
         self.seq_lens = self.seq_lens[keep]
         self.req_pool_indices = self.req_pool_indices[keep]
         with streams.on_host():
@@ -191,7 +243,8 @@ class ScheduleBatch:
     # -- what outlives the iteration ------------------------------------------------
     def copy(self) -> ResultBatch:
         """``SB.copy()`` for the result queue: the same Req objects and the pool rows."""
-        return ResultBatch(list(self.reqs), self.forward_mode, self.req_pool_indices)
+        return ResultBatch(list(self.reqs), self.forward_mode, self.req_pool_indices,
+                           None if self.decoding_reqs is None else list(self.decoding_reqs))
 
     def get_referenced_tensors(self) -> tuple[torch.Tensor, ...]:
         """What the forward reads from this batch (the batch_record_buf keep-alive set)."""
@@ -205,3 +258,4 @@ class ResultBatch:
     reqs: list[Req]
     forward_mode: str
     req_pool_indices: torch.Tensor
+    decoding_reqs: list[Req] | None = None  # a mixed batch's decode rows

@@ -282,7 +282,7 @@ class Scheduler:
             # stash_chunked_request: the chunk scheduled last is the next one's prefix.
             chunked.prefix_len = chunked.extend_end
         last = self.last_batch
-        if last is not None and last.forward_mode == "extend":
+        if last is not None and last.forward_mode in ("extend", "mixed"):
             size = len(last.reqs)
             excluded = self.get_merge_exclusions(last)
             last.filter_batch([j for j, req in enumerate(last.reqs)
@@ -406,7 +406,33 @@ class Scheduler:
                                  < compute_fill_len(req.prompt_len, len(req.output_ids))), None)
         batch = ScheduleBatch.prepare_for_extend(self.rt, chosen, ends)
         batch.chunked_req = self.chunked_req
+        if self.config.preset.mixed_chunk:
+            self.mix_running_decodes(batch)
         return batch
+
+    def mix_running_decodes(self, batch: ScheduleBatch) -> None:
+        """``is_mixed_chunk`` (non-spec): the running decodes, less the finished and those
+        the queued result finishes by length, are prepared and ride in ``batch``
+        (``mix_with_running``) when their decode fits the KV the prefill left
+        (``check_decode_mem``; else they sit out this step, not retracted). The running
+        batch is then an empty one keeping the latch. The new-token ratio is not decayed:
+        ``update_running_batch`` does not run."""
+        running = self.running_batch
+        if running is None or running.is_empty():
+            return
+        finishing = self._reqs_finishing_inflight(running)
+        left_out = {id(req) for req in finishing}
+        running.filter_batch([j for j, req in enumerate(running.reqs)
+                              if not req.finished() and id(req) not in left_out])
+        if finishing:
+            running.batch_is_full = False
+        if running.is_empty():
+            return
+        if sum(self._decode_pages_needed(running)) > get_available_pages(self.rt):
+            return
+        running.prepare_for_decode()
+        batch.mix_with_running(running)
+        self.running_batch = ScheduleBatch.empty(self.rt, running.batch_is_full)
 
     def _add_requests(self, queue: list[Req], members: list[Req], slots: int,
                       continued: Req | None) -> tuple[list[Req], list[int], bool]:
@@ -417,15 +443,24 @@ class Scheduler:
         (page-ceiled); a prompt that does not fit what is left is cut to its page-floored
         rest and reserves no ``max_new_tokens``; a spent budget stops without the latch."""
         page = self.config.page_size
-        budget = PrefillBudget(get_available_pages(self.rt) * page)
+        preset = self.config.preset
+        # A mixed step sets one token per running decode aside (num_mixed_decode_tokens)
+        # from both offsets and the chunk budget, before the running estimate.
+        mixed = len(members) if preset.mixed_chunk else 0
+        budget = PrefillBudget(get_available_pages(self.rt) * page, mixed, mixed)
         budget.total_offset += sum([
             compute_running_token_offset(r.max_new_tokens, len(r.output_ids), self.ratio)
             for r in members])
-        chunk = self.config.preset.chunked_prefill_size or None  # rem_chunk_tokens
+        # rem_chunk_tokens
+        chunk = preset.chunked_prefill_size - mixed if preset.chunked_prefill_size else None
         admitted: list[Req] = []
         ends: list[int] = []
         if continued is not None:
             assert chunk is not None
+            if chunk <= 0:
+                # The decodes set aside took the whole chunk budget: the chunked request
+                # waits, and nothing is admitted this step.
+                return [], [], False
             fill = compute_fill_len(continued.prompt_len, len(continued.output_ids))
             end = compute_chunk_continuation_end(continued.prefix_len, fill, chunk,
                                                  int(budget.available - budget.total_offset))
@@ -562,6 +597,15 @@ class Scheduler:
             batch.input_ids = streams.device_tensor(
                 [req.output_ids[-1] if req.output_ids else req.last_prompt_token
                  for req in batch.reqs], forward)
+            decode_rows = batch.get_decode_rows() if batch.forward_mode == "mixed" else []
+            if cell.overlap and decode_rows:
+                # A mixed batch's decode rows take the relay's tokens (their last result
+                # may still be queued); only their rows are gathered.
+                positions = streams.device_tensor(decode_rows, forward)
+                with streams.use(forward):
+                    relayed = self.future_map.resolve_forward_inputs(
+                        batch.req_pool_indices[positions])
+                    batch.input_ids = batch.input_ids.index_put((positions,), relayed)
         snapshot = {name: getattr(batch, name) for name in ISOLATED_FIELDS}
         if cell.overlap:
             self.record_batch_in_overlap(batch)
@@ -670,10 +714,10 @@ class Scheduler:
         assert result.next_token_ids_cpu is not None and result.accept_lens_cpu is not None
         tokens = streams.to_list(result.next_token_ids_cpu, "process_batch_result tokens")
         accept_lens = streams.to_list(result.accept_lens_cpu, "process_batch_result accept")
-        is_decode = result.forward_mode == "decode"
         counted = [0, 0]  # correct drafts, batch size
         for j, req in enumerate(batch.reqs):
             accept, eos_at = accept_lens[j], result.eos_at[j]
+            is_decode = result.get_row_mode(j) == "decode"  # a mixed batch has both
             if not is_decode and req.inflight_middle_chunks > 0 and not req.is_retracted:
                 # A middle chunk (process_batch_result_prefill's chunked branch): one off
                 # the counter; no token, no finish check, no commit.
@@ -714,5 +758,5 @@ class Scheduler:
             if req.finished() and req.holds_kv:
                 release_kv_cache(rt, req, is_insert=True)
         # Only spec decode results feed the metrics (update_spec_metrics).
-        metered = cell.is_spec and is_decode
+        metered = cell.is_spec and result.forward_mode == "decode"
         self.num_correct_drafts, self.metrics_batch_size = counted if metered else (0, 0)

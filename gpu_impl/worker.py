@@ -9,7 +9,8 @@ Everything here runs on the forward stream (the schedule stream without overlap)
 worker writes the KV cache exactly where the real model would, through ``req_to_token``
 gathers at the positions the reference worker writes (prefill ``[prefix_len, end)``,
 ``[0, fill_len)`` unless a chunk continues; non-spec decode ``seq_len - 1``; spec draft
-``[s, s + topk * steps)`` and verify ``[s, s + D_tok)``).
+``[s, s + topk * steps)`` and verify ``[s, s + D_tok)``). A mixed batch runs the extend
+forward: its prefill rows as a prefill's, its decode rows as a decode's.
 A write through a -1 entry, past ``kv_allocated_len`` or into a page another request owns
 is masked into the trash slot and counted as a kv_write_fault, all with tensor ops; a
 request that holds no pool row counts one fault per write, as in the reference.
@@ -43,7 +44,7 @@ READ_DONE = "shared_read_done"  # reference.worker.READ_DONE
 class ForwardBatch:
     """What the model sees; ``seq_lens`` and ``req_pool_indices`` alias the ScheduleBatch's."""
 
-    purpose: str  # "extend" | "decode" | "draft" | "verify" | "draft_extend"
+    purpose: str  # "extend" | "mixed" | "decode" | "draft" | "verify" | "draft_extend"
     draft_tokens: int
     batch_size: int
     seq_lens: torch.Tensor
@@ -83,6 +84,13 @@ class ForwardResult:
     next_token_ids_cpu: torch.Tensor | None = None  # host copies, valid after copy_done
     accept_lens_cpu: torch.Tensor | None = None
     copy_done: str = ""
+    decode_rows: int = 0  # a mixed batch's decode rows: its last ones
+
+    def get_row_mode(self, j: int) -> str:
+        """The forward row ``j`` had: "decode" for a mixed batch's last ``decode_rows``."""
+        if self.forward_mode != "mixed":
+            return self.forward_mode
+        return "decode" if j >= len(self.eos_at) - self.decode_rows else "extend"
 
 
 OnPublish = Callable[[torch.Tensor], None]
@@ -108,7 +116,7 @@ class ModelWorker:
         rt = self.rt
         with rt.streams.use(rt.forward_stream):
             inputs = self._get_request_inputs(batch)
-            if batch.forward_mode == "extend":
+            if batch.forward_mode in ("extend", "mixed"):
                 return self._forward_extend(batch, step, choices, inputs, on_publish)
             if rt.config.cell.is_spec:
                 return self._forward_decode_spec_v2(batch, step, choices, inputs, on_publish)
@@ -193,11 +201,17 @@ class ModelWorker:
     def _forward_extend(self, batch: ScheduleBatch, step: StepId, choices: IterationChoices,
                         inputs: RequestInputs, on_publish: OnPublish) -> ForwardResult:
         rt = self.rt
-        fb = ForwardBatch.init_new(rt, batch, "extend")
+        fb = ForwardBatch.init_new(rt, batch, batch.forward_mode)
         assert fb.seq_lens_cpu is not None, "a prefill always carries its host lengths"
         ends = rt.streams.to_list(fb.seq_lens_cpu, "extend width")
-        prefixes = [req.prefix_len for req in batch.reqs]
-        # The chunk, [prefix_len, end): all of it from 0 unless a chunk continues.
+        decode_rows = batch.get_decode_rows()
+        # A mixed batch's decode rows were appended after its prefill rows.
+        assert decode_rows == list(range(len(ends) - len(decode_rows), len(ends))), (
+            f"decode rows {decode_rows} are not the last of {len(ends)}")
+        # The chunk, [prefix_len, end): all of it from 0 unless a chunk continues; a mixed
+        # batch's decode row writes the token being processed, [end - 1, end).
+        prefixes = [end - 1 if j in decode_rows else req.prefix_len
+                    for j, (req, end) in enumerate(zip(batch.reqs, ends, strict=True))]
         widest = max(end - prefix for end, prefix in zip(ends, prefixes, strict=True))
         if any(prefixes):
             starts = rt.streams.device_tensor(prefixes, rt.forward_stream)
@@ -208,11 +222,16 @@ class ModelWorker:
         tokens = self._sample(batch, inputs, fb.seq_lens, 1, eos_at)  # at fill_len
         if not rt.config.cell.is_spec or rt.config.cell.early_fence:
             self._record_reads_done()  # EAGLE's prefill records none (spec_info.py:138)
-        new_seq_lens = fb.seq_lens.clone()  # spec extend publishes s (the prompt length)
+        if decode_rows:  # a decode row advances past the token it processed
+            advanced = rt.streams.device_tensor(
+                [int(j in decode_rows) for j in range(len(ends))], rt.forward_stream)
+            new_seq_lens = fb.seq_lens + advanced
+        else:
+            new_seq_lens = fb.seq_lens.clone()  # spec extend publishes s (the prompt length)
         if rt.config.cell.is_spec:
             on_publish(new_seq_lens)
-        return ForwardResult(step, "extend", 1, tokens, self._fill(fb, 1), eos_at,
-                             new_seq_lens, faults)
+        return ForwardResult(step, batch.forward_mode, 1, tokens, self._fill(fb, 1), eos_at,
+                             new_seq_lens, faults, decode_rows=len(decode_rows))
 
     def _forward_decode(self, batch: ScheduleBatch, step: StepId, choices: IterationChoices,
                         inputs: RequestInputs) -> ForwardResult:

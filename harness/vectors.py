@@ -294,7 +294,7 @@ Keys of a vector:
 - `preset`, `derived`: sizes: `max_running_requests` (req_to_token rows),
   `kv_tokens`, the draft shape; `derived` holds `draft_tokens` (D_tok),
   `alloc_len_per_decode` (A), `lag_bound`, `row_width`.
-- `faults`: historical bugs switched on (B1..B18); empty for a correct design.
+- `faults`: historical bugs switched on (B1..B19); empty for a correct design.
 - `prefix`: the operations from an empty scheduler to the pre state (the same
   objects as the `op` event).
 - `pre`: the state at the last observation point before the operation, or null.
@@ -326,7 +326,7 @@ How an SGLang unit test can use them:
 
 1. *Invariant predicates*: feed `post.state` to your own checks; valid vectors must
    pass, invalid ones must fail with `post.invariant` (IDs SL1-SL11, KV1-KV12, FM1-FM7,
-   ST1-ST5, RP1-RP7 of the overlap-spec digest).
+   ST1-ST5, RP1-RP8 of the overlap-spec digest).
 2. *Scheduler conformance*: drive a scheduler with `prefix` then the `op` of `events`,
    map its `ScheduleBatch` / `Req` fields at each observation point and compare with
    the `observe` points and `post.state` (fields you do not model can be skipped).

@@ -139,6 +139,7 @@ class Refinement:
             req_pool_indices_cpu=tuple(batch.req_pool_indices_cpu),
             future_indices=None if batch.future_indices is None else tuple(batch.future_indices),
             seq_len_cpu_ub=batch.seq_len_cpu_ub,
+            is_prefill_only=batch.is_prefill_only,
         )
 
     def get_forward_view(self, fb: ForwardBatch, batch: ScheduleBatch) -> ForwardView:

@@ -16,6 +16,7 @@ from overlap_spec.reference.mem_cache import (
 )
 from overlap_spec.reference.req import Req
 from overlap_spec.reference.runtime import DeviceTensor, Runtime
+from overlap_spec.spec import relation
 from overlap_spec.spec.happens_before import SCHEDULE
 from overlap_spec.spec.transitions import compute_decode_seq_len_ns, is_prefill_only
 from overlap_spec.spec.units import PoolRow
@@ -25,7 +26,7 @@ from overlap_spec.spec.units import PoolRow
 class ScheduleBatch:
     rt: Runtime
     reqs: list[Req]
-    forward_mode: str  # "extend" | "decode" | "idle"
+    forward_mode: str  # "extend" | "decode" | "mixed" | "idle"
     seq_lens: DeviceTensor
     seq_lens_cpu: list[int] | None
     seq_lens_sum: int | None
@@ -44,6 +45,8 @@ class ScheduleBatch:
     batch_is_full: bool = False
     # The chunked request whose middle chunk this prefill carries (init_new's chunked_req).
     chunked_req: Req | None = None
+    # A mixed batch's decode rows (``decoding_reqs``), after its prefill rows.
+    decoding_reqs: list[Req] | None = None
 
     # -- construction ---------------------------------------------------------
     @classmethod
@@ -75,8 +78,35 @@ class ScheduleBatch:
                                             [req.max_new_tokens for req in reqs]),
         )
 
+    @classmethod
+    def empty(cls, rt: Runtime, batch_is_full: bool) -> ScheduleBatch:
+        """``ScheduleBatch(reqs=[], batch_is_full=...)``: what a mixed step leaves running."""
+        return cls(rt=rt, reqs=[], forward_mode="idle", seq_lens=rt.new_tensor([], "init"),
+                   seq_lens_cpu=[], seq_lens_sum=0, req_pool_indices=rt.new_tensor([], "init"),
+                   req_pool_indices_cpu=[], batch_is_full=batch_is_full)
+
     def is_empty(self) -> bool:
         return not self.reqs
+
+    def mix_with_running(self, running: ScheduleBatch) -> None:
+        """``mix_with_running`` (non-spec): the prepared decode rows ride after the prefill
+        rows as one-token extends (spec.relation.mix_with_running), merged as
+        ``merge_batch`` merges; the batch is "mixed" and never prefill-only."""
+        flag = self.is_prefill_only
+        for req, seq_len in zip(running.reqs, running.seq_lens.values, strict=True):
+            req.apply(relation.mix_with_running, seq_len)
+        self.merge_batch(running)
+        self.forward_mode = "mixed"
+        self.decoding_reqs = list(running.reqs)
+        # B19 (before #10889): the flag stayed the prefill's (merge_batch did not AND it).
+        self.is_prefill_only = flag if self.rt.has_fault("B19") else False
+
+    def is_decode_row(self, j: int) -> bool:
+        """Whether member ``j`` decodes: a decode batch's rows, a mixed batch's last ones."""
+        if self.forward_mode == "mixed":
+            assert self.decoding_reqs is not None
+            return any(req is self.reqs[j] for req in self.decoding_reqs)
+        return self.forward_mode == "decode"
 
     # -- decode -----------------------------------------------------------------
     def prepare_for_decode(self) -> None:
@@ -113,6 +143,9 @@ class ScheduleBatch:
         lens = rt.read_tensor(SCHEDULE, self.seq_lens, "filter_batch")
         rows = rt.read_tensor(SCHEDULE, self.req_pool_indices, "filter_batch")
         self.reqs = [self.reqs[j] for j in keep_indices]
+        if self.decoding_reqs is not None:
+            self.decoding_reqs = [req for req in self.decoding_reqs
+                                  if any(req is kept for kept in self.reqs)]
         self.seq_lens = rt.new_tensor([lens[j] for j in keep_indices], "filter_batch")
         self.req_pool_indices = rt.new_tensor([rows[j] for j in keep_indices], "filter_batch")
         self.req_pool_indices_cpu = [self.req_pool_indices_cpu[j] for j in keep_indices]
@@ -162,7 +195,8 @@ class ScheduleBatch:
     # -- snapshot -----------------------------------------------------------------
     def copy(self) -> ScheduleBatch:
         """``SB.copy()`` for the result queue: a shallow list of the same Req objects."""
-        return replace(self, reqs=list(self.reqs), extra={})
+        decoding = None if self.decoding_reqs is None else list(self.decoding_reqs)
+        return replace(self, reqs=list(self.reqs), extra={}, decoding_reqs=decoding)
 
     def get_referenced_tensors(self) -> set[int]:
         held = {self.seq_lens.tensor_id, self.req_pool_indices.tensor_id}

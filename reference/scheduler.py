@@ -245,7 +245,7 @@ class Scheduler:
             # The chunk scheduled last becomes the next one's prefix.
             self.chunked_req.apply(relation.stash_chunked_request)
         last = self.last_batch
-        if last is not None and last.forward_mode == "extend":
+        if last is not None and last.forward_mode in ("extend", "mixed"):
             excluded = self.get_merge_exclusions(last)
             before = len(last.reqs)
             last.filter_batch([j for j, req in enumerate(last.reqs)
@@ -365,7 +365,34 @@ class Scheduler:
                 self.future_map.on_row_acquired(req)
         batch.chunked_req = self.chunked_req
         self._observe_batch(ObservationPoint.PREPARE_FOR_EXTEND, batch, admission=view)
+        if self.config.preset.mixed_chunk:
+            self.mix_running_decodes(batch)
         return batch
+
+    def mix_running_decodes(self, batch: ScheduleBatch) -> None:
+        """Mixed chunks (``is_mixed_chunk``, non-spec): the running decodes, less those their
+        queued result finishes by length, ride in the prefill's batch when their decode fits
+        the KV left after it (``check_decode_mem``; else they sit out this step, not
+        retracted); the running batch is then an empty one that keeps the latch. No
+        new-token-ratio decay: ``update_running_batch`` does not run."""
+        running = self.running_batch
+        if running is None or running.is_empty():
+            return
+        finishing = self._reqs_finishing_inflight(running)
+        before = len(running.reqs)
+        # filter_batch(reqs_to_exclude=finishing): the finished leave too.
+        running.filter_batch([j for j, req in enumerate(running.reqs)
+                              if not req.finished() and j not in finishing])
+        if finishing:
+            running.batch_is_full = False
+        if len(running.reqs) != before:
+            self._observe_batch(ObservationPoint.FILTER_BATCH, running)
+        if running.is_empty() or not self._fits(running, set(range(len(running.reqs)))):
+            return
+        running.prepare_for_decode()
+        self._observe_batch(ObservationPoint.PREPARE_FOR_DECODE, running)
+        batch.mix_with_running(running)
+        self.running_batch = ScheduleBatch.empty(self.rt, running.batch_is_full)
 
     def admit_by_budget(self) -> tuple[list[Req], list[int], AdmissionView | None]:
         """``get_new_batch_prefill`` with the release's ``PrefillAdder``: the chunked request
@@ -395,15 +422,24 @@ class Scheduler:
                    len(rt.req_to_token.free_slots) + (continued is not None))
         page = cfg.page_size
         available = get_available_pages(rt) * page
-        # As PrefillBudget adds them: 0, then the running offsets' sum, then each reservation.
-        total: float = 0
+        # As PrefillBudget adds them: a mixed step's one token per running decode
+        # (num_mixed_decode_tokens, else 0), then the running offsets' sum, then each
+        # reservation.
+        mixed = len(members) if cfg.preset.mixed_chunk else 0
+        total: float = mixed
+        current = mixed
         total += sum([compute_running_token_offset(req.max_new_tokens, len(req.output_ids),
                                                    self.new_token_ratio) for req in members])
-        current = 0
-        chunk = cfg.preset.chunked_prefill_size or None  # rem_chunk_tokens
+        chunk = cfg.preset.chunked_prefill_size - mixed if cfg.preset.chunked_prefill_size \
+            else None  # rem_chunk_tokens
         chosen: list[Req] = []
         ends: list[int] = []
         continuation = None
+        if continued is not None and chunk is not None and chunk <= 0:
+            # The running decodes set aside the whole chunk budget: the release would prefill
+            # an empty chunk (KV11). Only PD-prebuilt arrivals, which join the running batch
+            # outside the budget, get here; the model's own rule: the chunk waits a step.
+            return [], [], None
         if continued is not None:
             fill = compute_fill_len(continued.prompt_len, len(continued.output_ids))
             assert chunk is not None
@@ -459,7 +495,8 @@ class Scheduler:
                    req.max_new_tokens, len(req.output_ids)) for req in waiting),
             len(chosen) - (continued is not None),
             chunk_size=cfg.preset.chunked_prefill_size, continued=continuation,
-            ends=tuple(ends[1:] if continued is not None else ends), latched=latched)
+            ends=tuple(ends[1:] if continued is not None else ends), latched=latched,
+            mixed_decode_tokens=mixed)
         return chosen, ends, view
 
     def update_running_batch(self, batch: ScheduleBatch, forced_retracts: int) -> bool:
@@ -565,13 +602,17 @@ class Scheduler:
             self.rt.hb.wait_stream(FORWARD, SCHEDULE)  # RAW fence at launch (ST1)
         rows = list(batch.req_pool_indices_cpu)
         gathers: list[RelayGather] = []
-        if cfg.cell.overlap and batch.forward_mode == "decode":
-            gathers, batch.input_ids = self.future_map.resolve_forward_inputs(batch.reqs, rows)
-        elif batch.forward_mode == "decode":  # the last result's tokens (output_ids)
-            batch.input_ids = [req.output_ids[-1] for req in batch.reqs]
-        else:  # the prefill's last input token: the prompt's, or the last output's
-            batch.input_ids = [req.output_ids[-1] if req.output_ids else req.last_prompt_token
-                               for req in batch.reqs]
+        # A prefill row's last input token (the prompt's, or the last output's); a decode
+        # row's (a mixed batch's too) is the relay's under overlap, else the last output.
+        decoding = [j for j in range(len(batch.reqs)) if batch.is_decode_row(j)]
+        inputs = [req.output_ids[-1] if req.output_ids else req.last_prompt_token
+                  for req in batch.reqs]
+        if cfg.cell.overlap and decoding:
+            gathers, relayed = self.future_map.resolve_forward_inputs(
+                [batch.reqs[j] for j in decoding], [rows[j] for j in decoding])
+            for j, token in zip(decoding, relayed, strict=True):
+                inputs[j] = token
+        batch.input_ids = inputs
         members = self._launch_members(batch, rows)
         entry = self.refinement.get_batch_view(batch)
         self.isolation_entry = entry
@@ -615,7 +656,6 @@ class Scheduler:
                         ) -> tuple[LaunchMember, ...]:
         """What the LAUNCH observation says of each member, read before the forward."""
         cfg = self.config
-        width = compute_forward_write_width(self.rt.shape, batch.forward_mode)
         relayed = cfg.cell.is_spec and cfg.cell.overlap
         return tuple(
             LaunchMember(
@@ -625,9 +665,11 @@ class Scheduler:
                 published_seq_len=self.future_map.new_seq_lens_buf[row] if relayed else None,
                 kv_allocated_len=req.kv_allocated_len,
                 ghost_kv_len=TokenCount(req.ghost.kv_len_true),
-                write_width=width,
+                write_width=compute_forward_write_width(
+                    self.rt.shape, "decode" if batch.is_decode_row(j) else "extend"),
             )
-            for req, s, row in zip(batch.reqs, batch.seq_lens.values, rows, strict=True)
+            for j, (req, s, row) in enumerate(zip(batch.reqs, batch.seq_lens.values, rows,
+                                                  strict=True))
         )
 
     def _forward(self, batch: ScheduleBatch, step: StepId, choices: IterationChoices,
@@ -777,7 +819,7 @@ class Scheduler:
             out_before, committed_before = len(req.output_ids), req.kv_committed_len
             start = j * result.stride
             tokens = tuple(result.next_token_ids[start:start + result.stride])
-            req.apply(relation.process_result, cfg.cell, result.step, result.forward_mode,
+            req.apply(relation.process_result, cfg.cell, result.step, result.get_row_mode(j),
                       accept, eos_at, tokens, rt.faults)
             all_correct += accept - 1
             if not stale:

@@ -76,6 +76,13 @@ class ForwardResult:
     publishes: list[PublishRecord] = field(default_factory=list)
     kv_write_faults: list[KvWrite] = field(default_factory=list)
     copy_done: str = ""
+    decode_rows: int = 0  # a mixed batch's decode rows, its last ones
+
+    def get_row_mode(self, j: int) -> str:
+        """The forward row ``j`` had: a mixed batch's last ``decode_rows`` decoded."""
+        if self.forward_mode != "mixed":
+            return self.forward_mode
+        return "decode" if j >= len(self.reqs) - self.decode_rows else "extend"
 
 
 OnPublish = Callable[[list[int]], None]
@@ -121,7 +128,7 @@ class ModelWorker:
     def forward_batch_generation(self, batch: ScheduleBatch, step: StepId,
                                  choices: IterationChoices, on_publish: OnPublish) -> ForwardResult:
         cfg = self.rt.config
-        if batch.forward_mode == "extend":
+        if batch.forward_mode in ("extend", "mixed"):
             return self._forward_extend(batch, step, choices, on_publish)
         if cfg.cell.is_spec:
             return self._forward_decode_spec_v2(batch, step, choices, on_publish)
@@ -142,14 +149,19 @@ class ModelWorker:
     def _forward_extend(self, batch: ScheduleBatch, step: StepId, choices: IterationChoices,
                         on_publish: OnPublish) -> ForwardResult:
         rt = self.rt
-        fb = init_new(rt, batch, "extend")
+        fb = init_new(rt, batch, batch.forward_mode)
         self.emit("init_new", forward=fb, batch=batch)
         faults: list[KvWrite] = []
         tokens: list[int] = []
         eos: list[int | None] = []
+        decode_rows = len(batch.decoding_reqs or ())
         for j, (req, fill_len) in enumerate(zip(batch.reqs, fb.seq_lens, strict=True)):
-            self._write_kv(req, req.prefix_len, fill_len, faults)  # the chunk (or all of it)
-            req.apply(forward_extend, step, fill_len)
+            if batch.is_decode_row(j):  # a mixed batch's decode: the token being processed
+                self._write_kv(req, fill_len - 1, fill_len, faults)
+                req.apply(forward_decode, step, 1)
+            else:
+                self._write_kv(req, req.prefix_len, fill_len, faults)  # the chunk (or all)
+                req.apply(forward_extend, step, fill_len)
             run, eos_at = self._sample(batch, j, 1, choices, 1, fill_len)
             tokens += run
             eos.append(eos_at)
@@ -160,8 +172,10 @@ class ModelWorker:
             # read-done (supports_prefill_shared_read_done() is False, spec_info.py:138),
             # so the release's barrier falls back to S.wait_stream(F) after it.
             on_publish(list(fb.seq_lens))
-        return ForwardResult(step, "extend", list(batch.reqs), 1, tokens,
-                             [1] * len(batch.reqs), eos, list(fb.seq_lens), kv_write_faults=faults)
+        new_seq_lens = [s + batch.is_decode_row(j) for j, s in enumerate(fb.seq_lens)]
+        return ForwardResult(step, batch.forward_mode, list(batch.reqs), 1, tokens,
+                             [1] * len(batch.reqs), eos, new_seq_lens, kv_write_faults=faults,
+                             decode_rows=decode_rows)
 
     def _forward_decode(self, batch: ScheduleBatch, step: StepId,
                         choices: IterationChoices) -> ForwardResult:

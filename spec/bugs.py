@@ -1,6 +1,6 @@
-"""The historical bugs B1-B18 (digest section 5; B16 is the reserve upstream fixed in
+"""The historical bugs B1-B19 (digest section 5; B16 is the reserve upstream fixed in
 #26354, B17 what the upstream tier found the release doing, B18 a chunked-prefill counter
-bug of the JAX port), each a mutant the checkers must kill.
+bug of the JAX port, B19 a mixed-chunk flag bug), each a mutant the checkers must kill.
 
 Each entry names the upstream PRs, the trigger, the invariants the digest says it
 breaks and the cells where the trigger can occur. An implementation re-introduces
@@ -180,6 +180,18 @@ BUGS: Final[tuple[Bug, ...]] = (
         lambda cell: True,
         not_in_z3="the Z3 model and BMC have no chunked prefill (proofs/model.py)",
         sizes=(("chunked_prefill_size", 4),)),
+    Bug("B19", "a mixed step keeps the prefill's prefill-only flag",
+        "#10889 (merged 2025-09-26)",
+        "with mixed chunks, a prefill of requests capped to 0 new tokens takes the running "
+        "decodes along: the merged batch stays flagged prefill-only, so once it is the running "
+        "batch it is never decoded and the decodes it carries stall until a merge clears the "
+        "flag (in 2025 the loop also skipped the prefill-only batch's merge, stranding them "
+        "with their KV, the leak the PR reports)",
+        "mix_with_running leaves is_prefill_only as the prefill's (its merge of the "
+        "decodes not AND-ing it, as then)", ("RP8",),
+        lambda cell: not cell.is_spec, representative_cells=("ov-p1-none", "nov-p4-none"),
+        not_in_z3="the Z3 model and BMC have no chunked prefill (proofs/model.py)",
+        sizes=(("chunked_prefill_size", 8), ("mixed_chunk", 1), ("kv_tokens", 16))),
 )
 
 BUG_IDS: Final = tuple(bug.id for bug in BUGS)

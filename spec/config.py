@@ -159,6 +159,10 @@ class Preset:
     # and up), above every prompt these presets draw, so 0 is its behaviour here; a size
     # below ``max_context_len`` chunks prompts as the release would with that setting.
     chunked_prefill_size: int = 0
+    # ``enable_mixed_chunk`` (0 / 1; the release's default is off): with chunking, the running
+    # decodes ride in each prefill chunk's batch (``mix_with_running``). Non-spec cells only:
+    # spec's mixed tails (``resolve_mixed_spec_tails``) are not modelled.
+    mixed_chunk: int = 0
 
 
 MINIMAL: Final = Preset(

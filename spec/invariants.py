@@ -714,7 +714,12 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
     (paged extend + a page + max_new_tokens unless cut into a first chunk); with chunked
     prefill each extend also spends the step's chunk budget, and a fill it cannot hold is cut
     to the budget's whole pages; admission stops at the first that does not fit, or when
-    rows, budget or chunk budget run out (schedule_policy.py PrefillAdder, add_chunked_req,
+    rows, budget or chunk budget run out. A mixed step first sets one token per running
+    decode aside from the running total, the current total and the chunk budget, and a
+    chunked request is never continued with no chunk budget left (the release would
+    prefill an empty or negative chunk, ``extend_end <= prefix_len``; admissions keep the
+    running requests below the chunk size while one is pending, and where PD-prebuilt
+    arrivals fill it the chunk waits) (schedule_policy.py PrefillAdder, add_chunked_req,
     mem_cache/prefill_budget.py)."""
     view = obs.admission
     if view is None or obs.batch is None:
@@ -728,13 +733,20 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
     page, clip, free = config.page_size, CLIP_MAX_NEW_TOKENS, view.available_tokens
     # Summed as PrefillBudget sums them (float rounding included): 0, the running estimate,
     # then each admission's reservation.
-    total: float = 0
+    # A mixed step sets one token per running decode aside first, from both budgets.
+    mixed = view.mixed_decode_tokens
+    total: float = mixed
     total += sum([min(max_new - out, clip) * view.new_token_ratio
                   for max_new, out in view.running])
-    current, count, chunk = 0, 0, view.chunk_size or None
+    current, count = mixed, 0
+    chunk = None if not view.chunk_size else view.chunk_size - mixed
     if continued is not None:
         rid, prefix, fill, max_new, end = continued
         assert chunk is not None
+        if chunk <= 0:  # nothing of the chunk budget left: the chunk would be empty
+            raise fail("KV11", obs, f"for request r{rid}: continued with {chunk} left of the "
+                       f"chunk budget ({mixed} running decode(s) set aside): an empty chunk "
+                       f"[{prefix}, {end})")
         room = min(chunk, int(free - total))  # available_chunk_tokens, not page-floored
         expected = prefix + min(fill - prefix, room if room > 0 else chunk)
         if end != expected:
@@ -802,7 +814,9 @@ def check_kv12(config: ModelConfig, obs: Observation) -> int:
             continue
         count += 1
         fill = r.prompt_len + r.output_len
-        if r.extend_end == fill and r.rid != obs.chunked_rid:
+        # Whole: its extend reached the fill (a mixed step's one-token decode extend, taken
+        # with the prefill's result still queued, ends past it).
+        if r.extend_end >= fill and r.rid != obs.chunked_rid:
             continue
         if r.rid != obs.chunked_rid or not 0 < r.extend_end < fill:
             raise fail("KV12", obs, f"for request r{r.rid}: its prefill is pending at "
@@ -1094,7 +1108,7 @@ def check_rp4(config: ModelConfig, obs: Observation) -> int:
         r = obs.get_request(m.rid)
         # The launched step itself is counted, and middle chunks in flight (the ghost's, this
         # one's included once forwarded) carry no token.
-        middle_now = launch.forward_mode == "extend" and r.extend_end < r.prompt_len + r.output_len
+        middle_now = launch.forward_mode != "decode" and r.extend_end < r.prompt_len + r.output_len
         in_flight = r.ghost.inflight_steps - 1 - (r.ghost.middle_chunks - middle_now)
         if r.output_len + in_flight >= max(r.max_new_tokens, 1):  # a first token, always
             raise fail("RP4", obs, f"for request r{r.rid}: launched with {r.output_len} "
@@ -1168,6 +1182,27 @@ def check_rp7(config: ModelConfig, obs: Observation) -> int:
                            + (" (EOS only ends the output)" if token == EOS_TOKEN else ""))
             previous = token
         count += len(out) - start
+    return count
+
+
+@invariant("RP8", "a prefill-only batch generates nothing",
+           "schedule_batch.py is_prefill_only #10889", _non_spec)
+def check_rp8(config: ModelConfig, obs: Observation) -> int:
+    """RP8: a batch flagged prefill-only (the release never decodes it) holds only requests
+    capped to 0 new tokens; a request with tokens to generate in it would wait for a merge
+    that may never come. The flag is the AND of its members' at prepare and merge, and a
+    mixed step clears it (``mix_with_running``, #10889). Witnessed by each batch holding a
+    request capped to 0, where the flag can be set (schedule_batch.py ``is_prefill_only``,
+    scheduler.py ``get_next_batch_to_run``)."""
+    count = 0
+    for batch in _schedule_batches(obs):
+        capped = [obs.get_request(rid).max_new_tokens == 0 for rid in batch.rids]
+        if batch.is_prefill_only and not all(capped):
+            rid = batch.rids[capped.index(False)]
+            raise fail("RP8", obs, f"for request r{rid}: max_new_tokens="
+                       f"{obs.get_request(rid).max_new_tokens} in a {batch.forward_mode} "
+                       "batch flagged prefill-only, which is never decoded")
+        count += any(capped)
     return count
 
 

@@ -29,7 +29,9 @@ With chunked prefill the prefill goes in chunks: ``prepare_for_extend`` to the f
 chunk's end, then per step ``stash_chunked_request`` (the checkpoint) and
 ``prepare_next_chunk``, each chunk launched, forwarded and processed (a middle chunk's
 result only counts down ``inflight_middle_chunks``); an abort of the chunked request ends
-in ``finish_chunked_abort`` and a release without caching.
+in ``finish_chunked_abort`` and a release without caching. With mixed chunks the running
+decodes, prepared as usual, ride in the chunk's batch (``mix_with_running``) and their
+results are decodes'.
 
 ``abort`` fires at any time before the finish; ``process_prebuilt`` replaces the prefill's
 result for a PD-decode request. Pages and ``req_to_token`` columns are the allocator's: an
@@ -337,6 +339,16 @@ def prepare_for_decode(req: RequestRecord, seq_len: int) -> RequestRecord:
     return replace(req, kv_allocated_len=compute_decode_seq_len_ns(seq_len),
                    kv_committed_len=req.kv_committed_len + 1,
                    ghost=ghost_prepare_decode(req.ghost))
+
+
+@transition("extend_end")
+def mix_with_running(req: RequestRecord, seq_len: int) -> RequestRecord:
+    """``ScheduleBatch.mix_with_running`` for a prepared decode row: it rides in the prefill
+    chunk's batch as a one-token extend ending at its decode ``seq_len`` (``extend_end =
+    prefix + 1``); ``prefix_len`` keeps the last prefill's end, and its result is a decode's
+    (a decode row is never checkpointed)."""
+    _require_decodable("mix_with_running", req)
+    return replace(req, extend_end=seq_len)
 
 
 @transition("kv_allocated_len", "kv_committed_len", "ghost.prepared_steps")

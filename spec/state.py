@@ -112,7 +112,7 @@ class RequestView:
 class BatchView:
     """The running ``ScheduleBatch`` as the schedule side sees it."""
 
-    forward_mode: str  # "extend" | "decode" | "idle"
+    forward_mode: str  # "extend" | "decode" | "mixed" | "idle"
     rids: tuple[RequestId, ...]
     seq_lens: tuple[int, ...]  # device seq_lens
     seq_lens_cpu: tuple[int, ...] | None
@@ -121,6 +121,7 @@ class BatchView:
     req_pool_indices_cpu: tuple[PoolRow, ...]
     future_indices: tuple[PoolRow, ...] | None  # spec_info.future_indices (spec overlap)
     seq_len_cpu_ub: int | None
+    is_prefill_only: bool = False  # never decoded (Req.is_prefill_only of every member)
 
 
 @dataclass(frozen=True)
@@ -245,6 +246,9 @@ class AdmissionView:
     continued: tuple[RequestId, int, int, int, int] | None = None
     ends: tuple[int, ...] = ()
     latched: bool = False
+    # Mixed chunks: the running decodes the admission set aside (``num_mixed_decode_tokens``,
+    # one per running request; 0 unless is_mixed_chunk), from the chunk and token budgets.
+    mixed_decode_tokens: int = 0
 
 
 @dataclass(frozen=True)

@@ -235,3 +235,163 @@ def test_gpu_impl_agrees_with_the_reference_with_chunking(tier_cell: str) -> Non
     assert result.failure is None, (
         f"{result.failure.outcome.describe()}\nscript: {result.failure.script.ops}")
     assert result.compared_ops > 0 and result.launches > 0
+
+
+# --- mixed chunks (enable_mixed_chunk) ---------------------------------------------------------
+MIXED_CELLS = ["ov-p1-none", "nov-p1-none", "ov-p4-none", "nov-p4-none", "ov-p1-none-trimmed",
+               "ov-p1-none-overshoot"]
+
+
+def mixed(cell: str, size: int = 4, **sizes: int) -> ModelConfig:
+    return chunked(cell, size, mixed_chunk=1, **sizes)
+
+
+def test_mixed_chunks_need_chunking_and_a_non_spec_cell() -> None:
+    assert check_sizes(mixed("ov-p1-none")) is None
+    alone = ModelConfig(NON_SPEC, make_preset("minimal", {"mixed_chunk": 1}))
+    assert "without 'chunked_prefill_size'" in (check_sizes(alone) or "")
+    assert "not modelled" in (check_sizes(mixed("ov-p1-v2chain-cpu-honest")) or "")
+    with pytest.raises(UsageError, match="mixed_chunk"):
+        make_preset("minimal", {"mixed_chunk": 2})
+
+
+@pytest.mark.parametrize("cell", ["ov-p1-none", "nov-p1-none"])
+def test_a_decode_rides_in_each_chunk(cell: str) -> None:
+    """A prompt of 2 then one of 10, chunks of 4, mixed: the first step admits 2 + a first
+    chunk of 2 (nothing runs yet); from then on the short request's decode takes one token
+    of each step's chunk budget (``num_mixed_decode_tokens``), so the long one goes 2, 5,
+    8, 10, each chunk launched in one "mixed" batch with that decode, the running batch
+    left empty in between; once the prompt is whole both decode as usual. No new-token
+    ratio decay at a mixed step (``update_running_batch`` does not run)."""
+    config = mixed(cell)
+    with observed(config) as (sched, seen):
+        short = sched.admit(2, 6)
+        rid = sched.admit(10, 3)
+        committed, outputs, running = [], [], []
+        for _ in range(4):
+            sched.run_iteration(IterationChoices())
+            committed.append(sched.requests[rid].kv_committed_len)
+            outputs.append(len(sched.requests[short].output_ids))
+            running.append(sched.get_observable_state().running)
+        assert sched.new_token_ratio == 0.7  # nothing decayed it
+        for _ in range(8):
+            sched.run_iteration(IterationChoices())
+        assert sched.requests[rid].finished_reason == "length"
+        assert len(sched.requests[short].output_ids) == 6
+    assert committed == [2, 5, 8, 10]
+    lag = 1 if config.cell.overlap else 0  # under overlap a result lands a step later
+    assert outputs == [1 - lag, 2 - lag, 3 - lag, 4 - lag]
+    assert running[1:] == [None, None, None]  # the decodes ride in the mixed batch
+    launches = [obs.launch for obs in seen if obs.point is ObservationPoint.LAUNCH]
+    modes = [launch.forward_mode for launch in launches if launch is not None]
+    assert modes[:5] == ["extend", "mixed", "mixed", "mixed", "decode"]
+    for launch in launches[1:4]:
+        assert launch is not None and [m.rid for m in launch.members] == [rid, short]
+        assert [m.write_width for m in launch.members] == [0, 1]
+    views = [obs.admission for obs in seen if obs.admission is not None]
+    assert [v.mixed_decode_tokens for v in views] == [0, 1, 1, 1]
+    assert [v.continued[4] for v in views[1:] if v.continued] == [5, 8, 10]
+
+
+@pytest.mark.parametrize("cell", MIXED_CELLS)
+def test_the_reference_holds_every_invariant_with_mixed_chunks(cell: str) -> None:
+    """The non-spec cells with prompts in chunks of 8 and the decodes mixed in, on a pool of
+    16 tokens (where prompts capped to 0 new tokens are common): clean, with KV11, KV12 and
+    RP8 witnessed. The same budget and seed with B19 switched on must fail: mixed batches
+    whose prefill is prefill-only were drawn."""
+    config = mixed(cell, 8, kv_tokens=16)
+    result = check_cell(config, get_profile("quick"), SEED)
+    assert result.ok, describe_failure(result)
+    assert all(result.exercised[i] > 0 for i in ("KV11", "KV12", "RP8"))
+    faulted = check_cell(config, get_profile("quick"), SEED, frozenset({"B19"}), shrink=False)
+    assert not faulted.ok, f"B19 survived in {config.name}: no prefill-only mixed batch drawn"
+
+
+@pytest.mark.parametrize("cell", ["nov-p1-none", "ov-p1-none"])
+def test_b19_a_mixed_batch_left_prefill_only_is_caught(cell: str) -> None:
+    """B19 (#10889): a prompt the pool caps to 0 new tokens (22 tokens on the minimal preset,
+    queued as one refused token) prefilled with a running decode mixed in. The merged batch
+    keeps the prefill's prefill-only flag, so the decode it carries would never run again:
+    RP8 at the mixed launch. Without the fault the flag is cleared."""
+    for faults in (frozenset(), frozenset({"B19"})):
+        with observed(mixed(cell), faults) as (sched, seen):
+            sched.admit(2, 6)
+            sched.run_iteration(IterationChoices())
+            capped = sched.admit(22, 3)
+            assert sched.requests[capped].max_new_tokens == 0
+            if not faults:
+                for _ in range(3):
+                    sched.run_iteration(IterationChoices())
+                flags = [(obs.batch.forward_mode, obs.batch.is_prefill_only) for obs in seen
+                         if obs.point is ObservationPoint.LAUNCH and obs.batch is not None]
+                assert ("mixed", False) in flags and ("extend", True) not in flags
+                continue
+            with pytest.raises(InvariantViolation) as caught:
+                for _ in range(3):
+                    sched.run_iteration(IterationChoices())
+            assert caught.value.invariant_id == "RP8", str(caught.value)
+
+
+def test_a_continuation_with_no_chunk_budget_left_is_refused() -> None:
+    """Running decodes at or above the chunk size while a prompt is chunked would make the
+    release prefill an empty (or negative) chunk (``available_chunk_tokens`` passes a
+    non-positive budget through). Each step admits within what the running decodes leave,
+    so admissions alone never get there; KV11 states it, and the relation refuses such a
+    chunk."""
+    from overlap_spec.spec.state import AdmissionView, BatchView
+
+    config = mixed("nov-p1-none")
+    view = AdmissionView(0.7, 32, 2, ((6, 1),) * 4, (), 0, chunk_size=4,
+                         continued=(RequestId(4), 4, 10, 3, 4), mixed_decode_tokens=4)
+    batch = BatchView("extend", (RequestId(4),), (4,), (4,), 4, (PoolRow(1),), (PoolRow(1),),
+                      None, None)
+    obs = Observation(point=ObservationPoint.PREPARE_FOR_EXTEND, step_index=0, requests=(),
+                      batch=batch, allocator=None, races=(),  # type: ignore[arg-type]
+                      admission=view)
+    kv11 = next(inv for inv in INVARIANTS if inv.id == "KV11")
+    with pytest.raises(InvariantViolation, match="empty chunk"):
+        kv11.check(config, obs)
+    record = relation.RequestRecord(RequestId(4), TokenCount(10), TokenCount(3),
+                                    kv_committed_len=4, kv_allocated_len=4,
+                                    req_pool_idx=PoolRow(1), holds_kv=True, waiting=False,
+                                    prefix_len=4, extend_end=4)
+    with pytest.raises(GuardViolation, match="extend_end"):
+        relation.prepare_next_chunk(record, 4)
+
+
+@pytest.mark.parametrize("cell", ["nov-p1-none", "ov-p1-none"])
+def test_prebuilt_arrivals_make_the_chunk_wait_not_empty(cell: str) -> None:
+    """PD-prebuilt requests join the running batch outside the chunk budget, so four of them
+    leave a chunk of 4 nothing: the model's own rule (the release's decode instances do not
+    chunk) lets the chunked prompt wait while they decode, then go on; every invariant
+    holds throughout."""
+    config = mixed(cell, 4, max_running_requests=6, kv_tokens=64)
+    with observed(config) as (sched, seen):
+        rid = sched.admit(10, 3)
+        sched.run_iteration(IterationChoices())
+        for _ in range(4):
+            sched.admit_prebuilt(2, 3)
+        for _ in range(8):
+            sched.run_iteration(IterationChoices())
+        assert sched.requests[rid].finished_reason == "length"
+    launches = [(obs.launch.forward_mode, [m.rid for m in obs.launch.members]) for obs in seen
+                if obs.point is ObservationPoint.LAUNCH and obs.launch is not None]
+    assert launches[:4] == [("extend", [rid]), ("decode", [1, 2, 3, 4]),
+                            ("decode", [1, 2, 3, 4]), ("extend", [rid])]
+
+
+@pytest.mark.parametrize(("cell", "size"), [("ov-p1-none", 4), ("nov-p4-none", 8),
+                                            ("ov-p4-none", 8), ("nov-p1-none", 4)])
+def test_gpu_impl_agrees_with_the_reference_with_mixed_chunks(cell: str, size: int) -> None:
+    """The differential (``overlap-spec diff --sizes chunked_prefill_size=N,mixed_chunk=1``):
+    gpu_impl's mixed batches (the decode rows' relay gather on the forward stream, the
+    per-row result modes, the empty running batch) agree with the reference after every
+    operation, with no race."""
+    from overlap_spec.harness.differential.compare import check_cell_differential
+
+    result = check_cell_differential(mixed(cell, size), get_profile("quick"), SEED,
+                                     max_examples=12, top_up=True)
+    assert result.error is None, f"crash: {result.error!r}"
+    assert result.failure is None, (
+        f"{result.failure.outcome.describe()}\nscript: {result.failure.script.ops}")
+    assert result.compared_ops > 0 and result.launches > 0

@@ -50,6 +50,9 @@ def _collect(cell: str) -> tuple[ModelConfig, list[Observation]]:
     admitted: list[RequestId] = []
     for index in range(160):
         model.set_step_index(index)
+        if index in (3, 90):  # the longest prompt, capped to 0 new tokens (RP8's witness)
+            apply_op(model, Admit(config.preset.max_context_len - 1, 2), admitted)
+            continue
         x = rng.random()
         if x < 0.15:
             op: Admit | AdmitPrebuilt | Iterate | Abort = Admit(rng.randint(1, 5), rng.randint(2, 8))
@@ -171,6 +174,9 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
     "RP7": lambda o: _with_request(o, lambda r: bool(r.output_ids), output_ids=(
         *next(r.output_ids for r in o.requests if r.output_ids)[:-1],
         next(r.output_ids for r in o.requests if r.output_ids)[-1] % 97 + 1)),
+    # A batch holding a request with tokens to generate flagged prefill-only (B19).
+    "RP8": lambda o: _with_request(replace(o, batch=replace(o.batch, is_prefill_only=True)),
+                                   lambda r: r.rid == o.batch.rids[0], max_new_tokens=1),
 }
 
 
@@ -179,7 +185,7 @@ def test_every_invariant_has_a_perturbation() -> None:
 
 
 # Perturbations of ``obs.batch`` need a point where the schedule-side batch is checked.
-ON_SCHEDULE_BATCH = {"SL2", "SL3", "SL4", "SL5"}
+ON_SCHEDULE_BATCH = {"SL2", "SL3", "SL4", "SL5", "RP8"}
 
 
 def _targets(invariant_id: str) -> list[tuple[ModelConfig, Observation]]:

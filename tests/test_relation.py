@@ -57,6 +57,7 @@ VALID_CALLS: list[tuple[str, Any, tuple[Any, ...]]] = [
     ("finish_chunked_abort", relation.abort(relation.prepare_for_extend(new(), PoolRow(1), 2)),
      ()),
     ("prepare_for_decode", prefilled(), (5,)),
+    ("mix_with_running", relation.prepare_for_decode(prefilled(), 5), (6,)),
     ("prepare_for_decode_spec_v2", prefilled(), (4, 1, True)),
     ("launch", prefilled(), (S1,)),
     ("forward_extend", relation.launch(prefilled(), S1), (S1, 5)),

@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -529,24 +530,32 @@ def test_an_abort_pending_at_a_verify_that_crosses_the_cap_is_b17_on_the_release
     assert len(eval(without["upstream"])) == 4 and len(eval(without["reference"])) == 2
 
 
-@needs_sglang
-def test_the_release_chunking_agrees_with_the_reference(tmp_path: Path) -> None:
-    """``chunked_prefill_size=4``: the release chunks the presets' prompts (up to 23 tokens)
-    and the reference does the same, op by op, aborts of a chunked request included; every
-    invariant, KV12 among them, holds on the release's run with a witness."""
+def check_sized_cells(tmp_path: Path, cells: str, sizes: str, invariant: str) -> Any:
+    """``overlap-spec upstream check`` of two cells at ``sizes``: both pass with every
+    invariant witnessed (``invariant`` among them) and the differential agrees."""
     report_path = tmp_path / "r.json"
-    done = run_cli("check", "--cells", "ov-p1-none,nov-p1-v2chain-cpu-honest",
-                   "--sizes", "chunked_prefill_size=4",
+    done = run_cli("check", "--cells", cells, "--sizes", sizes,
                    "--json", str(report_path), "--out", str(tmp_path), "-q")
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(report_path.read_text())
     assert report["ok"] is True and len(report["cells"]) == 2
     for name, entry in report["cells"].items():
         assert entry["verdict"] == "pass", name
-        assert entry["invariants"]["KV12"] == "pass", name
+        assert entry["invariants"][invariant] == "pass", name
         assert "vacuous" not in entry["invariants"].values(), name
     for name, diff in report["differential"]["cells"].items():
         assert diff["verdict"] == "pass" and diff["stopped"] == {}, name
+    return report
+
+
+@needs_sglang
+def test_the_release_chunking_agrees_with_the_reference(tmp_path: Path) -> None:
+    """``chunked_prefill_size=4``: the release chunks the presets' prompts (up to 23 tokens)
+    and the reference does the same, op by op, aborts of a chunked request included; every
+    invariant, KV12 among them, holds on the release's run with a witness."""
+    report = check_sized_cells(tmp_path, "ov-p1-none,nov-p1-v2chain-cpu-honest",
+                               "chunked_prefill_size=4", "KV12")
+    for name, diff in report["differential"]["cells"].items():
         assert set(diff["operations_by_kind"]) == {"admit", "iterate", "abort"}, name
     # A prompt of 10 in chunks of 4, aborted with its second chunk scheduled (under overlap
     # still in flight), then a second prompt through all three chunks and its decodes.
@@ -566,3 +575,69 @@ def test_the_release_chunking_agrees_with_the_reference(tmp_path: Path) -> None:
         assert f"{cell}@minimal[chunked_prefill_size=4]" in replay.stdout, replay.stdout
         assert f"replayed {len(ops)} of {len(ops)} ops" in replay.stdout, replay.stdout
         assert "no unexplained divergence" in replay.stdout, replay.stdout
+
+
+MIXED_PROBE = """
+import json
+import sys
+from overlap_spec.harness.drive.cells import make_preset
+from overlap_spec.spec.config import ModelConfig, get_cell
+from overlap_spec.spec.invariants import INVARIANTS
+from overlap_spec.spec.state import IterationChoices, ObservationPoint
+from overlap_spec.upstream.adapter import UpstreamScheduler
+
+out = {}
+for cell in sys.argv[1:]:  # one cell: upstream allows one Scheduler per process
+    config = ModelConfig(get_cell(cell), make_preset(
+        "minimal", {"chunked_prefill_size": 4, "mixed_chunk": 1}))
+    applying = [inv for inv in INVARIANTS if inv.applies(config.cell)]
+    modes, views = [], []
+
+    def observe(obs):
+        for inv in applying:
+            inv.check(config, obs)
+        if obs.point is ObservationPoint.LAUNCH and obs.launch is not None:
+            modes.append([obs.launch.forward_mode, [int(m.rid) for m in obs.launch.members],
+                          [int(m.write_width) for m in obs.launch.members]])
+        if obs.admission is not None:
+            views.append([obs.admission.mixed_decode_tokens,
+                          None if obs.admission.continued is None
+                          else obs.admission.continued[4]])
+
+    model = UpstreamScheduler(config, frozenset(), observe)
+    short = model.admit(2, 6)
+    rid = model.admit(10, 3)
+    committed = []
+    for _ in range(12):
+        model.run_iteration(IterationChoices(allow_prefill=True))
+        committed.append(model.get_observable_state().requests[rid].kv_committed_len)
+    out[cell] = {"modes": modes[:5], "views": views, "committed": committed[:4]}
+print(json.dumps(out))
+"""
+
+
+@needs_sglang
+def test_the_release_mixes_decodes_into_chunks_as_the_reference(tmp_path: Path) -> None:
+    """``chunked_prefill_size`` with ``mixed_chunk=1`` (``enable_mixed_chunk``): the release
+    launches each chunk of a prompt of 10 with the running decode in one MIXED batch,
+    setting one token of the chunk budget aside for it, as the reference does
+    (tests/test_chunked_prefill.py ``test_a_decode_rides_in_each_chunk``); and the
+    Hypothesis run agrees op by op with every invariant witnessed, RP8 among them, on the
+    pool of 16 where prefill-only prompts are common (B19's sizes)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    result = {}
+    for cell in ("ov-p1-none", "nov-p1-none"):
+        done = subprocess.run([sys.executable, "-W", "ignore", "-c", MIXED_PROBE, cell],
+                              capture_output=True, text=True, env=env, timeout=600,
+                              check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result.update(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert set(result) == {"ov-p1-none", "nov-p1-none"}
+    for cell, seen in result.items():
+        assert seen["committed"] == [2, 5, 8, 10], cell
+        assert [m[0] for m in seen["modes"]] == ["extend", "mixed", "mixed", "mixed",
+                                                 "decode"], cell
+        assert all(m[1] == [1, 0] and m[2] == [0, 1] for m in seen["modes"][1:4]), cell
+        assert seen["views"] == [[0, None], [1, 5], [1, 8], [1, 10]], cell
+    check_sized_cells(tmp_path, "ov-p1-none,nov-p1-none",
+                      "chunked_prefill_size=8,mixed_chunk=1,kv_tokens=16", "RP8")

@@ -402,10 +402,11 @@ class UpstreamScheduler:
         fresh, regathered = self.relay.resolve(rows)
         return ResolveView(rows, (), fresh, regathered)
 
-    def on_relay_gather(self, batch: Any, rows: list[int]) -> None:
-        """resolve_forward_inputs gathered these rows for the batch about to launch."""
+    def on_relay_gather(self, batch: Any, rows: list[int], reqs: list[Any]) -> None:
+        """resolve_forward_inputs gathered these rows for ``reqs`` of the batch about to
+        launch (all of a decode's, a mixed batch's decode rows)."""
         self.gathers = []
-        for req, row in zip(batch.reqs, rows, strict=False):
+        for req, row in zip(reqs, rows, strict=False):
             track = self.by_req.get(id(req))
             if track is None:
                 continue
@@ -450,6 +451,7 @@ class UpstreamScheduler:
                           for r in sched.waiting_queue),
             admitted=0,
             chunk_size=int(sched.chunked_prefill_size or 0),
+            mixed_decode_tokens=len(running) if sched.is_mixed_chunk else 0,
             # _get_new_batch_prefill_raw clears a stale latch on an empty running batch.
             latched=bool(running_batch.batch_is_full) and not running_batch.is_empty())
 
@@ -665,7 +667,8 @@ class UpstreamScheduler:
 
     def get_batch_view(self, batch: Any) -> BatchView:
         mode = batch.forward_mode
-        name = ("extend" if mode is not None and mode.is_extend() else
+        name = ("mixed" if mode is not None and mode.is_mixed() else
+                "extend" if mode is not None and mode.is_extend() else
                 "decode" if mode is not None and mode.is_decode() else "idle")
         spec_info = batch.spec_info
         future = getattr(spec_info, "future_indices", None) if spec_info is not None else None
@@ -682,6 +685,7 @@ class UpstreamScheduler:
             req_pool_indices_cpu=tuple(PoolRow(v) for v in _ints(cpu_indices)),
             future_indices=None if future is None else tuple(PoolRow(v) for v in _ints(future)),
             seq_len_cpu_ub=None,
+            is_prefill_only=bool(batch.is_prefill_only),
         )
 
     def get_allocator_view(self) -> AllocatorView:

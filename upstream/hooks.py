@@ -125,9 +125,13 @@ def _after_prepare_extend(batch: Any, value: Any) -> None:
 def _get_gathered_rows(batch: Any, future_map: Any) -> list[int]:
     """The output_tokens_buf rows resolve_forward_inputs is about to gather (0.5.23
     overlap_utils.py:113): a decode's req_pool_indices without speculation, the draft
-    input's future_indices with it. Mixed prefill batches are not driven."""
+    input's future_indices with it, a mixed batch's decode rows (``mix_running_indices``,
+    non-spec: the model mixes in no spec cell)."""
     if batch.prefill_input_ids_cpu is not None:
-        return []
+        mixed = batch.mix_running_indices
+        if mixed is None or not future_map.spec_algo.is_none():
+            return []
+        return [int(r) for r in mixed.tolist()]
     if batch.input_ids is None and future_map.spec_algo.is_none():
         return [int(r) for r in batch.req_pool_indices.tolist()]
     spec_info = batch.spec_info
@@ -158,6 +162,9 @@ def install(scheduler_module: Any) -> None:
                                         after=_after_prepare_decode)(sb.prepare_for_decode)
     sb.filter_batch = _batch_call(ObservationPoint.FILTER_BATCH)(sb.filter_batch)
     sb.merge_batch = _batch_call(ObservationPoint.MERGE_BATCH)(sb.merge_batch)
+    # A mixed step's merge of the prepared decodes into the prefill is no running-batch
+    # merge (the reference observes none): its inner merge_batch is not the outermost call.
+    sb.mix_with_running = _batch_call(None)(sb.mix_with_running)
     sb.retract_decode = _batch_call(None, after=_after_retract)(sb.retract_decode)
 
     resolve = overlap_utils.FutureMap.resolve_seq_lens_cpu
@@ -200,9 +207,11 @@ def install(scheduler_module: Any) -> None:
     @functools.wraps(resolve_inputs)
     def resolve_forward_inputs(batch: Any, future_map: Any) -> Any:
         rows = _get_gathered_rows(batch, future_map)
+        # A mixed batch gathers for its decode rows, its last ones.
+        reqs = list(batch.reqs)[len(batch.reqs) - len(rows):] if rows else []
         value = resolve_inputs(batch, future_map)
         if rows:
-            HOST.on_relay_gather(batch, rows)
+            HOST.on_relay_gather(batch, rows, reqs)
         return value
 
     scheduler_module.resolve_forward_inputs = resolve_forward_inputs

@@ -128,7 +128,8 @@ class Session:
             load_format="dummy", attention_backend="torch_native", disable_radix_cache=True,
             page_size=page, max_running_requests=preset.max_running_requests,
             max_total_tokens=preset.kv_tokens, disable_cuda_graph=True,
-            disable_overlap_schedule=not cfg.cell.overlap, **spec_kwargs)
+            disable_overlap_schedule=not cfg.cell.overlap,
+            enable_mixed_chunk=bool(preset.mixed_chunk), **spec_kwargs)
         publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
         if cfg.cell.is_spec and cfg.cell.overlap:
             # 0.5.23 resolves disable_overlap_schedule=True for spec on device=cpu
@@ -277,7 +278,7 @@ class Session:
 
 
 def configure_chunking(config: ModelConfig, sched: Any) -> None:
-    """Chunked prefill as the preset says, never a mixed batch (README, coverage).
+    """Chunked prefill and mixed chunks as the preset says (README, coverage).
 
     ``chunked_prefill_size`` > 0: the built scheduler chunks at that size. ``ServerArgs``
     alone does not do it (0.5.23 resolves the size again from the memory tier,
@@ -286,13 +287,15 @@ def configure_chunking(config: ModelConfig, sched: Any) -> None:
     own checks of that size are run (``validation_hook``: a page multiple;
     ``check_truncation_align_fits_chunk``), and nothing may resize a chunk (no dynamic
     chunking). 0: the release must not chunk a prompt the preset can draw (up to
-    ``max_context_len - 1`` tokens); it resolves 4096 here. Either way no mixed chunk
-    (``enable_mixed_chunk`` is off by default): the model has no mixed batch."""
+    ``max_context_len - 1`` tokens); it resolves 4096 here. ``mixed_chunk`` goes to
+    ``ServerArgs.enable_mixed_chunk``, and the scheduler must have resolved
+    ``is_mixed_chunk`` to it (the model mixes in non-spec cells only:
+    ``harness.drive.cells.check_sizes``)."""
     size = config.preset.chunked_prefill_size
-    if sched.is_mixed_chunk:
+    if bool(sched.is_mixed_chunk) != bool(config.preset.mixed_chunk):
         raise UpstreamUnavailable(
-            f"{config.name}: the release resolved is_mixed_chunk=True: it would mix decodes "
-            "into a prefill chunk, which the model does not")
+            f"{config.name}: the release resolved is_mixed_chunk={sched.is_mixed_chunk}, the "
+            f"preset says mixed_chunk={config.preset.mixed_chunk}")
     if size > 0:
         if size % config.page_size:
             raise UpstreamUnavailable(

@@ -57,8 +57,12 @@ STAND_INS: Final[tuple[StandIn, ...]] = (
     StandIn("Scheduler.chunked_prefill_size", "replaced",
             "set on the built scheduler to the preset's chunked_prefill_size when it is > 0 "
             "(ServerArgs alone is resolved again from the memory tier, 4096 here); 0 keeps "
-            "the release's value, which must not chunk a drawable prompt; a mixed chunk is "
-            "refused (upstream/session.py configure_chunking)"),
+            "the release's value, which must not chunk a drawable prompt; "
+            "ServerArgs.enable_mixed_chunk is the preset's mixed_chunk and is_mixed_chunk must "
+            "resolve to it (upstream/session.py configure_chunking)"),
+    StandIn("ScheduleBatch.mix_with_running", "observed",
+            "wrapped so its inner merge_batch is not observed as a running-batch merge; the "
+            "real method runs unchanged"),
     StandIn("scheduler.TEST_RETRACT / TEST_RETRACT_INTERVAL", "replaced",
             "upstream's own retraction test knob, set for one iteration when the "
             "environment asks for a retraction (choices.retract > 0)"),

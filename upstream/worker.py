@@ -27,14 +27,22 @@ from overlap_spec.spec.units import RequestId, StepId
 __all__ = ["EOS_TOKEN", "StandInWorker", "StepRecord"]
 
 
-def get_input_tokens(batch: Any, reqs: list[Any], is_extend: bool, spec: bool) -> list[int]:
+def get_input_tokens(batch: Any, reqs: list[Any], is_extend: bool, spec: bool,
+                     decode_rows: int = 0) -> list[int]:
     """The token each request's forward runs on, where the release put it: a prefill's last
     input token (``origin_input_ids + output_ids``), a non-spec decode's ``input_ids``
-    (gathered from the relay under overlap) and a spec decode's ``spec_info.bonus_tokens``
-    (relayed under overlap, the last verify's without)."""
+    (gathered from the relay), a mixed batch's last ``decode_rows`` the tail of its
+    ``input_ids`` (``output_tokens_buf[mix_running_indices]``), and a spec decode's
+    ``spec_info.bonus_tokens`` (relayed under overlap, the last verify's without)."""
     if is_extend:
-        return [int(req.output_ids[-1]) if req.output_ids else int(req.origin_input_ids[-1])
-                for req in reqs]
+        tokens = [int(req.output_ids[-1]) if req.output_ids else int(req.origin_input_ids[-1])
+                  for req in reqs]
+        if decode_rows:
+            if batch.input_ids is None:
+                raise RuntimeError("the release launched a mixed batch without input_ids")
+            tail = [int(v) for v in batch.input_ids.reshape(-1).tolist()[-decode_rows:]]
+            tokens[len(tokens) - decode_rows:] = tail
+        return tokens
     source = batch.spec_info.bonus_tokens if spec else batch.input_ids
     if source is None:
         raise RuntimeError("the release launched a decode without its input tokens "
@@ -88,6 +96,9 @@ class StandInWorker:
         step = host.next_step_id()
         is_extend = bool(batch.forward_mode.is_extend())
         reqs = list(batch.reqs)
+        # A mixed batch's decode rows (decoding_reqs, after its prefill rows) decode.
+        decoding = ({id(req) for req in batch.decoding_reqs or ()}
+                    if batch.forward_mode.is_mixed() else set())
         rids = tuple(host.get_rid(req) for req in reqs)
         seq_lens = [int(v) for v in batch.seq_lens.tolist()]
         spec = self.config.cell.is_spec
@@ -96,18 +107,19 @@ class StandInWorker:
         accept_lens = [1 if is_extend else choices.get_accept_len(j, max_accept)
                        for j in range(len(reqs))]
         if is_extend:
-            widths = [0] * len(reqs)
+            widths = [int(id(req) in decoding) for req in reqs]
         elif spec:
             widths = [int(self.config.alloc_len_per_decode)] * len(reqs)
         else:
             widths = [1] * len(reqs)
         host.on_launch(step, batch, reqs, seq_lens, widths, is_extend)
-        inputs = get_input_tokens(batch, reqs, is_extend, spec)
+        inputs = get_input_tokens(batch, reqs, is_extend, spec, len(decoding))
         faults: list[KvWrite] = []
         tokens: list[int] = []
         eos_at: list[int | None] = []
         for j, (req, rid, seq_len) in enumerate(zip(reqs, rids, seq_lens, strict=True)):
-            if is_extend:
+            mixed_decode = id(req) in decoding
+            if is_extend and not mixed_decode:
                 # The prefill (or this chunk of it) writes from where earlier chunks
                 # stopped (Req.prefix_len, 0 unless chunked) to the batch's seq_len.
                 start, end = int(req.prefix_len), seq_len
@@ -116,7 +128,7 @@ class StandInWorker:
             else:
                 start, end = seq_len - 1, seq_len  # the token being processed
             faults += host.write_kv(req, rid, start, end)
-            if is_extend:
+            if is_extend and not mixed_decode:
                 host.update_ghost(req, ghost_forward_extend, step, len(req.origin_input_ids),
                                   seq_len)
             else:
@@ -130,7 +142,8 @@ class StandInWorker:
                 run[eos] = EOS_TOKEN
             tokens += run
             eos_at.append(eos)
-        host.record_step(StepRecord(step, "extend" if is_extend else "decode", rids,
+        mode = "mixed" if decoding else "extend" if is_extend else "decode"
+        host.record_step(StepRecord(step, mode, rids,
                                     tuple(accept_lens), tuple(eos_at), stride), faults)
         ids = torch.tensor(tokens, dtype=torch.int64)
         if not spec:

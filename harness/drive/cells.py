@@ -113,6 +113,8 @@ SIZE_LIMITS: Final = {
     "max_running_requests": (1, 32, "the request pool's rows"),
     "chain_steps": (1, 7, "the v2 chain's draft steps (draft tokens = steps + 1)"),
     "chunked_prefill_size": (0, 8192, "prefill chunk tokens, whole pages (0: no chunking)"),
+    "mixed_chunk": (0, 1, "enable_mixed_chunk: decodes ride in the prefill chunk's batch "
+                          "(needs chunked_prefill_size; non-spec cells)"),
 }
 SIZES_MARK: Final = "["  # a preset with sizes is named like "minimal[kv_tokens=16]"
 
@@ -157,6 +159,13 @@ def check_sizes(config: ModelConfig) -> str | None:
         return (f"size 'chunked_prefill_size' is {config.preset.chunked_prefill_size}; cell "
                 f"{config.cell.name} needs whole pages of {page} tokens (the release's "
                 "validation_hook asserts it)")
+    if config.preset.mixed_chunk and not config.preset.chunked_prefill_size:
+        return ("size 'mixed_chunk' is 1 without 'chunked_prefill_size': the release mixes "
+                "decodes into a prefill only when it chunks (is_mixed_chunk)")
+    if config.preset.mixed_chunk and config.cell.is_spec:
+        return (f"size 'mixed_chunk' is 1 in spec cell {config.cell.name}: spec's mixed tails "
+                "(resolve_mixed_spec_tails, the tail's kv_committed_len += 1) are not modelled; "
+                "choose non-spec cells")
     return None
 
 

@@ -152,7 +152,8 @@ def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
     configured rung, no forced retraction, no early processing): few enough operations
     for a third request and a sixth operation, which a row reused under an in-flight
     forward needs (B9 with the release's fence). With ``chunked_prefill_size`` the full
-    alphabet also admits a prompt of three chunks."""
+    alphabet also admits a prompt of three chunks, and with ``mixed_chunk`` the longest
+    prompt, which a small pool caps to 0 new tokens (a prefill-only prefill)."""
     if scope not in MAX_REQUESTS_BY_SCOPE:
         raise ValueError(f"alphabet {scope!r}: not one of {', '.join(MAX_REQUESTS_BY_SCOPE)}")
     most = MAX_REQUESTS_BY_SCOPE[scope]
@@ -166,6 +167,8 @@ def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
     chunk = preset.chunked_prefill_size
     if chunk:  # a prompt of three chunks: a middle chunk continued, then the last (B18)
         admissions.append(Admit(min(2 * chunk + 1, preset.max_context_len - 1), 2))
+    if preset.mixed_chunk:  # the longest prompt, which the pool caps to 0 new tokens (B19)
+        admissions.append(Admit(preset.max_context_len - 1, 2))
     rows = preset.max_running_requests
     domains: dict[str, tuple[Hashable, ...]] = {
         "allow_prefill": (True, False),

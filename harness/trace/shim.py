@@ -234,7 +234,8 @@ class TraceShim:
             req_pool_indices_cpu=tuple(PoolRow(i) for i in indices_cpu),
             future_indices=None if future is None else tuple(
                 PoolRow(i) for i in _to_list(future) or []),
-            seq_len_cpu_ub=getattr(batch, "seq_len_cpu_ub", None))
+            seq_len_cpu_ub=getattr(batch, "seq_len_cpu_ub", None),
+            is_prefill_only=bool(getattr(batch, "is_prefill_only", False)))
 
     def on_call(self, method: str, batch: Any, *, requests: bool = False,
                 result: ResultView | None = None, running_batch: Any = None) -> None:
