@@ -14,6 +14,9 @@ Upstream: ``managers/overlap_utils.py`` (S1 snapshot; PRs 25879, 26020, 26128, 2
   event, copies the whole buffer into the pinned host buffer and the host blocks on D;
   without it ``seq_lens_cpu`` stays None and ``seq_len_cpu_ub`` bounds it from
   ``kv_allocated_len`` (no D2H).
+- ``resolve_mixed_spec_tails`` (on F after the RAW fence, plus D): a spec mixed batch's
+  tails lag the in-flight verify, so F waits ``publish_ready`` and rebinds their seq_lens
+  to the published length + 1; the host mirror follows through D as above.
 
 ::
 
@@ -91,16 +94,53 @@ class FutureMap:
             batch.seq_len_cpu_ub = (max((req.kv_allocated_len for req in batch.reqs), default=0)
                                     if rt.config.cell.cpu_ub else None)  # #27979 only
             return
-        if not rt.has_fault("B5"):
-            streams.wait_event(D2H, PUBLISH_READY)
-        # The whole buffer, as upstream: one copy, then host-side row picks.
-        streams.copy_to_host(self.new_seq_lens_buf, self.new_seq_lens_cpu_pinned, D2H)
-        streams.synchronize_stream(D2H)
+        self._copy_relay_to_host()
         with streams.on_host():
             seq_lens_cpu = self.new_seq_lens_cpu_pinned[batch.req_pool_indices_cpu]
         batch.seq_lens_cpu = seq_lens_cpu
         batch.seq_lens_sum = sum(streams.to_list(seq_lens_cpu, "resolve_seq_lens_cpu sum"))
         batch.seq_len_cpu_ub = None
+
+    def resolve_mixed_spec_tails(self, batch: ScheduleBatch, tails: int) -> None:
+        """``resolve_mixed_spec_tails`` (spec overlap, at the forward's input resolve, outside
+        the isolation): the last ``tails`` rows' lengths lag the in-flight verify, so F waits
+        publish_ready, gathers their published lengths and rebinds ``seq_lens`` to a new
+        tensor holding them + 1 (the old one, read on F, is kept alive on the batch until
+        the WAR barrier has ordered that read). The host mirror, where kept, follows through
+        the private D2H copy and a host sync, with the sum. The relay is not consumed.
+
+        B5 drops both publish_ready waits, as in ``resolve_seq_lens_cpu``.
+        """
+        rt = self.rt
+        streams = rt.streams
+        forward = rt.forward_stream
+        if not tails:  # upstream returns at once (only the model's early filter empties it)
+            return
+        keep = len(batch.reqs) - tails
+        if not rt.has_fault("B5"):
+            streams.wait_event(forward, PUBLISH_READY)
+        with streams.use(forward):
+            fresh = self.new_seq_lens_buf[batch.req_pool_indices[keep:]]
+            seq_lens = torch.cat((batch.seq_lens[:keep], fresh + 1))
+        batch.replaced_seq_lens = batch.seq_lens
+        batch.seq_lens = seq_lens
+        if batch.seq_lens_cpu is None:
+            return
+        self._copy_relay_to_host()
+        with streams.on_host():
+            fresh_cpu = self.new_seq_lens_cpu_pinned[batch.req_pool_indices_cpu[keep:]]
+            batch.seq_lens_cpu = torch.cat((batch.seq_lens_cpu[:keep], fresh_cpu + 1))
+        batch.seq_lens_sum = sum(streams.to_list(batch.seq_lens_cpu,
+                                                 "resolve_mixed_spec_tails sum"))
+
+    def _copy_relay_to_host(self) -> None:
+        """The private D2H copy behind publish_ready (B5 drops the wait): the whole buffer, as
+        upstream, one copy, then a host sync; the caller picks rows on the host."""
+        streams = self.rt.streams
+        if not self.rt.has_fault("B5"):
+            streams.wait_event(D2H, PUBLISH_READY)
+        streams.copy_to_host(self.new_seq_lens_buf, self.new_seq_lens_cpu_pinned, D2H)
+        streams.synchronize_stream(D2H)
 
     def _resolve_era_a(self, batch: ScheduleBatch, rows: torch.Tensor) -> None:
         """The era-A baseline (digest 3.4, before #25465), for ``bench gpu`` only.

@@ -15,9 +15,10 @@ future_indices and req_pool_indices"). Filter and merge are gathers and concaten
 the schedule stream; they always build new tensors, because the in-flight forward may
 still read the old ones (kept alive by ``Scheduler.record_batch_in_overlap``).
 
-A mixed batch (``enable_mixed_chunk``, non-spec) is a prefill whose ``mix_with_running``
-appended the prepared running decodes as one-token extends; ``decoding_reqs`` names those
-rows (by identity, the way upstream's ``decoding_reqs`` does), a suffix of ``reqs``.
+A mixed batch (``enable_mixed_chunk``) is a prefill whose ``mix_with_running`` appended
+the prepared running decodes as one-token extends; ``decoding_reqs`` names those rows (by
+identity, the way upstream's ``decoding_reqs`` does), a suffix of ``reqs``. In a spec cell
+they are the mixed tails: each sits at its committed base with its bonus token pending.
 
 ``spec_extra`` is where the B13 mutant keeps the forward-produced ``accept_lens`` that
 ngram's ``spec_info.filter_batch`` used to gather on S (PR 35198); it is empty otherwise.
@@ -64,6 +65,9 @@ class ScheduleBatch:
     chunked_req: Req | None = None
     # A mixed batch's decode rows, after its prefill rows (None unless mixed).
     decoding_reqs: list[Req] | None = None
+    # The seq_lens a spec mixed launch rebound on F after reading it there
+    # (``FutureMap.resolve_mixed_spec_tails``): kept alive past the WAR barrier.
+    replaced_seq_lens: torch.Tensor | None = None
 
     @classmethod
     def prepare_for_extend(cls, rt: Runtime, reqs: list[Req],
@@ -167,19 +171,35 @@ class ScheduleBatch:
 
     # -- mixed chunks -------------------------------------------------------------
     def mix_with_running(self, running: ScheduleBatch) -> None:
-        """``ScheduleBatch.mix_with_running`` (non-spec): the prepared decodes of ``running``
-        ride after this prefill's rows as one-token extends ending at their decode seq_len
+        """``ScheduleBatch.mix_with_running``: the prepared decodes of ``running`` ride after
+        this prefill's rows as one-token extends ending at their decode seq_len
         (``spec.relation.mix_with_running``: extend_end := seq_len; prefix_len kept), merged
         as ``merge_batch`` merges. The batch becomes "mixed" and is never prefill-only.
+
+        A spec row (a tail) has no prepared seq_len: its length is the request's own,
+        prompt + output (``Req.seqlen``; behind an in-flight verify under overlap, where the
+        launch rebinds it from the relay), on the device (a new tensor) and the host alike;
+        the host mirror is the prefill's plus those lengths, whatever ``running`` kept.
 
         Changes: extend_end of the running requests; this batch's rows, tensors,
         forward_mode, decoding_reqs, is_prefill_only (B19 keeps the prefill's). Leaves
         ``running`` as it was.
         """
         prefill_only = self.is_prefill_only
-        for req, seq_len in zip(running.reqs, running.get_seq_lens_host(), strict=True):
+        spec = self.rt.config.cell.is_spec
+        lens = ([req.prompt_len + len(req.output_ids) for req in running.reqs] if spec
+                else running.get_seq_lens_host())
+        for req, seq_len in zip(running.reqs, lens, strict=True):
             req.extend_end = seq_len
+        prefill_cpu = self.seq_lens_cpu
         self.merge_batch(running)
+        if spec:
+            streams = self.rt.streams
+            keep = len(self.reqs) - len(lens)
+            self.seq_lens = torch.cat((self.seq_lens[:keep], streams.device_tensor(lens)))
+            with streams.on_host():
+                self.seq_lens_cpu = (None if prefill_cpu is None
+                                     else torch.cat((prefill_cpu, streams.host_tensor(lens))))
         self.forward_mode = "mixed"
         self.decoding_reqs = list(running.reqs)
         # B19 (before #10889): the flag stayed the prefill's, as if the merge kept it.
@@ -248,7 +268,8 @@ class ScheduleBatch:
 
     def get_referenced_tensors(self) -> tuple[torch.Tensor, ...]:
         """What the forward reads from this batch (the batch_record_buf keep-alive set)."""
-        return (self.seq_lens, self.req_pool_indices, *self.spec_extra.values())
+        replaced = () if self.replaced_seq_lens is None else (self.replaced_seq_lens,)
+        return (self.seq_lens, self.req_pool_indices, *replaced, *self.spec_extra.values())
 
 
 @dataclass(frozen=True)

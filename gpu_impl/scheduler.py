@@ -411,9 +411,9 @@ class Scheduler:
         return batch
 
     def mix_running_decodes(self, batch: ScheduleBatch) -> None:
-        """``is_mixed_chunk`` (non-spec): the running decodes, less the finished and those
-        the queued result finishes by length, are prepared and ride in ``batch``
-        (``mix_with_running``) when their decode fits the KV the prefill left
+        """``is_mixed_chunk``: the running decodes, less the finished and those the queued
+        result finishes by length, are prepared (a spec cell's by the v2 reserve) and ride
+        in ``batch`` (``mix_with_running``) when their decode fits the KV the prefill left
         (``check_decode_mem``; else they sit out this step, not retracted). The running
         batch is then an empty one keeping the latch. The new-token ratio is not decayed:
         ``update_running_batch`` does not run."""
@@ -591,13 +591,17 @@ class Scheduler:
             self.future_map.resolve_seq_lens_cpu(batch)
         if cell.overlap:
             streams.wait_stream(FORWARD, SCHEDULE)  # RAW fence at launch (ST1)
+        decode_rows = batch.get_decode_rows() if batch.forward_mode == "mixed" else []
+        if cell.is_spec and cell.overlap and batch.forward_mode == "mixed":
+            # resolve_mixed_spec_tails, outside the isolation: the tails' lengths from the
+            # relay, behind publish_ready, on the device and (D2H) the host.
+            self.future_map.resolve_mixed_spec_tails(batch, len(decode_rows))
         if cell.overlap and batch.forward_mode == "decode":
             batch.input_ids = self.future_map.resolve_forward_inputs(batch.req_pool_indices)
         else:  # the last result's tokens, or a prefill's last input token (H2D)
             batch.input_ids = streams.device_tensor(
                 [req.output_ids[-1] if req.output_ids else req.last_prompt_token
                  for req in batch.reqs], forward)
-            decode_rows = batch.get_decode_rows() if batch.forward_mode == "mixed" else []
             if cell.overlap and decode_rows:
                 # A mixed batch's decode rows take the relay's tokens (their last result
                 # may still be queued); only their rows are gathered.
@@ -717,8 +721,9 @@ class Scheduler:
         counted = [0, 0]  # correct drafts, batch size
         for j, req in enumerate(batch.reqs):
             accept, eos_at = accept_lens[j], result.eos_at[j]
-            is_decode = result.get_row_mode(j) == "decode"  # a mixed batch has both
-            if not is_decode and req.inflight_middle_chunks > 0 and not req.is_retracted:
+            mode = result.get_row_mode(j)  # a mixed batch has both; a spec one, tails
+            is_decode = mode == "decode"
+            if mode == "extend" and req.inflight_middle_chunks > 0 and not req.is_retracted:
                 # A middle chunk (process_batch_result_prefill's chunked branch): one off
                 # the counter; no token, no finish check, no commit.
                 req.inflight_middle_chunks -= 1
@@ -755,6 +760,11 @@ class Scheduler:
                 req.spec_verify_ct += 1
                 req.spec_num_correct_drafts += accept - 1
             req.update_finish_state(eos_at is not None and eos_at < run_len)
+            if mode == "tail" and not req.finished() and not rt.has_fault("B20"):
+                # The second commit site (process_batch_result_prefill): a spec mixed tail
+                # commits its pending bonus token's slot; a finishing one commits nothing.
+                # B20 (#27971) dropped it.
+                req.kv_committed_len += 1
             if req.finished() and req.holds_kv:
                 release_kv_cache(rt, req, is_insert=True)
         # Only spec decode results feed the metrics (update_spec_metrics).

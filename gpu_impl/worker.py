@@ -10,7 +10,8 @@ worker writes the KV cache exactly where the real model would, through ``req_to_
 gathers at the positions the reference worker writes (prefill ``[prefix_len, end)``,
 ``[0, fill_len)`` unless a chunk continues; non-spec decode ``seq_len - 1``; spec draft
 ``[s, s + topk * steps)`` and verify ``[s, s + D_tok)``). A mixed batch runs the extend
-forward: its prefill rows as a prefill's, its decode rows as a decode's.
+forward: its prefill rows as a prefill's, its decode rows as a decode's (``[s - 1, s)``);
+in a spec cell those are tails, which run one token from their pending bonus token.
 A write through a -1 entry, past ``kv_allocated_len`` or into a page another request owns
 is masked into the trash slot and counted as a kv_write_fault, all with tensor ops; a
 request that holds no pool row counts one fault per write, as in the reference.
@@ -85,12 +86,14 @@ class ForwardResult:
     accept_lens_cpu: torch.Tensor | None = None
     copy_done: str = ""
     decode_rows: int = 0  # a mixed batch's decode rows: its last ones
+    decode_mode: str = "decode"  # theirs: "tail" for a spec decode (its pending bonus token)
 
     def get_row_mode(self, j: int) -> str:
-        """The forward row ``j`` had: "decode" for a mixed batch's last ``decode_rows``."""
+        """The forward row ``j`` had: ``decode_mode`` for a mixed batch's last
+        ``decode_rows``."""
         if self.forward_mode != "mixed":
             return self.forward_mode
-        return "decode" if j >= len(self.eos_at) - self.decode_rows else "extend"
+        return self.decode_mode if j >= len(self.eos_at) - self.decode_rows else "extend"
 
 
 OnPublish = Callable[[torch.Tensor], None]
@@ -220,18 +223,23 @@ class ModelWorker:
             faults = self._write_kv(fb, inputs, self._fill(fb, 0), fb.seq_lens, widest)
         eos_at = [choices.get_eos_index(j, 1) for j in range(len(batch.reqs))]
         tokens = self._sample(batch, inputs, fb.seq_lens, 1, eos_at)  # at fill_len
-        if not rt.config.cell.is_spec or rt.config.cell.early_fence:
+        spec = rt.config.cell.is_spec
+        if not spec or rt.config.cell.early_fence:
             self._record_reads_done()  # EAGLE's prefill records none (spec_info.py:138)
-        if decode_rows:  # a decode row advances past the token it processed
+        if decode_rows and not spec:  # a decode row advances past the token it processed
             advanced = rt.streams.device_tensor(
                 [int(j in decode_rows) for j in range(len(ends))], rt.forward_stream)
             new_seq_lens = fb.seq_lens + advanced
         else:
-            new_seq_lens = fb.seq_lens.clone()  # spec extend publishes s (the prompt length)
-        if rt.config.cell.is_spec:
+            # A spec extend publishes its seq_lens as they are: the prompt length, and a
+            # tail's length once its bonus slot is committed (the sampled token is the
+            # next bonus, as after a verify).
+            new_seq_lens = fb.seq_lens.clone()
+        if spec:
             on_publish(new_seq_lens)
         return ForwardResult(step, batch.forward_mode, 1, tokens, self._fill(fb, 1), eos_at,
-                             new_seq_lens, faults, decode_rows=len(decode_rows))
+                             new_seq_lens, faults, decode_rows=len(decode_rows),
+                             decode_mode="tail" if spec else "decode")
 
     def _forward_decode(self, batch: ScheduleBatch, step: StepId, choices: IterationChoices,
                         inputs: RequestInputs) -> ForwardResult:

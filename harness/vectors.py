@@ -294,7 +294,7 @@ Keys of a vector:
 - `preset`, `derived`: sizes: `max_running_requests` (req_to_token rows),
   `kv_tokens`, the draft shape; `derived` holds `draft_tokens` (D_tok),
   `alloc_len_per_decode` (A), `lag_bound`, `row_width`.
-- `faults`: historical bugs switched on (B1..B19); empty for a correct design.
+- `faults`: historical bugs switched on (B1..B20); empty for a correct design.
 - `prefix`: the operations from an empty scheduler to the pre state (the same
   objects as the `op` event).
 - `pre`: the state at the last observation point before the operation, or null.

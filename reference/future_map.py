@@ -150,6 +150,45 @@ class FutureMap:
         batch.seq_len_cpu_ub = None
         return ResolveView(tuple(rows), tuple(uncovered), fresh, regathered)
 
+    def resolve_mixed_spec_tails(self, batch: ScheduleBatch, tails: int,
+                                 rows: list[PoolRow]) -> None:
+        """``resolve_mixed_spec_tails`` (spec overlap, at the forward's input resolve): the
+        last ``tails`` members' lengths lag the in-flight verify, so F waits publish_ready
+        and rebinds them to the published length + 1; the host mirror follows through the
+        private D2H copy (a host sync); the relay is not consumed (no poisoning)."""
+        rt, hb = self.rt, self.rt.hb
+        forward = rt.forward_stream
+        if not tails:  # upstream returns at once (only the model's early filter empties it)
+            return
+        if not rt.has_fault("B5"):
+            hb.wait_event(forward, PUBLISH_READY)
+        fresh = []
+        for row in rows:
+            hb.read(forward, ("new_seq_lens_buf", row), "resolve_mixed_spec_tails")
+            fresh.append(self.new_seq_lens_buf[row] + 1)
+        keep = len(batch.reqs) - tails
+        values = rt.read_tensor(forward, batch.seq_lens, "resolve_mixed_spec_tails")
+        # The release drops the tensor F just cloned; the WAR barrier orders its reuse on S
+        # after that read. The model keeps it referenced for the launch instead.
+        batch.extra["replaced_seq_lens"] = batch.seq_lens
+        batch.seq_lens = rt.new_tensor(values[:keep] + fresh, "resolve_mixed_spec_tails",
+                                       stream=forward)
+        if batch.seq_lens_cpu is None:
+            return
+        if not rt.has_fault("B5"):
+            hb.wait_event(D2H, PUBLISH_READY)
+        for index in range(len(self.new_seq_lens_buf)):  # the whole buffer, as upstream
+            hb.read(D2H, ("new_seq_lens_buf", index), "resolve_mixed_spec_tails D2H copy")
+            self.new_seq_lens_cpu_pinned[index] = self.new_seq_lens_buf[index]
+            hb.write(D2H, ("new_seq_lens_cpu_pinned", index),
+                     "resolve_mixed_spec_tails D2H copy")
+        hb.synchronize_stream(D2H)
+        for row in rows:
+            hb.read(HOST, ("new_seq_lens_cpu_pinned", row), "resolve_mixed_spec_tails host read")
+        batch.seq_lens_cpu = batch.seq_lens_cpu[:keep] + [
+            self.new_seq_lens_cpu_pinned[row] + 1 for row in rows]
+        batch.seq_lens_sum = sum(batch.seq_lens_cpu)
+
     def get_unseeded_rows(
         self, reqs: list[Req], rows: list[PoolRow]
     ) -> list[tuple[RequestId, PoolRow]]:

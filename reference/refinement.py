@@ -124,7 +124,7 @@ class Refinement:
                 finish_reason=g.finish_reason,
                 verify_ct=g.verify_ct,
                 correct_drafts=g.correct_drafts,
-                middle_chunks=count_middle_chunks(g),
+                middle_chunks=count_middle_chunks(g), finished_at_tail=g.finished_at_tail,
             ),
         )
 

@@ -89,13 +89,24 @@ class ScheduleBatch:
         return not self.reqs
 
     def mix_with_running(self, running: ScheduleBatch) -> None:
-        """``mix_with_running`` (non-spec): the prepared decode rows ride after the prefill
-        rows as one-token extends (spec.relation.mix_with_running), merged as
-        ``merge_batch`` merges; the batch is "mixed" and never prefill-only."""
+        """``mix_with_running``: the prepared decode rows ride after the prefill rows as
+        one-token extends (spec.relation.mix_with_running), merged as ``merge_batch``
+        merges; the batch is "mixed" and never prefill-only. A spec row (a tail) sits at its
+        committed base with its bonus token pending: its length is the request's own,
+        prompt + output (``Req.seqlen``, behind an in-flight verify under overlap, where the
+        launch rebinds it from the relay), on the device and the host alike."""
         flag = self.is_prefill_only
-        for req, seq_len in zip(running.reqs, running.seq_lens.values, strict=True):
+        spec = self.rt.config.cell.is_spec
+        tails = [req.prompt_len + len(req.output_ids) for req in running.reqs]
+        lens = tails if spec else running.seq_lens.values
+        for req, seq_len in zip(running.reqs, lens, strict=True):
             req.apply(relation.mix_with_running, seq_len)
+        prefill_cpu = self.seq_lens_cpu
         self.merge_batch(running)
+        if spec:
+            values = self.seq_lens.values[:len(self.reqs) - len(tails)] + tails
+            self.seq_lens = self.rt.new_tensor(values, "mix_with_running")
+            self.seq_lens_cpu = None if prefill_cpu is None else prefill_cpu + tails
         self.forward_mode = "mixed"
         self.decoding_reqs = list(running.reqs)
         # B19 (before #10889): the flag stayed the prefill's (merge_batch did not AND it).

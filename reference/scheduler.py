@@ -370,10 +370,10 @@ class Scheduler:
         return batch
 
     def mix_running_decodes(self, batch: ScheduleBatch) -> None:
-        """Mixed chunks (``is_mixed_chunk``, non-spec): the running decodes, less those their
-        queued result finishes by length, ride in the prefill's batch when their decode fits
-        the KV left after it (``check_decode_mem``; else they sit out this step, not
-        retracted); the running batch is then an empty one that keeps the latch. No
+        """Mixed chunks (``is_mixed_chunk``): the running decodes (spec ones as tails), less
+        those their queued result finishes by length, ride in the prefill's batch when their
+        decode fits the KV left after it (``check_decode_mem``; else they sit out this step,
+        not retracted); the running batch is then an empty one that keeps the latch. No
         new-token-ratio decay: ``update_running_batch`` does not run."""
         running = self.running_batch
         if running is None or running.is_empty():
@@ -601,10 +601,17 @@ class Scheduler:
         if cfg.cell.overlap:
             self.rt.hb.wait_stream(FORWARD, SCHEDULE)  # RAW fence at launch (ST1)
         rows = list(batch.req_pool_indices_cpu)
+        decoding = [j for j in range(len(batch.reqs)) if batch.is_decode_row(j)]
+        if cfg.cell.is_spec and cfg.cell.overlap and batch.forward_mode == "mixed":
+            # resolve_mixed_spec_tails, outside the isolation: the tails' lengths from the
+            # relay, behind publish_ready, on the device and (D2H) the host.
+            tails = [batch.reqs[j] for j in decoding]
+            tail_rows = [rows[j] for j in decoding]
+            unseeded = self.future_map.get_unseeded_rows(tails, tail_rows)
+            self.future_map.resolve_mixed_spec_tails(batch, len(decoding), tail_rows)
         gathers: list[RelayGather] = []
         # A prefill row's last input token (the prompt's, or the last output's); a decode
         # row's (a mixed batch's too) is the relay's under overlap, else the last output.
-        decoding = [j for j in range(len(batch.reqs)) if batch.is_decode_row(j)]
         inputs = [req.output_ids[-1] if req.output_ids else req.last_prompt_token
                   for req in batch.reqs]
         if cfg.cell.overlap and decoding:
@@ -665,8 +672,10 @@ class Scheduler:
                 published_seq_len=self.future_map.new_seq_lens_buf[row] if relayed else None,
                 kv_allocated_len=req.kv_allocated_len,
                 ghost_kv_len=TokenCount(req.ghost.kv_len_true),
-                write_width=compute_forward_write_width(
-                    self.rt.shape, "decode" if batch.is_decode_row(j) else "extend"),
+                # A mixed batch's decode row writes its one token (a spec tail too).
+                write_width=TokenCount(1) if batch.forward_mode == "mixed"
+                and batch.is_decode_row(j) else compute_forward_write_width(
+                    self.rt.shape, batch.forward_mode),
             )
             for j, (req, s, row) in enumerate(zip(batch.reqs, batch.seq_lens.values, rows,
                                                   strict=True))
@@ -683,7 +692,7 @@ class Scheduler:
         def on_publish(values: list[int]) -> None:
             seq_in = batch.seq_lens.values
             for j, (req, value) in enumerate(zip(batch.reqs, values, strict=True)):
-                accept = None if batch.forward_mode == "extend" else accept_lens[j]
+                accept = None if batch.forward_mode != "decode" else accept_lens[j]
                 publishes.append(
                     PublishRecord(req.rid, future_indices[j], seq_in[j], accept, value))
             self.future_map.publish(batch.reqs, future_indices, values)
@@ -735,7 +744,7 @@ class Scheduler:
                 batch.seq_lens = rt.new_tensor([-row for row in rows], "run_batch sentinel")
             return None
         batch.future_indices = list(rows) if cfg.cell.overlap else None
-        if not cfg.cell.overlap and batch.forward_mode == "extend":
+        if not cfg.cell.overlap and batch.forward_mode != "decode":
             # An extend returns batch.seq_lens itself: nothing to re-apply, no host sync
             # (scheduler.py:4843, "copying it back would block the scheduler").
             return None

@@ -77,12 +77,13 @@ class ForwardResult:
     kv_write_faults: list[KvWrite] = field(default_factory=list)
     copy_done: str = ""
     decode_rows: int = 0  # a mixed batch's decode rows, its last ones
+    decode_mode: str = "decode"  # theirs: "tail" for a spec decode (its pending bonus token)
 
     def get_row_mode(self, j: int) -> str:
         """The forward row ``j`` had: a mixed batch's last ``decode_rows`` decoded."""
         if self.forward_mode != "mixed":
             return self.forward_mode
-        return "decode" if j >= len(self.reqs) - self.decode_rows else "extend"
+        return self.decode_mode if j >= len(self.reqs) - self.decode_rows else "extend"
 
 
 OnPublish = Callable[[list[int]], None]
@@ -172,10 +173,12 @@ class ModelWorker:
             # read-done (supports_prefill_shared_read_done() is False, spec_info.py:138),
             # so the release's barrier falls back to S.wait_stream(F) after it.
             on_publish(list(fb.seq_lens))
-        new_seq_lens = [s + batch.is_decode_row(j) for j, s in enumerate(fb.seq_lens)]
+        spec = rt.config.cell.is_spec  # a spec extend returns its seq_lens as they are
+        new_seq_lens = [s + (batch.is_decode_row(j) and not spec)
+                        for j, s in enumerate(fb.seq_lens)]
         return ForwardResult(step, batch.forward_mode, list(batch.reqs), 1, tokens,
                              [1] * len(batch.reqs), eos, new_seq_lens, kv_write_faults=faults,
-                             decode_rows=decode_rows)
+                             decode_rows=decode_rows, decode_mode="tail" if spec else "decode")
 
     def _forward_decode(self, batch: ScheduleBatch, step: StepId,
                         choices: IterationChoices) -> ForwardResult:

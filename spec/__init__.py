@@ -41,5 +41,5 @@ processing touches only live requests).
 5. ``happens_before``: streams, events and races;
 6. ``invariants``: the claims, each with its ID and source;
 7. ``interface``: what an implementation offers the harness (``SchedulerModel``);
-8. ``bugs``: the catalogue of historical bugs B1-B19, each a fault switch.
+8. ``bugs``: the catalogue of historical bugs B1-B20, each a fault switch.
 """

@@ -1,6 +1,6 @@
-"""The historical bugs B1-B19 (digest section 5; B16 is the reserve upstream fixed in
+"""The historical bugs B1-B20 (digest section 5; B16 is the reserve upstream fixed in
 #26354, B17 what the upstream tier found the release doing, B18 a chunked-prefill counter
-bug of the JAX port, B19 a mixed-chunk flag bug), each a mutant the checkers must kill.
+bug of the JAX port, B19 and B20 mixed-chunk bugs), each a mutant the checkers must kill.
 
 Each entry names the upstream PRs, the trigger, the invariants the digest says it
 breaks and the cells where the trigger can occur. An implementation re-introduces
@@ -192,6 +192,20 @@ BUGS: Final[tuple[Bug, ...]] = (
         lambda cell: not cell.is_spec, representative_cells=("ov-p1-none", "nov-p4-none"),
         not_in_z3="the Z3 model and BMC have no chunked prefill (proofs/model.py)",
         sizes=(("chunked_prefill_size", 8), ("mixed_chunk", 1), ("kv_tokens", 16))),
+    Bug("B20", "a spec decode mixed into a prefill commits nothing",
+        "#27971 (closed: its settle-at-result design landed through #28754; upstream's "
+        "DP-attention mixed-chunk CI job caught a 37-slot gap)",
+        "with mixed chunks in a spec cell, a running decode rides in the prefill as a tail "
+        "that writes its pending bonus token's slot; the prefill's result path is a second "
+        "entry point for decode results, and without its commit kv_committed_len falls one "
+        "behind per mixed step, so the next reserve starts from the wrong base",
+        "the tail's kv_committed_len += 1 in process_batch_result_prefill is dropped",
+        ("KV8", "KV9"),
+        lambda cell: cell.is_spec and cell.needs_cpu_seq_lens and not (
+            cell.preclaim or cell.trimmed_finish or cell.early_fence or cell.rung_reserve),
+        representative_cells=("ov-p1-v2chain-cpu-honest", "nov-p1-v2tree-cpu-honest"),
+        not_in_z3="the Z3 model and BMC have no chunked prefill (proofs/model.py)",
+        sizes=(("chunked_prefill_size", 8), ("mixed_chunk", 1))),
 )
 
 BUG_IDS: Final = tuple(bug.id for bug in BUGS)

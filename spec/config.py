@@ -160,8 +160,8 @@ class Preset:
     # below ``max_context_len`` chunks prompts as the release would with that setting.
     chunked_prefill_size: int = 0
     # ``enable_mixed_chunk`` (0 / 1; the release's default is off): with chunking, the running
-    # decodes ride in each prefill chunk's batch (``mix_with_running``). Non-spec cells only:
-    # spec's mixed tails (``resolve_mixed_spec_tails``) are not modelled.
+    # decodes ride in each prefill chunk's batch (``mix_with_running``): non-spec cells, and
+    # the release's spec cells with the CPU mirror (spec's mixed tails).
     mixed_chunk: int = 0
 
 

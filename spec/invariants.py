@@ -585,8 +585,9 @@ def check_kv7(config: ModelConfig, obs: Observation) -> int:
 def check_kv8(config: ModelConfig, obs: Observation) -> int:
     """KV8: each processed step settles exactly once: committed == settled truth + the
     lead of unprocessed claimed steps, for a live request and, where the release commits
-    the whole accepted run, at the finish release too; an abort mid-chunk has committed
-    what its chunks wrote (batch_result_processor.py, alloc_for_extend)."""
+    the whole accepted run, at the finish release too (less the bonus slot when a spec
+    decode mixed into a prefill finishes: that result commits nothing); an abort mid-chunk
+    has committed what its chunks wrote (batch_result_processor.py, alloc_for_extend)."""
     if obs.point is not ObservationPoint.PROCESS_RESULT:
         return 0
     count = 0
@@ -606,10 +607,11 @@ def check_kv8(config: ModelConfig, obs: Observation) -> int:
                 raise fail("KV8", obs, f"for request r{r.rid}: kv_committed_len="
                            f"{r.committed_at_release} at its abort mid-chunk != the "
                            f"{r.ghost.kv_len_true} positions its chunks wrote")
-        elif r.committed_at_release != r.ghost.settled_len + lead:
+        elif r.committed_at_release != r.ghost.settled_len + lead - r.ghost.finished_at_tail:
             raise fail("KV8", obs, f"for request r{r.rid}: kv_committed_len="
                        f"{r.committed_at_release} at its finish release != settled true "
-                       f"length {r.ghost.settled_len} + claimed lead {lead}")
+                       f"length {r.ghost.settled_len} + claimed lead {lead}"
+                       + (" - the finishing tail's slot" if r.ghost.finished_at_tail else ""))
         count += 1
     return count
 
@@ -1107,8 +1109,10 @@ def check_rp4(config: ModelConfig, obs: Observation) -> int:
     for m in launch.members:
         r = obs.get_request(m.rid)
         # The launched step itself is counted, and middle chunks in flight (the ghost's, this
-        # one's included once forwarded) carry no token.
-        middle_now = launch.forward_mode != "decode" and r.extend_end < r.prompt_len + r.output_len
+        # one's included once forwarded) carry no token. A mixed batch's decode rows write
+        # one token; its prefill rows none (from seq_len on).
+        middle_now = (launch.forward_mode != "decode" and m.write_width == 0
+                      and r.extend_end < r.prompt_len + r.output_len)
         in_flight = r.ghost.inflight_steps - 1 - (r.ghost.middle_chunks - middle_now)
         if r.output_len + in_flight >= max(r.max_new_tokens, 1):  # a first token, always
             raise fail("RP4", obs, f"for request r{r.rid}: launched with {r.output_len} "

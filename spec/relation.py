@@ -108,6 +108,7 @@ class Ghost:
     verify_ct: int = 0
     correct_drafts: int = 0
     inflight_at_release: int = 0  # launched, unprocessed steps at the finish release
+    finished_at_tail: bool = False  # the finishing result was a spec mixed tail's
     claimed_at_release: int = 0  # the same plus a prepared, never-launched step
     steps: Mapping[StepId, GhostStep] = field(default_factory=dict)
 
@@ -414,7 +415,8 @@ def is_stale(req: RequestRecord) -> bool:
             "ghost.inflight_steps",
             "ghost.extend_inflight",
             "ghost.steps", "ghost.settled_len", "ghost.output_len_true", "ghost.finished",
-            "ghost.finish_reason", "ghost.verify_ct", "ghost.correct_drafts")
+            "ghost.finish_reason", "ghost.finished_at_tail", "ghost.verify_ct",
+            "ghost.correct_drafts")
 def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: str,
                    accept_len: int, eos_at: int | None, tokens: tuple[int, ...],
                    faults: frozenset[str] = NO_FAULTS) -> RequestRecord:
@@ -428,18 +430,24 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
     finished request is :func:`release_kv_cache`, next.
 
     A prefill's live row that does not finish checkpoints (``prefix_len := extend_end``).
+    A spec decode mixed into a prefill (``forward_mode`` "tail") runs one token from its
+    pending bonus token, is no verify, and commits that bonus slot unless the result
+    finishes it (``process_batch_result_prefill``: ``kv_committed_len += 1`` for a decoding
+    request not finished).
     A middle chunk's row (``inflight_middle_chunks`` > 0 at an extend result, retracted
     or not finished) only takes one off the counter: no token, no finish check, no commit
     (``process_batch_result_prefill``'s chunked branch); its sampled token is thrown away.
 
-    Faults: B3 commits a stale row's run as if live (the pre-claim era's commit loop
-    before #23456; output, finish and release kept their skip); B11 commits the uncut run
-    (the trimmed finish's cell too).
+    Faults: B3 commits a stale row's run as if live (the pre-claim era's commit loop before
+    #23456; output, finish and release kept their skip); B11 commits the uncut run (the
+    trimmed finish's cell too); B20 leaves a tail's slot uncommitted (#27971).
     """
     name = "process_result"
     require(accept_len >= 1, name, req, "output_ids", f"accept_len={accept_len} < 1")
     verified = cell.is_spec and forward_mode == "decode"
-    ghost = ghost_result(req.ghost, step, req.max_new_tokens, accept_len, eos_at, verified)
+    tail = forward_mode == "tail"
+    ghost = ghost_result(req.ghost, step, req.max_new_tokens, accept_len, eos_at, verified,
+                         tail)
     finished_before = req.is_finished()
     if forward_mode == "extend" and req.inflight_middle_chunks > 0 and not req.is_retracted:
         return replace(req, inflight_middle_chunks=req.inflight_middle_chunks - 1, ghost=ghost)
@@ -473,8 +481,10 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
                     + (accept_len - 1 if verified else 0))
     hit_eos = eos_at is not None and eos_at < run_len
     reason = compute_finished_reason(grown, hit_eos)
-    if not decode and reason is None:  # checkpoint_kv_cache: the prefill is the prefix now
+    if forward_mode == "extend" and reason is None:  # checkpoint_kv_cache: the prefix now
         grown = replace(grown, prefix_len=req.extend_end)
+    if tail and reason is None and "B20" not in faults:  # the second commit site (#27971)
+        grown = replace(grown, kv_committed_len=committed + 1)
     return replace(grown, finished_reason=reason)
 
 
@@ -592,15 +602,16 @@ def ghost_forward_decode(ghost: Ghost, step: StepId, advanced_by: int) -> Ghost:
 
 
 @transition("inflight_steps", "extend_inflight", "steps", "settled_len", "output_len_true",
-            "finished", "finish_reason", "verify_ct", "correct_drafts")
+            "finished", "finish_reason", "finished_at_tail", "verify_ct", "correct_drafts")
 def ghost_result(ghost: Ghost, step: StepId, max_new_tokens: int, accept_len: int,
-                 eos_at: int | None, verified: bool) -> Ghost:
+                 eos_at: int | None, verified: bool, tail: bool = False) -> Ghost:
     """Settle a step by the environment's own cut: EOS and max_new_tokens end the visible
     output. Written out here rather than with compute_run_len, so that a wrong cut in the
     scheduler cannot hide in the truth it is checked against. A result of an older epoch
     (launched before a retraction) settles nothing, and a middle chunk's settles its KV
     but no token: the prefill ends with its last chunk. ``verified``: a speculative verify
-    result, which feeds the request's verify count and accepted drafts when it is live.
+    result, which feeds the request's verify count and accepted drafts when it is live;
+    ``tail``: a spec mixed tail's, whose finish the release does not commit.
 
     The finish reason is upstream's precedence (``Req.update_finish_state``): a requested
     abort, then a stop token inside the kept run (one past the cap is a length finish,
@@ -628,6 +639,7 @@ def ghost_result(ghost: Ghost, step: StepId, max_new_tokens: int, accept_len: in
     return replace(settled, output_len_true=output_len,
                    settled_len=ghost.settled_len if launched.kv_len is None else launched.kv_len,
                    finished=reason is not None, finish_reason=reason,
+                   finished_at_tail=tail and reason is not None,
                    verify_ct=ghost.verify_ct + (1 if verified else 0),
                    correct_drafts=ghost.correct_drafts + (accept_len - 1 if verified else 0))
 

@@ -68,6 +68,7 @@ class GhostView:
     verify_ct: int  # speculative verify results processed while the request was live
     correct_drafts: int  # their accepted drafts (accept_len - 1 each)
     middle_chunks: int = 0  # middle prefill chunks of this epoch forwarded, results unprocessed
+    finished_at_tail: bool = False  # the finishing result was a spec mixed tail's (KV8)
 
 
 @dataclass(frozen=True)

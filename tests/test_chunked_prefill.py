@@ -246,11 +246,10 @@ def mixed(cell: str, size: int = 4, **sizes: int) -> ModelConfig:
     return chunked(cell, size, mixed_chunk=1, **sizes)
 
 
-def test_mixed_chunks_need_chunking_and_a_non_spec_cell() -> None:
+def test_mixed_chunks_need_chunking() -> None:
     assert check_sizes(mixed("ov-p1-none")) is None
     alone = ModelConfig(NON_SPEC, make_preset("minimal", {"mixed_chunk": 1}))
     assert "without 'chunked_prefill_size'" in (check_sizes(alone) or "")
-    assert "not modelled" in (check_sizes(mixed("ov-p1-v2chain-cpu-honest")) or "")
     with pytest.raises(UsageError, match="mixed_chunk"):
         make_preset("minimal", {"mixed_chunk": 2})
 
@@ -381,12 +380,16 @@ def test_prebuilt_arrivals_make_the_chunk_wait_not_empty(cell: str) -> None:
 
 
 @pytest.mark.parametrize(("cell", "size"), [("ov-p1-none", 4), ("nov-p4-none", 8),
-                                            ("ov-p4-none", 8), ("nov-p1-none", 4)])
+                                            ("ov-p4-none", 8), ("nov-p1-none", 4),
+                                            ("ov-p1-v2chain-cpu-honest", 4),
+                                            ("nov-p1-v2tree-cpu-honest", 4),
+                                            ("ov-p4-v2chain-cpu-honest", 8)])
 def test_gpu_impl_agrees_with_the_reference_with_mixed_chunks(cell: str, size: int) -> None:
     """The differential (``overlap-spec diff --sizes chunked_prefill_size=N,mixed_chunk=1``):
     gpu_impl's mixed batches (the decode rows' relay gather on the forward stream, the
-    per-row result modes, the empty running batch) agree with the reference after every
-    operation, with no race."""
+    per-row result modes, the empty running batch; in spec cells the tails' rebinding from
+    the relay and their commit) agree with the reference after every operation, with no
+    race."""
     from overlap_spec.harness.differential.compare import check_cell_differential
 
     result = check_cell_differential(mixed(cell, size), get_profile("quick"), SEED,
@@ -395,3 +398,78 @@ def test_gpu_impl_agrees_with_the_reference_with_mixed_chunks(cell: str, size: i
     assert result.failure is None, (
         f"{result.failure.outcome.describe()}\nscript: {result.failure.script.ops}")
     assert result.compared_ops > 0 and result.launches > 0
+
+
+# --- spec's mixed tails -----------------------------------------------------------------------
+SPEC_MIXED_CELLS = ["ov-p1-v2chain-cpu-honest", "nov-p1-v2chain-cpu-honest",
+                    "ov-p4-v2chain-cpu-honest", "nov-p4-v2chain-cpu-honest",
+                    "ov-p1-v2tree-cpu-honest", "nov-p1-v2tree-cpu-honest"]
+
+
+def test_spec_tails_are_modelled_in_the_release_cells_with_the_mirror_only() -> None:
+    for cell in SPEC_MIXED_CELLS:
+        assert check_sizes(mixed(cell)) is None, cell
+    for cell in ("ov-p1-v2chain-nocpu-honest", "ov-p1-v2chain-cpu-preclaim",
+                 "ov-p1-v2chain-cpu-honest-trimmed", "ov-p1-v2chain-cpu-honest-earlyfence"):
+        assert "is not" in (check_sizes(mixed(cell)) or ""), cell
+
+
+def run_spec_tail_scenario(config: ModelConfig, faults: frozenset[str] = frozenset()
+                           ) -> dict[str, object]:
+    """A prompt of 2 (3 new tokens) then one of 10 in chunks of 4, the decodes mixed in: what
+    a spec cell's tails do, step by step (tests/test_upstream_tier.py runs the release the
+    same way and compares)."""
+    with observed(config, faults) as (sched, seen):
+        short = sched.admit(2, 3)
+        sched.admit(10, 3)
+        committed, outputs = [], []
+        for _ in range(6):
+            sched.run_iteration(IterationChoices())
+            req = sched.requests[short]
+            committed.append(req.kv_committed_len)
+            outputs.append(len(req.output_ids))
+        req = sched.requests[short]
+        summary: dict[str, object] = {
+            "committed": committed, "outputs": outputs, "reason": req.finished_reason,
+            "cached": req.cached_len, "at_release": req.committed_at_release}
+    summary["modes"] = [obs.launch.forward_mode for obs in seen
+                        if obs.point is ObservationPoint.LAUNCH and obs.launch is not None][:4]
+    return summary
+
+
+@pytest.mark.parametrize("cell", ["nov-p1-v2chain-cpu-honest", "ov-p1-v2chain-cpu-honest"])
+def test_a_spec_tail_commits_its_bonus_slot_unless_it_finishes(cell: str) -> None:
+    """The short request decodes as a tail of the long one's chunks: each tail writes its
+    pending bonus token's slot and its result commits it (committed = prompt + output - 1
+    after each, KV9), except the one that finishes it by length: that commits nothing, so
+    3 is released and cached, one behind what the forward wrote (KV8's finishing-tail
+    rule). Under overlap the third decode would finish it in flight: it sits out."""
+    result = run_spec_tail_scenario(mixed(cell))
+    assert result["reason"] == "length" and result["outputs"][-1] == 3
+    assert result["at_release"] == 3 and result["cached"] == 3
+    if cell.startswith("nov"):
+        assert result["committed"][:3] == [2, 3, 3] and result["outputs"][:3] == [1, 2, 3]
+        assert result["modes"] == ["extend", "mixed", "mixed", "extend"]
+    else:
+        assert result["modes"] == ["extend", "mixed", "mixed", "extend"]
+
+
+@pytest.mark.parametrize("cell", SPEC_MIXED_CELLS)
+def test_the_reference_holds_every_invariant_with_spec_tails(cell: str) -> None:
+    """Spec cells with prompts in chunks of 8 and the decodes mixed in as tails: clean, KV8
+    and KV9 witnessed; B20 at the same budget and seed must fail (tails were drawn)."""
+    config = mixed(cell, 8)
+    result = check_cell(config, get_profile("quick"), SEED)
+    assert result.ok, describe_failure(result)
+    assert all(result.exercised[i] > 0 for i in ("KV8", "KV9", "KV11", "KV12"))
+    faulted = check_cell(config, get_profile("quick"), SEED, frozenset({"B20"}), shrink=False)
+    assert not faulted.ok, f"B20 survived in {config.name}: no mixed tail drawn"
+
+
+@pytest.mark.parametrize("cell", ["nov-p1-v2chain-cpu-honest", "ov-p1-v2chain-cpu-honest"])
+def test_b20_a_tail_left_uncommitted_is_caught(cell: str) -> None:
+    """B20 (#27971's second entry point): the tail's commit dropped; committed falls one
+    behind what the tail wrote: KV8 (or KV9) at that result."""
+    with pytest.raises(InvariantViolation) as caught:
+        run_spec_tail_scenario(mixed(cell), frozenset({"B20"}))
+    assert caught.value.invariant_id in ("KV8", "KV9"), str(caught.value)

@@ -123,7 +123,7 @@ FAST_KILLS = [
     ("B13", "ov-p1-v2tree-nocpu-preclaim"), ("B14", "ov-p1-v2tree-nocpu-honest"),
     ("B15", "ov-p1-v2tree-nocpu-honest"), ("B16", "ov-p1-v2chain-cpu-honest"),
     ("B17", "nov-p1-v2chain-cpu-honest"), ("B18", "nov-p1-v2tree-cpu-honest"),
-    ("B19", "nov-p1-none"),
+    ("B19", "nov-p1-none"), ("B20", "nov-p1-v2tree-cpu-honest"),
 ]
 
 

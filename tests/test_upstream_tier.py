@@ -641,3 +641,69 @@ def test_the_release_mixes_decodes_into_chunks_as_the_reference(tmp_path: Path) 
         assert seen["views"] == [[0, None], [1, 5], [1, 8], [1, 10]], cell
     check_sized_cells(tmp_path, "ov-p1-none,nov-p1-none",
                       "chunked_prefill_size=8,mixed_chunk=1,kv_tokens=16", "RP8")
+
+
+SPEC_TAIL_PROBE = """
+import json
+import sys
+from overlap_spec.harness.drive.cells import make_preset
+from overlap_spec.reference.scheduler import Scheduler
+from overlap_spec.spec.config import ModelConfig, get_cell
+from overlap_spec.spec.invariants import INVARIANTS
+from overlap_spec.spec.state import IterationChoices, ObservationPoint
+from overlap_spec.upstream.adapter import UpstreamScheduler
+
+cell = sys.argv[1]
+config = ModelConfig(get_cell(cell), make_preset(
+    "minimal", {"chunked_prefill_size": 4, "mixed_chunk": 1}))
+applying = [inv for inv in INVARIANTS if inv.applies(config.cell)]
+out = {}
+for name, factory in (("reference", Scheduler), ("release", UpstreamScheduler)):
+    modes = []
+
+    def observe(obs):
+        for inv in applying:
+            inv.check(config, obs)
+        if obs.point is ObservationPoint.LAUNCH and obs.launch is not None:
+            modes.append(obs.launch.forward_mode)
+
+    model = factory(config, frozenset(), observe)
+    short = model.admit(2, 3)
+    model.admit(10, 3)
+    committed, outputs = [], []
+    for _ in range(6):
+        model.run_iteration(IterationChoices(allow_prefill=True))
+        state = model.get_observable_state().requests[short]
+        committed.append(state.kv_committed_len)
+        outputs.append(len(state.output_ids))
+    state = model.get_observable_state().requests[short]
+    out[name] = {"modes": modes[:4], "committed": committed, "outputs": outputs,
+                 "cached": state.cached_len, "reason": state.finish_reason}
+print(json.dumps(out))
+"""
+
+
+@needs_sglang
+def test_the_release_commits_spec_tails_as_the_reference(tmp_path: Path) -> None:
+    """Spec's mixed tails (``mixed_chunk=1`` in a spec cell): the release and the reference
+    run a prompt of 2 (3 new tokens) beside one of 10 in chunks of 4 step for step alike:
+    the same launches (extend, then the short request's decode as a tail of two chunks),
+    the same committed lengths (each tail commits its bonus slot unless it finishes the
+    request: ``batch_result_processor.py`` ``kv_committed_len += 1``), the same cached
+    length at the finish, every invariant holding on both; then a Hypothesis run of two spec
+    cells agrees op by op."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    for cell in ("nov-p1-v2chain-cpu-honest", "ov-p1-v2chain-cpu-honest"):
+        done = subprocess.run([sys.executable, "-W", "ignore", "-c", SPEC_TAIL_PROBE, cell],
+                              capture_output=True, text=True, env=env, timeout=600,
+                              check=False)
+        assert done.returncode == 0, done.stderr[-3000:]
+        result = json.loads(done.stdout.strip().splitlines()[-1])
+        assert result["release"] == result["reference"], (cell, result)
+        seen = result["release"]
+        assert seen["modes"] == ["extend", "mixed", "mixed", "extend"], cell
+        assert seen["reason"] == "length" and seen["cached"] == 3, cell
+        assert seen["outputs"][-1] == 3, cell
+    # And a Hypothesis run of the spec cells agrees op by op, with only listed findings.
+    check_sized_cells(tmp_path, "ov-p1-v2chain-cpu-honest,nov-p1-v2tree-cpu-honest",
+                      "chunked_prefill_size=4,mixed_chunk=1", "KV8")

@@ -417,11 +417,11 @@ class UpstreamScheduler:
                 written_by_current_owner=self.stashed_by.get(row) == owner))
             self.stashes[row] = 0
         spec_overlap = self.config.cell.is_spec and self.config.cell.overlap
-        if spec_overlap and batch.forward_mode.is_decode():
-            # resolve_seq_lens_cpu read new_seq_lens_buf at these rows: each must have been
-            # published by its current owner.
+        if spec_overlap and (batch.forward_mode.is_decode() or batch.forward_mode.is_mixed()):
+            # resolve_seq_lens_cpu (resolve_mixed_spec_tails) read new_seq_lens_buf at these
+            # rows: each must have been published by its current owner.
             self.unseeded = [(self.by_req[id(req)].rid, PoolRow(row))
-                             for req, row in zip(batch.reqs, rows, strict=False)
+                             for req, row in zip(reqs, rows, strict=False)
                              if id(req) in self.by_req
                              and self.published_by.get(row) != (self.by_req[id(req)].rid,
                                                                 self.by_req[id(req)].ghost.epoch)]
@@ -541,6 +541,9 @@ class UpstreamScheduler:
         self.spec_metrics = None
         mode = batch.forward_mode
         verified = self.config.cell.is_spec and mode is not None and mode.is_decode()
+        # A spec decode mixed into a prefill (a tail): its finish commits nothing.
+        tails = ({id(r) for r in batch.decoding_reqs or ()}
+                 if self.config.cell.is_spec and mode is not None and mode.is_mixed() else set())
         before = []
         for j, req in enumerate(batch.reqs):
             track = self.by_req[id(req)]
@@ -550,7 +553,8 @@ class UpstreamScheduler:
                 eos = record.eos_at[j]
                 track.ghost = ghost_result(track.ghost, record.step,
                                            int(req.sampling_params.max_new_tokens),
-                                           record.accept_lens[j], eos, verified)
+                                           record.accept_lens[j], eos, verified,
+                                           id(req) in tails)
         return record, before
 
     def after_result(self, batch: Any, result: Any, token: Any) -> None:
@@ -662,7 +666,8 @@ class UpstreamScheduler:
                 extend_inflight=g.extend_inflight,
                 output_len_true=TokenCount(g.output_len_true), finished=g.finished,
                 finish_reason=g.finish_reason, verify_ct=g.verify_ct,
-                correct_drafts=g.correct_drafts, middle_chunks=count_middle_chunks(g)),
+                correct_drafts=g.correct_drafts, middle_chunks=count_middle_chunks(g),
+                finished_at_tail=g.finished_at_tail),
         )
 
     def get_batch_view(self, batch: Any) -> BatchView:

@@ -125,13 +125,12 @@ def _after_prepare_extend(batch: Any, value: Any) -> None:
 def _get_gathered_rows(batch: Any, future_map: Any) -> list[int]:
     """The output_tokens_buf rows resolve_forward_inputs is about to gather (0.5.23
     overlap_utils.py:113): a decode's req_pool_indices without speculation, the draft
-    input's future_indices with it, a mixed batch's decode rows (``mix_running_indices``,
-    non-spec: the model mixes in no spec cell)."""
+    input's future_indices with it, a mixed batch's decode rows (``mix_running_indices``;
+    with speculation their pending bonus tokens, resolved by ``resolve_mixed_spec_tails``
+    under overlap)."""
     if batch.prefill_input_ids_cpu is not None:
         mixed = batch.mix_running_indices
-        if mixed is None or not future_map.spec_algo.is_none():
-            return []
-        return [int(r) for r in mixed.tolist()]
+        return [] if mixed is None else [int(r) for r in mixed.tolist()]
     if batch.input_ids is None and future_map.spec_algo.is_none():
         return [int(r) for r in batch.req_pool_indices.tolist()]
     spec_info = batch.spec_info

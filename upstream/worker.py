@@ -123,10 +123,10 @@ class StandInWorker:
                 # The prefill (or this chunk of it) writes from where earlier chunks
                 # stopped (Req.prefix_len, 0 unless chunked) to the batch's seq_len.
                 start, end = int(req.prefix_len), seq_len
-            elif spec:
+            elif spec and not mixed_decode:
                 start, end = seq_len, seq_len + widths[j]  # draft + verify, A positions
-            else:
-                start, end = seq_len - 1, seq_len  # the token being processed
+            else:  # the token being processed (a spec tail's: its pending bonus token)
+                start, end = seq_len - 1, seq_len
             faults += host.write_kv(req, rid, start, end)
             if is_extend and not mixed_decode:
                 host.update_ghost(req, ghost_forward_extend, step, len(req.origin_input_ids),
@@ -151,7 +151,7 @@ class StandInWorker:
         from sglang.srt.speculative.eagle_info import EagleDraftInput
 
         if is_extend:
-            new_seq_lens = batch.seq_lens.clone()
+            new_seq_lens = batch.seq_lens  # the batch's own tensor (eagle_worker_v2.py:1567)
             bonus = ids.to(torch.int32)
         else:
             new_seq_lens = batch.seq_lens + torch.tensor(accept_lens, dtype=batch.seq_lens.dtype)

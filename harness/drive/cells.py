@@ -114,7 +114,8 @@ SIZE_LIMITS: Final = {
     "chain_steps": (1, 7, "the v2 chain's draft steps (draft tokens = steps + 1)"),
     "chunked_prefill_size": (0, 8192, "prefill chunk tokens, whole pages (0: no chunking)"),
     "mixed_chunk": (0, 1, "enable_mixed_chunk: decodes ride in the prefill chunk's batch "
-                          "(needs chunked_prefill_size; non-spec cells)"),
+                          "(needs chunked_prefill_size; not in era, proposal or mirrorless "
+                          "spec cells)"),
 }
 SIZES_MARK: Final = "["  # a preset with sizes is named like "minimal[kv_tokens=16]"
 
@@ -162,10 +163,15 @@ def check_sizes(config: ModelConfig) -> str | None:
     if config.preset.mixed_chunk and not config.preset.chunked_prefill_size:
         return ("size 'mixed_chunk' is 1 without 'chunked_prefill_size': the release mixes "
                 "decodes into a prefill only when it chunks (is_mixed_chunk)")
-    if config.preset.mixed_chunk and config.cell.is_spec:
-        return (f"size 'mixed_chunk' is 1 in spec cell {config.cell.name}: spec's mixed tails "
-                "(resolve_mixed_spec_tails, the tail's kv_committed_len += 1) are not modelled; "
-                "choose non-spec cells")
+    cell = config.cell
+    switched = cell.preclaim or cell.trimmed_finish or cell.early_fence or cell.rung_reserve \
+        or cell.cpu_ub
+    if config.preset.mixed_chunk and cell.is_spec and (switched or not cell.needs_cpu_seq_lens):
+        return (f"size 'mixed_chunk' is 1 in spec cell {cell.name}: spec's mixed tails are "
+                "modelled in the release's spec cells with the CPU mirror only (an era or "
+                "proposal switch, or a cell without the mirror, where the release's tail "
+                "rebinding copies the relay to the host all the same, is not); choose those "
+                "or non-spec cells")
     return None
 
 
