@@ -43,7 +43,7 @@ def grow_to(rt: Runtime, reqs: list[Req], targets: list[int]) -> None:
     kv_allocated_len (which a target below it shrinks: the B12 mistake, kept as is).
     """
     p = rt.config.page_size
-    width = rt.config.row_width
+    width = rt.req_to_token_pool.width  # the row as built (B21: narrower than the release's)
     extra = [compute_pages_for_len(t, p) - len(req.pages) for req, t in zip(reqs, targets,
                                                                           strict=True)]
     fresh = alloc_pages(rt, sum(n for n in extra if n > 0)) if any(n > 0 for n in extra) else []

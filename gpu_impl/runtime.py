@@ -19,8 +19,9 @@ class Runtime:
         self.streams = streams
         self.allocator = TokenToKVPoolAllocator(config.kv_pages)
         self.tree = TreeCache()
+        # The release's row, or one not widened on pages > 1 (B21: #26972 reverted).
         self.req_to_token_pool = ReqToTokenPool(streams, config.preset.max_running_requests,
-                                                config.row_width)
+                                                config.get_row_width(faults))
         self.kv = KvPages(streams, config.kv_pages, config.page_size)
         self.shape: SpecShape = config.get_shape()  # this iteration's adaptive rung
         # "B" is today's design; "A" the pre-#25465 baseline that ``bench gpu`` compares.

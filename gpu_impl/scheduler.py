@@ -159,7 +159,7 @@ class Scheduler:
         self.next_rid += 1
         cfg = self.config
         capped, refused = compute_admission(prompt_len, max_new_tokens,
-                                            cfg.preset.max_context_len, cfg.preset.kv_tokens,
+                                            cfg.preset.max_context_len, cfg.kv_tokens,
                                             cfg.page_size)
         if prebuilt:  # a PD-decode request needs room for one token past its first
             capped = max(capped, 2)

@@ -9,7 +9,8 @@ Everything here runs on the forward stream (the schedule stream without overlap)
 worker writes the KV cache exactly where the real model would, through ``req_to_token``
 gathers at the positions the reference worker writes (prefill ``[prefix_len, end)``,
 ``[0, fill_len)`` unless a chunk continues; non-spec decode ``seq_len - 1``; spec draft
-``[s, s + topk * steps)`` and verify ``[s, s + D_tok)``). A mixed batch runs the extend
+``[s, s + topk * steps)``, a tree's on pages > 1 the page-aligned branch slots and tail
+copies of ``compute_draft_writes``, and verify ``[s, s + D_tok)``). A mixed batch runs the extend
 forward: its prefill rows as a prefill's, its decode rows as a decode's (``[s - 1, s)``);
 in a spec cell those are tails, which run one token from their pending bonus token.
 A write through a -1 entry, past ``kv_allocated_len`` or into a page another request owns
@@ -168,6 +169,64 @@ class ModelWorker:
         kv.kv_cache.index_put_((target,), inputs.rid[:, None].expand_as(target))
         return faults
 
+    def _write_kv_at(self, fb: ForwardBatch, inputs: RequestInputs, positions: torch.Tensor,
+                     live: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+        """Write KV at ``positions`` ([bs, W]) where ``live``; count bad writes.
+
+        :meth:`_write_kv`'s masking and fault count over any positions: a live position is
+        written when the request holds a row, it lies inside the row and below
+        ``kv_allocated_len``, and its entry is a slot of the request's own; every other
+        live position is a fault, and a request without a row counts one (the reference's
+        ``_write_kv_at``). Where ``sources`` (positions, [bs, W]) is >= 0 the write is a
+        copy of that position's KV (``move_kv_cache``), read before anything is written;
+        elsewhere the draft's own KV. No boolean indexing: the shapes never depend on data.
+        """
+        rt = self.rt
+        pool = rt.req_to_token_pool
+        kv = rt.kv
+        rows = fb.req_pool_indices[:, None]
+        slots = pool.req_to_token[rows, positions.clamp(0, pool.width - 1)]
+        # An unset entry (-1) reads page -1, any page: ``slots >= 0`` below masks it out.
+        owner = kv.page_owner[slots // kv.page_size]
+        live = live & inputs.holds_row[:, None]
+        end = inputs.kv_allocated_len.clamp(max=pool.width)[:, None]
+        good = (live & (positions >= 0) & (positions < end) & (slots >= 0)
+                & (owner == inputs.rid[:, None]))
+        faults = (live ^ good).sum() + (~inputs.holds_row).sum()  # good is a subset of live
+        source_slots = pool.req_to_token[rows, sources.clamp(0, pool.width - 1)]
+        copied = kv.kv_cache[torch.where(source_slots >= 0, source_slots, kv.trash_slot)]
+        values = torch.where(sources >= 0, copied, inputs.rid[:, None])
+        kv.kv_cache.index_put_((torch.where(good, slots, kv.trash_slot),), values)
+        return faults
+
+    def _write_draft_paged_tree(self, fb: ForwardBatch, inputs: RequestInputs) -> torch.Tensor:
+        """The draft of a tree on pages > 1 (``prepare_for_draft``, PR 26972): the positions
+        of :func:`spec.transitions.compute_draft_writes`, from the device ``seq_lens``.
+
+        With lp = s % page and span = ceil((lp + steps) / page) * page, branch t drafts at
+        s + t * span + j; the partial last page's KV, [s - lp, s), is copied into the same
+        lp holes of every other branch, s - lp + t * span + i (``duplicate_prefix_tail_to_
+        draft_branches``). The copies take (topk - 1) * (page - 1) columns, the live ones
+        ``i < lp``: a fixed shape, where the release selects with boolean masks.
+        """
+        rt = self.rt
+        shape = rt.shape
+        page, steps, topk = rt.config.page_size, shape.steps, shape.topk
+        slots = [(t, j, 0) for t in range(topk) for j in range(steps)]
+        copies = [(t, i, 1) for t in range(1, topk) for i in range(page - 1)]
+        # Per column, broadcast over the batch: branch t, offset j or i, whether a copy.
+        branch, offset, is_copy = (rt.streams.device_tensor(column, rt.forward_stream)
+                                   for column in zip(*(slots + copies), strict=True))
+        seq_lens = fb.seq_lens[:, None]
+        lp = seq_lens % page
+        base = seq_lens - lp
+        span = (lp + (steps + page - 1)) // page * page
+        # A draft slot sits at offset lp + j of its branch's region, a copy target at i.
+        positions = base + branch * span + offset + (1 - is_copy) * lp
+        live = (is_copy == 0) | (offset < lp)
+        sources = torch.where(is_copy > 0, base + offset, -1)
+        return self._write_kv_at(fb, inputs, positions, live, sources)
+
     def _sample(self, batch: ScheduleBatch, inputs: RequestInputs, positions: torch.Tensor,
                 stride: int, eos_at: list[int | None]) -> torch.Tensor:
         """``stride`` tokens per request (flat) from the stand-in model, the first at
@@ -262,12 +321,17 @@ class ModelWorker:
         ForwardBatch.init_new(rt, batch, "draft")
         # Verify copies seq_lens_cpu / seq_lens_sum from SB (TBO reads them).
         verify = ForwardBatch.init_new(rt, batch, "verify")
-        draft_width = shape.topk * shape.steps
-        draft_lens = self._fill(verify, draft_width)
-        verify_lens = self._fill(verify, shape.draft_tokens)
-        faults = (self._write_kv(verify, inputs, verify.seq_lens, draft_lens, draft_width)
-                  + self._write_kv(verify, inputs, verify.seq_lens, verify_lens,
-                                   shape.draft_tokens))
+        if rt.config.page_size > 1 and shape.topk > 1:  # compute_draft_writes' page tree
+            draft_faults = self._write_draft_paged_tree(verify, inputs)
+            verify_lens = self._fill(verify, shape.draft_tokens)
+        else:  # page 1, or a chain: [s, s + topk * steps)
+            draft_width = shape.topk * shape.steps
+            draft_lens = self._fill(verify, draft_width)
+            verify_lens = self._fill(verify, shape.draft_tokens)
+            draft_faults = self._write_kv(verify, inputs, verify.seq_lens, draft_lens,
+                                          draft_width)
+        faults = draft_faults + self._write_kv(verify, inputs, verify.seq_lens, verify_lens,
+                                               shape.draft_tokens)
         accept = [choices.get_accept_len(j, shape.max_accept_len)
                   for j in range(len(batch.reqs))]
         accept_lens = rt.streams.device_tensor(accept, rt.forward_stream)

@@ -153,7 +153,8 @@ def ind_pipeline(ctx: Context, r: Record) -> Term:
             zs.Or(
                 *[
                     zs.And(
-                        r["write_width"] == lift(tr.compute_forward_write_width, s, "decode"),
+                        r["write_width"] == lift(tr.compute_forward_write_width, s, "decode",
+                                                 ctx.config.page_size),
                         r["max_accept_len"] == s.max_accept_len,
                     )
                     for s in ctx.shapes

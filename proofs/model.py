@@ -20,6 +20,9 @@ unlaunched decode step), ``resolved`` (its seq_lens came back through the relay)
 ``write_width`` (its write width), ``max_accept_len`` (its rung's largest accept length).
 
 Modelling compromises, stated once:
+- A tree on pages > 1 writes as far as its branch regions reach, which depends on
+  ``seq_len % page``; the record keeps the widest over every residue, so KV3 is shown for
+  each (``compute_forward_write_width`` without a ``seq_len``).
 - The prefill of a request (``prepare_for_extend``) folds in the extend launch:
   nothing is claimed between the two but the batch mirror, which the sum model keeps.
 - Event-loop order is a guard on each transition (prepare needs at most one pending
@@ -255,7 +258,7 @@ def prepare_for_decode(ctx: Context, r: Record, shape: SpecShape) -> Step:
     page aligned; seq_lens untouched; the J2 pre-claim adds 1 to committed."""
     page = ctx.config.page_size
     post = dict(r)
-    width = lift(tr.compute_forward_write_width, shape, "decode")
+    width = lift(tr.compute_forward_write_width, shape, "decode", page)
     allocated, committed = lift(
         decode_kv,
         r["kv_committed_len"],

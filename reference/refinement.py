@@ -162,6 +162,7 @@ class Refinement:
             tree_pages=tuple(rt.tree.get_pages()),
             free_pool_rows=tuple(rt.req_to_token.free_slots),
             pool_rows=rt.req_to_token.size,
+            row_width=rt.req_to_token.width,
         )
 
     def observe(self, point: ObservationPoint, scheduler: Observed, **parts: Any) -> None:

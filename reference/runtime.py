@@ -35,7 +35,8 @@ class Runtime:
         cfg = self.config
         self.allocator = TokenToKVPoolAllocator(cfg.page_size, cfg.kv_pages)
         self.tree = TreeCache()
-        self.req_to_token = ReqToTokenPool(cfg.preset.max_running_requests, cfg.row_width)
+        self.req_to_token = ReqToTokenPool(cfg.preset.max_running_requests,
+                                           cfg.get_row_width(self.faults))
         self.shape: SpecShape = cfg.get_shape()  # the adaptive rung of this iteration
 
     @property

@@ -122,7 +122,7 @@ class Scheduler:
         self.next_rid += 1
         cfg = self.config
         capped, refused = compute_admission(prompt_len, max_new_tokens,
-                                            cfg.preset.max_context_len, cfg.preset.kv_tokens,
+                                            cfg.preset.max_context_len, cfg.kv_tokens,
                                             cfg.page_size)
         req = Req(rid, TokenCount(prompt_len), TokenCount(capped), prebuilt, refused)
         self.requests[rid] = req
@@ -675,7 +675,7 @@ class Scheduler:
                 # A mixed batch's decode row writes its one token (a spec tail too).
                 write_width=TokenCount(1) if batch.forward_mode == "mixed"
                 and batch.is_decode_row(j) else compute_forward_write_width(
-                    self.rt.shape, batch.forward_mode),
+                    self.rt.shape, batch.forward_mode, cfg.page_size, s),
             )
             for j, (req, s, row) in enumerate(zip(batch.reqs, batch.seq_lens.values, rows,
                                                   strict=True))

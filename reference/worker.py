@@ -18,7 +18,7 @@ Upstream: ``model_executor/forward_batch_info.py`` (init_new),
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 from overlap_spec.reference.req import Req
@@ -32,7 +32,11 @@ from overlap_spec.spec.state import (
     PublishRecord,
     get_env_tokens,
 )
-from overlap_spec.spec.transitions import compute_draft_extend_seq_lens, compute_verify_new_seq_len
+from overlap_spec.spec.transitions import (
+    compute_draft_extend_seq_lens,
+    compute_draft_writes,
+    compute_verify_new_seq_len,
+)
 from overlap_spec.spec.units import StepId
 
 READ_DONE = "shared_read_done"
@@ -112,14 +116,19 @@ class ModelWorker:
 
     def _write_kv(self, req: Req, start: int, end: int, faults: list[KvWrite]) -> None:
         """The forward writes KV for positions [start, end) through req_to_token."""
+        self._write_kv_at(req, range(start, end), faults)
+
+    def _write_kv_at(self, req: Req, positions: Iterable[int], faults: list[KvWrite]) -> None:
+        """The forward writes KV for ``positions`` through req_to_token."""
         rt = self.rt
         p = rt.config.page_size
+        positions = list(positions)
         if req.req_pool_idx is None:
-            faults.append(KvWrite(req.rid, start, None, "request holds no pool row"))
+            faults.append(KvWrite(req.rid, min(positions), None, "request holds no pool row"))
             return
         rt.hb.read(rt.forward_stream, ("req_to_token", req.req_pool_idx), "forward KV write")
         row = rt.req_to_token.rows[req.req_pool_idx]
-        for position in range(start, end):
+        for position in positions:
             slot = row[position] if 0 <= position < len(row) else -1
             if position < 0 or position >= req.kv_allocated_len:
                 faults.append(KvWrite(req.rid, position, slot, "beyond kv_allocated_len"))
@@ -215,7 +224,8 @@ class ModelWorker:
         new_seq_lens: list[int] = []
         stride = shape.draft_tokens
         for j, (req, seq_len) in enumerate(zip(batch.reqs, verify.seq_lens, strict=True)):
-            self._write_kv(req, seq_len, seq_len + shape.topk * shape.steps, faults)  # draft
+            slots, copies = compute_draft_writes(seq_len, shape, rt.config.page_size)
+            self._write_kv_at(req, slots + [target for target, _ in copies], faults)  # draft
             self._write_kv(req, seq_len, seq_len + shape.draft_tokens, faults)  # verify
             accept = choices.get_accept_len(j, shape.max_accept_len)
             req.apply(forward_decode, step, accept)

@@ -1,6 +1,7 @@
-"""The historical bugs B1-B20 (digest section 5; B16 is the reserve upstream fixed in
+"""The historical bugs B1-B21 (digest section 5; B16 is the reserve upstream fixed in
 #26354, B17 what the upstream tier found the release doing, B18 a chunked-prefill counter
-bug of the JAX port, B19 and B20 mixed-chunk bugs), each a mutant the checkers must kill.
+bug of the JAX port, B19 and B20 mixed-chunk bugs, B21 the row of a tree on pages > 1),
+each a mutant the checkers must kill.
 
 Each entry names the upstream PRs, the trigger, the invariants the digest says it
 breaks and the cells where the trigger can occur. An implementation re-introduces
@@ -201,11 +202,20 @@ BUGS: Final[tuple[Bug, ...]] = (
         "behind per mixed step, so the next reserve starts from the wrong base",
         "the tail's kv_committed_len += 1 in process_batch_result_prefill is dropped",
         ("KV8", "KV9"),
-        lambda cell: cell.is_spec and cell.needs_cpu_seq_lens and not (
-            cell.preclaim or cell.trimmed_finish or cell.early_fence or cell.rung_reserve),
+        lambda cell: cell.mixes_spec_tails,
         representative_cells=("ov-p1-v2chain-cpu-honest", "nov-p1-v2tree-cpu-honest"),
         not_in_z3="the Z3 model and BMC have no chunked prefill (proofs/model.py)",
         sizes=(("chunked_prefill_size", 8), ("mixed_chunk", 1))),
+    Bug("B21", "a tree's req_to_token row not widened on pages > 1",
+        "#26972 (merged 2026-06; the release reverts it with SGLANG_DEBUG_REVERT_PR=26972)",
+        "a tree on pages > 1 reserves 2A with a page-aligned region per branch (2A = 32 at the "
+        "minimal shape), far past the spec headroom 4 + D_tok: the first decode allocates past "
+        "the row (the release asserts in eagle_prepare_for_decode; before the PR its free "
+        "clamped to the row and leaked the slots past it)",
+        "get_req_to_token_extra_context_len keeps 4 + D_tok, not max(., 2A + page - 1)",
+        ("KV1",), lambda cell: cell.spec_mode is SpecMode.V2_TREE and cell.page_size > 1,
+        not_in_z3="the Z3 model and BMC take the row width from the configuration "
+                  "(proofs/claims.py), not from an implementation"),
 )
 
 BUG_IDS: Final = tuple(bug.id for bug in BUGS)

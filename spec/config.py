@@ -9,11 +9,14 @@ Upstream sources: ``scheduler.py`` (``enable_overlap``), ``mem_cache/allocation_
 (``get_alloc_len_per_decode``, ``get_alloc_reserve_per_decode``; ``eagle_info_v2.py``
 before 0.5.23), ``overlap_utils.py`` (``needs_cpu_seq_lens``, PR 26128), PR 23456 /
 PR 28754 (bonus pre-claim on / off), PR 26354 (the decode reserve is ``2 * A`` of the
-widest rung, whatever the adaptive rung). Trees (topk > 1) are modelled on page 1 only:
-PR 26866 once restricted them to it, but 0.5.23 runs them on pages > 1 too (flashinfer,
-fa3 and triton, ``arg_groups/speculative_hook.py`` ``_PAGE_TREE_SPEC_BACKENDS``), with a
-page-aligned region per branch and ``A = max(ceil((page - 1 + steps) / page) * page *
-topk, D_tok)``. Those cells are a coverage gap the README lists, not a release limit.
+widest rung, whatever the adaptive rung). Trees (topk > 1) run on pages > 1 since PR 26972
+(flashinfer, fa3 and triton, ``arg_groups/speculative_hook.py``
+``_PAGE_TREE_SPEC_BACKENDS``): each branch drafts into a page-aligned region of its own, so
+``A = max(ceil((page - 1 + steps) / page) * page * topk, D_tok)`` (``allocation_sizing.py``
+``get_alloc_len_per_decode``). Such a cell's pool is the preset's ``paged_tree_kv_tokens``:
+at the minimal preset 2A is the whole 32-token pool, and one request could not decode
+alone (``docs/upstream-page-trees.md`` section 5). The page-tree cells are release cells
+only (the pre-claim era ended before PR 26972 landed).
 
 Defaults are sglang 0.5.23's. Six switches name what the release does not do:
 
@@ -83,7 +86,7 @@ class SpecMode(enum.Enum):
 
     NONE = "none"
     V2_CHAIN = "v2chain"  # EAGLE/MTP spec-v2, topk == 1, draft tokens == steps + 1
-    V2_TREE = "v2tree"  # spec-v2 with topk > 1 (modelled on page 1 only; see above)
+    V2_TREE = "v2tree"  # spec-v2 with topk > 1 (page-aligned branch regions on pages > 1)
 
 
 @dataclass(frozen=True)
@@ -111,6 +114,14 @@ class Cell:
     @property
     def is_spec(self) -> bool:
         return self.spec_mode is not SpecMode.NONE
+
+    @property
+    def mixes_spec_tails(self) -> bool:
+        """Spec's mixed decode tails are modelled here (with ``mixed_chunk``): the release's
+        spec cells with the CPU mirror. Without it the release's rebinding still copies the
+        relay to the host, a sync those cells otherwise avoid: not modelled."""
+        return self.is_spec and self.needs_cpu_seq_lens and not (
+            self.preclaim or self.trimmed_finish or self.early_fence or self.rung_reserve)
 
     @property
     def retracts_spec_from_back(self) -> bool:
@@ -163,6 +174,9 @@ class Preset:
     # decodes ride in each prefill chunk's batch (``mix_with_running``): non-spec cells, and
     # the release's spec cells with the CPU mirror (spec's mixed tails).
     mixed_chunk: int = 0
+    # The pool of a cell with a tree on pages > 1 (in place of ``kv_tokens``): its
+    # page-aligned A makes one decode's reserve 2A = 32 tokens at the minimal shape.
+    paged_tree_kv_tokens: int = 96
 
 
 MINIMAL: Final = Preset(
@@ -189,6 +203,7 @@ REALISTIC: Final = Preset(
     tree_topk=4,
     tree_steps=3,
     tree_draft_tokens=8,
+    paged_tree_kv_tokens=4096,
 )
 
 PRESETS: Final = {p.name: p for p in (MINIMAL, REALISTIC)}
@@ -221,8 +236,18 @@ class ModelConfig:
         return self.cell.page_size
 
     @property
+    def is_paged_tree(self) -> bool:
+        """A tree on pages > 1: page-aligned branch regions (PR 26972), its own pool."""
+        return self.cell.spec_mode is SpecMode.V2_TREE and self.cell.page_size > 1
+
+    @property
+    def kv_tokens(self) -> int:
+        """The token-to-KV pool size: the preset's, or ``paged_tree_kv_tokens``."""
+        return self.preset.paged_tree_kv_tokens if self.is_paged_tree else self.preset.kv_tokens
+
+    @property
     def kv_pages(self) -> int:
-        return self.preset.kv_tokens // self.cell.page_size
+        return self.kv_tokens // self.cell.page_size
 
     @property
     def topk(self) -> int:
@@ -254,9 +279,17 @@ class ModelConfig:
 
     @property
     def alloc_len_per_decode(self) -> TokenCount:
-        """A = max(steps * topk, D_tok): positions one draft+verify writes (digest 0.2)."""
+        """A: positions one draft+verify may write (``get_alloc_len_per_decode``).
+
+        ``max(steps * topk, D_tok)`` (digest 0.2); a tree on pages > 1 gives each branch
+        the pages its steps can reach from a partial last page: ``max(ceil((page - 1 +
+        steps) / page) * page * topk, D_tok)`` (PR 26972)."""
         if not self.cell.is_spec:
             return TokenCount(1)
+        if self.is_paged_tree:
+            page = self.page_size
+            pages = (page - 1 + self.spec_steps + page - 1) // page
+            return TokenCount(max(pages * page * self.topk, self.draft_tokens))
         return TokenCount(max(self.spec_steps * self.topk, self.draft_tokens))
 
     @property
@@ -289,8 +322,13 @@ class ModelConfig:
         (``get_req_to_token_extra_context_len``): 4, plus D_tok with speculation, widened on
         pages > 1 to the decode reserve 2A + page - 1 (#26972). On page 1 a tree's 2A can
         exceed 4 + D_tok: finding U7, which KV1 reports."""
+        return self.get_row_width()
+
+    def get_row_width(self, faults: frozenset[str] = frozenset()) -> TokenCount:
+        """:attr:`row_width`; B21 (in ``faults``) is #26972 reverted, the row not widened
+        (the release's ``SGLANG_DEBUG_REVERT_PR=26972``)."""
         extra = 4 + (self.draft_tokens if self.cell.is_spec else 0)
-        if self.cell.is_spec and self.page_size > 1:
+        if self.cell.is_spec and self.page_size > 1 and "B21" not in faults:
             extra = max(extra, 2 * self.alloc_len_per_decode + self.page_size - 1)
         return TokenCount(self.preset.max_context_len + extra)
 
@@ -343,11 +381,11 @@ def get_departures(cell: Cell) -> tuple[str, ...]:
 
 def is_valid_cell(cell: Cell) -> bool:
     """Whether a cell is a configuration upstream can run, in canonical form, that the model
-    covers (trees on pages > 1 run upstream but are not modelled)."""
+    covers."""
     if cell.page_size < 1:
         return False
-    if cell.spec_mode is SpecMode.V2_TREE and cell.page_size != 1:
-        return False  # not modelled: 0.5.23 runs trees on pages > 1 (module docstring)
+    if cell.spec_mode is SpecMode.V2_TREE and cell.page_size != 1 and cell.preclaim:
+        return False  # trees on pages > 1 (PR 26972) came after the pre-claim era
     if not cell.is_spec and cell.preclaim:
         return False
     if not (cell.is_spec and cell.overlap) and not cell.needs_cpu_seq_lens:

@@ -22,6 +22,7 @@ from overlap_spec.spec.happens_before import FORWARD, SCHEDULE, Race
 from overlap_spec.spec.state import (
     EOS_TOKEN,
     SCHEDULE_SIDE_POINTS,
+    AllocatorView,
     BatchView,
     GhostView,
     Observation,
@@ -397,14 +398,18 @@ def check_sl11(config: ModelConfig, obs: Observation) -> int:
 @invariant("KV1", "committed <= allocated <= width", "schedule_batch.py #23456")
 def check_kv1(config: ModelConfig, obs: Observation) -> int:
     """KV1: 0 <= kv_committed_len <= kv_allocated_len <= row width for every request
-    holding KV (schedule_batch.py, PR 23456)."""
+    holding KV: the release's row, or the narrower one an implementation built and says
+    it built (B21, the row not widened; a trace without the allocator is held to the
+    release's) (schedule_batch.py, PR 23456)."""
     count = 0
+    built = obs.allocator.row_width if isinstance(obs.allocator, AllocatorView) else 0
+    width = min(config.row_width, built or config.row_width)
     for r in _holding(obs):
-        if not 0 <= r.kv_committed_len <= r.kv_allocated_len <= config.row_width:
-            past = " (allocated past the row)" if r.kv_allocated_len > config.row_width else ""
+        if not 0 <= r.kv_committed_len <= r.kv_allocated_len <= width:
+            past = " (allocated past the row)" if r.kv_allocated_len > width else ""
             raise fail("KV1", obs, f"for request r{r.rid}: kv_committed_len="
                        f"{r.kv_committed_len}, kv_allocated_len={r.kv_allocated_len}, "
-                       f"row width={config.row_width}{past}")
+                       f"row width={width}{past}")
         count += 1
     return count
 

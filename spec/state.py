@@ -273,6 +273,7 @@ class AllocatorView:
     tree_pages: tuple[PageId, ...]
     free_pool_rows: tuple[PoolRow, ...]
     pool_rows: int
+    row_width: int = 0  # req_to_token's columns, as the implementation built it (0: not said)
 
 
 @dataclass(frozen=True)

@@ -194,19 +194,50 @@ def compute_verify_new_seq_len(seq_len: int, accept_len: int) -> int:
     return seq_len + accept_len
 
 
-def compute_forward_write_width(shape: SpecShape, forward_mode: str) -> TokenCount:
-    """Positions a decode forward writes from seq_lens on (KV3).
+def compute_draft_writes(seq_len: int, shape: SpecShape, page_size: int
+                         ) -> tuple[list[int], list[tuple[int, int]]]:
+    """The draft's KV writes from ``seq_len``: its slots, and its copies (target, source).
 
-    Non-spec: one (the token being processed). Spec-v2: the draft writes topk*steps
-    positions and the verify D_tok, so W = max(topk*steps, D_tok). Computed from the
-    shape's primitive fields, not from ``alloc_len_per_decode``, so a wrong reserve
-    formula cannot hide behind the same wrong number here.
+    Page 1, or a chain: branch t's step j at s + t*steps + j (#7163's layout). A tree on
+    pages > 1 (PR 26972, ``eagle_worker_common.py`` ``prepare_for_draft``): with lp = s %
+    page and n = ceil((lp + steps) / page) pages a branch, branch t's region starts at
+    s - lp + t*n*page and drafts from its offset lp; the KV of the partial last page
+    [s - lp, s) is copied into the same lp holes of every other branch
+    (``duplicate_prefix_tail_to_draft_branches``). The rest of a region is padding.
+    """
+    steps, topk = shape.steps, shape.topk
+    if page_size == 1 or topk == 1:
+        return [seq_len + t * steps + j for t in range(topk) for j in range(steps)], []
+    lp = seq_len % page_size
+    base = seq_len - lp
+    span = (lp + steps + page_size - 1) // page_size * page_size
+    slots = [base + t * span + lp + j for t in range(topk) for j in range(steps)]
+    copies = [(base + t * span + i, base + i) for t in range(1, topk) for i in range(lp)]
+    return slots, copies
+
+
+def compute_forward_write_width(shape: SpecShape, forward_mode: str, page_size: int = 1,
+                                seq_len: int | None = None) -> TokenCount:
+    """How far past seq_lens a decode forward writes (KV3): its writes lie in [s, s + W).
+
+    Non-spec: one (the token being processed). Spec-v2: the draft's writes
+    (:func:`compute_draft_writes`) and the verify's D_tok, so on page 1
+    W = max(topk*steps, D_tok). A tree on pages > 1 reaches its last branch's last slot,
+    s - lp + (topk-1)*n*page + lp + steps, and n depends on lp = s % page; without
+    ``seq_len`` W is the widest, at lp = page - 1 (what a prover that does not track the
+    residue claims). Computed from the shape's primitive fields, not from
+    ``alloc_len_per_decode``, so a wrong reserve formula cannot hide behind the same
+    wrong number here.
     """
     if forward_mode != "decode":
         return TokenCount(0)
     if shape.steps == 0:
         return TokenCount(1)
-    return TokenCount(max(shape.topk * shape.steps, shape.draft_tokens))
+    if page_size == 1 or shape.topk == 1:
+        return TokenCount(max(shape.topk * shape.steps, shape.draft_tokens))
+    lp = page_size - 1 if seq_len is None else seq_len % page_size
+    span = compute_page_align_up(lp + shape.steps, page_size)
+    return TokenCount(max((shape.topk - 1) * span + shape.steps, shape.draft_tokens))
 
 
 def compute_draft_extend_seq_lens(seq_lens: tuple[int, ...], draft_tokens: int) -> tuple[int, ...]:

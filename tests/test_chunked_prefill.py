@@ -5,13 +5,22 @@ claims shown able to fail, and gpu_impl differential-tested against the referenc
 
 from __future__ import annotations
 
+import random
 from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
 
 from overlap_spec.harness.drive.cells import UsageError, check_sizes, make_preset
-from overlap_spec.harness.drive.stateful import check_cell, describe_failure, get_profile
+from overlap_spec.harness.drive.generate import generate_random_ops
+from overlap_spec.harness.drive.script import Admit, AdmitPrebuilt, Iterate, Script, run_script
+from overlap_spec.harness.drive.stateful import (
+    check_cell,
+    describe_failure,
+    get_profile,
+    make_machine,
+)
+from overlap_spec.harness.exhaust.alphabet import get_alphabet
 from overlap_spec.reference.scheduler import Scheduler
 from overlap_spec.spec import relation
 from overlap_spec.spec.config import ModelConfig, get_cell
@@ -182,12 +191,14 @@ def test_the_reference_holds_every_invariant_with_chunking(tier_cell: str) -> No
     4 (on page 4 one page a chunk): clean, and KV12 witnessed. KV12's witnesses do not
     show a chunk by themselves (it counts whole prefills too), so the same budget and seed
     with B18 switched on must fail: the machine drew prompts of three chunks or more (with
-    chunks of 8 on page 4 it did not, at this budget, in 6 of the 8 page-4 cells)."""
+    chunks of 8 on page 4 it did not, at this budget, in 6 of the 8 page-4 cells). The
+    budget is the ci profile's: without prebuilt arrivals, which are not drawn with
+    chunking, the quick one drew no such prompt in a pre-claim tree cell."""
     config = chunked(tier_cell)
-    result = check_cell(config, get_profile("quick"), SEED)
+    result = check_cell(config, get_profile("ci"), SEED)
     assert result.ok, describe_failure(result)
     assert result.exercised["KV12"] > 0 and result.exercised["KV11"] > 0
-    faulted = check_cell(config, get_profile("quick"), SEED, frozenset({"B18"}), shrink=False)
+    faulted = check_cell(config, get_profile("ci"), SEED, frozenset({"B18"}), shrink=False)
     assert not faulted.ok, f"B18 survived in {config.name}: no prompt of three chunks drawn"
 
 
@@ -457,12 +468,14 @@ def test_a_spec_tail_commits_its_bonus_slot_unless_it_finishes(cell: str) -> Non
 @pytest.mark.parametrize("cell", SPEC_MIXED_CELLS)
 def test_the_reference_holds_every_invariant_with_spec_tails(cell: str) -> None:
     """Spec cells with prompts in chunks of 8 and the decodes mixed in as tails: clean, KV8
-    and KV9 witnessed; B20 at the same budget and seed must fail (tails were drawn)."""
+    and KV9 witnessed; B20 at the same budget and seed must fail (tails were drawn). The
+    ci profile's budget: with no prebuilt arrival (none is drawn with chunking) to decode
+    from its first step, the quick one drew no tail in four of these cells."""
     config = mixed(cell, 8)
-    result = check_cell(config, get_profile("quick"), SEED)
+    result = check_cell(config, get_profile("ci"), SEED)
     assert result.ok, describe_failure(result)
     assert all(result.exercised[i] > 0 for i in ("KV8", "KV9", "KV11", "KV12"))
-    faulted = check_cell(config, get_profile("quick"), SEED, frozenset({"B20"}), shrink=False)
+    faulted = check_cell(config, get_profile("ci"), SEED, frozenset({"B20"}), shrink=False)
     assert not faulted.ok, f"B20 survived in {config.name}: no mixed tail drawn"
 
 
@@ -473,3 +486,46 @@ def test_b20_a_tail_left_uncommitted_is_caught(cell: str) -> None:
     with pytest.raises(InvariantViolation) as caught:
         run_spec_tail_scenario(mixed(cell), frozenset({"B20"}))
     assert caught.value.invariant_id in ("KV8", "KV9"), str(caught.value)
+
+
+# -- PD-prebuilt arrivals are not drawn with chunking ------------------------------------
+# The release gives a continuing chunk the whole chunk budget once the budget's remaining
+# total is spent ("Single-pool continuation must make progress", prefill_budget.py
+# available_chunk_tokens), and raises "Prefill out of memory" when the pool is dry. The
+# model got there only with a PD-prebuilt arrival beside a chunked prompt, which no
+# instance of the release combines (a PD decode instance does not prefill): no generator
+# draws them together; a hand-written script still can, and its crash is reported.
+PREBUILT_BESIDE_A_CHUNK = [
+    Admit(13, 7), Iterate(IterationChoices(accept_lens=(1, 3, 3))),
+    AdmitPrebuilt(12, 3), Iterate(IterationChoices(allow_prefill=False)),
+    Iterate(IterationChoices(accept_lens=(2, 1, 3))),
+    Iterate(IterationChoices(retract=1, accept_lens=(3, 3, 2))),
+    Iterate(IterationChoices(accept_lens=(3, 1, 3))),
+]
+
+
+def test_a_prebuilt_arrival_beside_a_chunked_prompt_can_run_the_pool_dry() -> None:
+    script = Script("nov-p1-v2tree-cpu-honest", "minimal", list(PREBUILT_BESIDE_A_CHUNK),
+                    sizes={"chunked_prefill_size": 4})
+    outcome = run_script(script, catch_crash=True)
+    assert outcome.crash is not None and "OutOfMemory" in outcome.crash, outcome
+    without = [op for op in script.ops if not isinstance(op, AdmitPrebuilt)]
+    script.ops = without
+    assert run_script(script, catch_crash=True).crash is None
+
+
+def test_no_generator_draws_prebuilt_arrivals_with_chunking() -> None:
+    chunked = ModelConfig(get_cell("nov-p1-v2tree-cpu-honest"),
+                          make_preset("minimal", {"chunked_prefill_size": 4}))
+    plain = ModelConfig(chunked.cell, make_preset("minimal", {}))
+    for config, expected in ((chunked, False), (plain, True)):
+        ops = [op for seed in range(30)
+               for op in generate_random_ops(config, random.Random(seed), 40)]
+        alphabet = get_alphabet(config)
+        assert any(isinstance(op, AdmitPrebuilt) for op in ops) == expected
+        assert any(isinstance(op, AdmitPrebuilt) for op in alphabet.admissions) == expected
+    # The Hypothesis machine: its prebuilt rule's precondition refuses with chunking.
+    for config, expected in ((chunked, False), (plain, True)):
+        machine = make_machine(config, frozenset())()
+        rule = next(r for r in machine.rules if r.function.__name__ == "admit_prebuilt")
+        assert all(p(machine) for p in rule.preconditions) == expected

@@ -73,8 +73,8 @@ SWEEP: dict[tuple[str, ...], list[tuple[list[str], str]]] = {
         (["--preset", "huge"], "invalid choice: 'huge'"),
         (["--cells", "nope"], "no cell matches 'nope'"),
         # A misspelt name beside a good one is named, never silently left out.
-        (["--cells", "ov-p1-none,ov-p4-v2tree-cpu-honest"],
-         "no cell matches 'ov-p4-v2tree-cpu-honest'"),
+        (["--cells", "ov-p1-none,ov-p4-v2tree-cpu-preclaim"],
+         "no cell matches 'ov-p4-v2tree-cpu-preclaim'"),
         (["--faults", "B99"], "unknown bug IDs B99"),
     ],
     ("review",): [

@@ -18,7 +18,7 @@ from overlap_spec.spec.transitions import compute_admission
 def test_every_cell_is_valid_named_once_and_covers_each_switch() -> None:
     cells = enumerate_cells()
     names = [c.name for c in cells]
-    assert len(names) == len(set(names)) == 29
+    assert len(names) == len(set(names)) == 32
     assert {c.spec_mode for c in cells} == set(SpecMode)
     assert {c.overlap for c in cells} == {True, False}
     assert {c.page_size for c in cells} == {1, 4}
@@ -38,8 +38,21 @@ def test_every_cell_is_valid_named_once_and_covers_each_switch() -> None:
     assert [c.name for c in cells if c.early_fence] == ["ov-p1-v2chain-cpu-honest-earlyfence"]
 
 
-def test_tree_mode_only_with_page_size_one() -> None:
-    assert all(c.page_size == 1 for c in enumerate_cells() if c.spec_mode is SpecMode.V2_TREE)
+def test_trees_on_pages_over_one_are_release_cells() -> None:
+    # PR 26972 (2026-06) came after the pre-claim era; no proposal varies a tree.
+    assert [c.name for c in enumerate_cells() if c.spec_mode is SpecMode.V2_TREE
+            and c.page_size > 1] == ["ov-p4-v2tree-cpu-honest", "ov-p4-v2tree-nocpu-honest",
+                                     "nov-p4-v2tree-cpu-honest"]
+    cfg = ModelConfig(get_cell("ov-p4-v2tree-cpu-honest"), MINIMAL)
+    assert cfg.is_paged_tree and cfg.kv_tokens == MINIMAL.paged_tree_kv_tokens == 96
+    assert ModelConfig(get_cell("ov-p4-v2chain-cpu-honest"), MINIMAL).kv_tokens == 32
+
+
+def _get_paged_tree_a(steps: int, topk: int, draft_tokens: int, page: int) -> int:
+    """allocation_sizing.py get_alloc_len_per_decode, page > 1 and topk > 1, written out:
+    each branch the pages its steps reach from a partial last page of page - 1 tokens."""
+    pages_per_branch = ((page - 1) + steps + page - 1) // page
+    return max(pages_per_branch * page * topk, draft_tokens)
 
 
 def test_irrelevant_switches_take_the_canonical_value() -> None:
@@ -66,6 +79,8 @@ def test_reserve_and_row_width_follow_the_digest(preset: object) -> None:
     for cell in enumerate_cells():
         cfg = ModelConfig(cell, preset)  # type: ignore[arg-type]
         a = max(cfg.spec_steps * cfg.topk, cfg.draft_tokens) if cell.is_spec else 1
+        if cfg.is_paged_tree:
+            a = _get_paged_tree_a(cfg.spec_steps, cfg.topk, cfg.draft_tokens, cfg.page_size)
         assert cfg.alloc_len_per_decode == a
         if cell.is_spec:
             # The release (#26354): 2A of the widest rung at every rung, with or without
@@ -94,10 +109,10 @@ def test_reserve_and_row_width_follow_the_digest(preset: object) -> None:
         for prompt in range(1, cfg.preset.max_context_len):
             capped, refused = compute_admission(prompt, cfg.preset.max_new_tokens,
                                                 cfg.preset.max_context_len,
-                                                cfg.preset.kv_tokens, cfg.page_size)
+                                                cfg.kv_tokens, cfg.page_size)
             longest = (1 if refused else prompt) + max(capped, 1)
             worst = -(-(longest - 1 + (2 * a if cell.is_spec else 1)) // cfg.page_size)
-            assert worst * cfg.page_size <= cfg.preset.kv_tokens, (cfg.name, prompt)
+            assert worst * cfg.page_size <= cfg.kv_tokens, (cfg.name, prompt)
 
 
 # Written out from the release's formula (minimal: context 24; realistic: 256).
@@ -106,6 +121,8 @@ def test_reserve_and_row_width_follow_the_digest(preset: object) -> None:
     ("ov-p1-v2chain-cpu-honest", MINIMAL, 32),  # 4 + D_tok 4
     ("ov-p4-v2chain-cpu-honest", MINIMAL, 35),  # 2A 8 + page 4 - 1
     ("ov-p1-v2tree-cpu-honest", REALISTIC, 268),  # 4 + D_tok 8, though 2A is 24 (U7)
+    ("ov-p4-v2tree-cpu-honest", MINIMAL, 59),  # 2A 32 (A: 1 page x 4 x topk 2) + 3
+    ("ov-p4-v2tree-cpu-honest", REALISTIC, 323),  # 2A 64 (A: 2 pages x 4 x topk 4) + 3
 ])
 def test_the_row_width_is_the_releases(cell: str, preset: object, width: int) -> None:
     assert ModelConfig(get_cell(cell), preset).row_width == width  # type: ignore[arg-type]

@@ -94,6 +94,13 @@ DEEPER_KILLS.update({(bug.id, cell.name): B9_SEARCH
                      for bug in BUGS for cell in enumerate_cells()
                      if bug.id == "B9" and bug.applies(cell) and not cell.early_fence
                      and not cell.overshoot})
+# B20 under overlap: a running decode, then a chunked prompt that mixes it in as a tail, and
+# that mixed step's result one iteration later (admit, iterate, admit, iterate, iterate),
+# with no prebuilt arrival (none is drawn with chunking) to start decoding sooner: five
+# operations, two requests (about 125 s a chain cell, 36 s a tree, 2026-11-27, two at once).
+DEEPER_KILLS.update({(bug.id, cell.name): Search(SPEC_DEPTH + 1, 2)
+                     for bug in BUGS for cell in enumerate_cells()
+                     if bug.id == "B20" and bug.applies(cell) and cell.overlap})
 # Pairs no search kills, each with why and what kills it instead. In the overshoot era (the
 # pre-claim cells) a request that finished stays in the running batch, and counts against
 # max_running_requests, until the step after its last forward's result: no prebuilt
@@ -124,6 +131,7 @@ FAST_KILLS = [
     ("B15", "ov-p1-v2tree-nocpu-honest"), ("B16", "ov-p1-v2chain-cpu-honest"),
     ("B17", "nov-p1-v2chain-cpu-honest"), ("B18", "nov-p1-v2tree-cpu-honest"),
     ("B19", "nov-p1-none"), ("B20", "nov-p1-v2tree-cpu-honest"),
+    ("B21", "nov-p4-v2tree-cpu-honest"),
 ]
 
 
@@ -169,7 +177,8 @@ def test_the_fast_subset_has_every_bug_in_an_applicable_cell() -> None:
 def test_every_bug_is_in_the_matrix_in_every_cell_where_it_applies() -> None:
     """Only B9 in the six pre-claim cells is left out (ROW_RACE_FREE, with its test below);
     the pairs past the default bounds are B17 under overlap (one level deeper, one
-    request) and B9 under the release's fence (the pd-decode alphabet)."""
+    request), B20 under overlap (one level deeper, two requests) and B9 under the
+    release's fence (the pd-decode alphabet)."""
     spec_overlap = [c for c in enumerate_cells() if c.is_spec and c.overlap]
     assert sorted(ROW_RACE_FREE) == sorted(("B9", c.name) for c in spec_overlap
                                            if c.preclaim and not c.early_fence)
@@ -178,6 +187,7 @@ def test_every_bug_is_in_the_matrix_in_every_cell_where_it_applies() -> None:
         (bug.id, cell.name) for bug in BUGS for cell in enumerate_cells() if bug.applies(cell))
     assert sorted(DEEPER_KILLS) == sorted(
         [("B17", c.name) for c in spec_overlap]
+        + [("B20", c.name) for c in spec_overlap if c.mixes_spec_tails]
         + [("B9", c.name) for c in spec_overlap if not c.early_fence and not c.overshoot])
     assert {pair for pair, search in DEEPER_KILLS.items() if search.scope == PD_DECODE} == {
         pair for pair in DEEPER_KILLS if pair[0] == "B9"}

@@ -145,6 +145,11 @@ LAUNCHES: dict[str, dict[str, int]] = {
     "ov-p1-v2tree-nocpu-preclaim": {'copy': 2, 'forward': 97, 'schedule': 3},
     "nov-p1-v2tree-cpu-honest": {'copy': 2, 'schedule': 99},
     "nov-p1-v2tree-cpu-preclaim": {'copy': 2, 'schedule': 99},
+    # A tree on pages > 1: the draft's page-aligned positions and the prefix-tail copy are
+    # gathered and written on the device (20 launches more than the contiguous draft).
+    "ov-p4-v2tree-cpu-honest": {'copy': 2, 'd2h': 1, 'forward': 117, 'schedule': 1},
+    "ov-p4-v2tree-nocpu-honest": {'copy': 2, 'forward': 117, 'schedule': 1},
+    "nov-p4-v2tree-cpu-honest": {'copy': 2, 'schedule': 117},
 }
 
 

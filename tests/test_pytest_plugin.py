@@ -201,7 +201,7 @@ def test_this_repository_runs_under_the_dev_profile() -> None:
     profile is registered before Hypothesis's plugin loads it."""
     env = {k: v for k, v in os.environ.items() if k != "HYPOTHESIS_PROFILE"}
     done = subprocess.run([sys.executable, "-m", "pytest", "-v", "--hypothesis-profile=dev",
-                           "tests/test_config.py::test_tree_mode_only_with_page_size_one"],
+                           "tests/test_config.py::test_trees_on_pages_over_one_are_release_cells"],
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
                           check=False)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]

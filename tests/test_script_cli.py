@@ -124,7 +124,7 @@ def test_out_of_range_ops_are_rejected_with_op_field_and_range(mutate: object,
 @pytest.mark.parametrize(("sizes", "message"), [
     ([16], "field 'sizes' must be an object"),
     ({"pool": 16}, "unknown size 'pool'; settable: kv_tokens, max_running_requests, "
-                   "chain_steps"),
+                   "paged_tree_kv_tokens, chain_steps"),
     ({"kv_tokens": 0}, "size 'kv_tokens' is 0; allowed 1..8192"),
     ({"kv_tokens": 10**9}, "size 'kv_tokens' is 1000000000; allowed 1..8192"),
     ({"kv_tokens": "16"}, "size 'kv_tokens' is '16'; allowed 1..8192"),

@@ -184,15 +184,18 @@ TREE_OPS: list[Op] = [Admit(10, 30), _iterate(prefill=True), _iterate(), _iterat
 
 
 def _record_reference_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
-    """The [start, end) ranges every reference forward writes KV for, from now on."""
+    """The [start, end) ranges every reference forward writes KV for, from now on (each
+    write contiguous: a page-1 tree's)."""
     writes: list[tuple[int, int]] = []
-    original = ref_worker.ModelWorker._write_kv
+    original = ref_worker.ModelWorker._write_kv_at
 
-    def spy(self: Any, req: Any, start: int, end: int, faults: Any) -> None:
-        writes.append((start, end))
-        original(self, req, start, end, faults)
+    def spy(self: Any, req: Any, positions: Any, faults: Any) -> None:
+        positions = list(positions)
+        assert positions == list(range(positions[0], positions[-1] + 1)), positions
+        writes.append((positions[0], positions[-1] + 1))
+        original(self, req, positions, faults)
 
-    monkeypatch.setattr(ref_worker.ModelWorker, "_write_kv", spy)
+    monkeypatch.setattr(ref_worker.ModelWorker, "_write_kv_at", spy)
     return writes
 
 

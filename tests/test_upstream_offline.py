@@ -33,10 +33,12 @@ from overlap_spec.spec.config import (
 )
 from overlap_spec.spec.interface import BatchState, ObservableState, RequestState
 from overlap_spec.spec.invariants import INVARIANT_IDS, InvariantViolation
+from overlap_spec.spec.transitions import compute_draft_writes, compute_forward_write_width
 from overlap_spec.spec.units import RequestId
 from overlap_spec.upstream.bootstrap import UpstreamUnavailable
 from overlap_spec.upstream.session import configure_chunking, is_drivable
 from overlap_spec.upstream.standins import STAND_INS
+from overlap_spec.upstream.worker import get_paged_tree_gathers
 
 ROOT = Path(__file__).resolve().parent.parent
 DOC = (ROOT / "docs" / "upstream-findings.md").read_text()
@@ -268,13 +270,15 @@ def test_checker_sets_listed_findings_aside_and_raises_the_rest() -> None:
 
 
 def test_cells_the_adapter_cannot_drive_say_why() -> None:
-    """Every cell that is the release's own (no era, no proposal) is driven: 13 of 29."""
+    """Every cell that is the release's own (no era, no proposal) is driven: 16 of 32."""
     drivable = [c for c in ("ov-p1-none", "ov-p4-none", "nov-p1-none", "nov-p4-none",
                             "ov-p1-v2chain-cpu-honest", "ov-p1-v2chain-nocpu-honest",
                             "ov-p4-v2chain-cpu-honest", "ov-p4-v2chain-nocpu-honest",
                             "nov-p1-v2chain-cpu-honest", "nov-p4-v2chain-cpu-honest",
                             "ov-p1-v2tree-cpu-honest", "ov-p1-v2tree-nocpu-honest",
-                            "nov-p1-v2tree-cpu-honest")]
+                            "nov-p1-v2tree-cpu-honest", "ov-p4-v2tree-cpu-honest",
+                            "ov-p4-v2tree-nocpu-honest", "nov-p4-v2tree-cpu-honest")]
+    assert len(drivable) == 16 and len(enumerate_cells()) == 32
     assert set(drivable) == {c.name for c in enumerate_cells() if not get_departures(c)}
     for name in drivable:
         assert is_drivable(ModelConfig(get_cell(name), MINIMAL)) is None, name
@@ -284,6 +288,27 @@ def test_cells_the_adapter_cannot_drive_say_why() -> None:
             assert reason and len(reason) > 20, cell.name
     early = is_drivable(ModelConfig(get_cell("ov-p1-v2chain-cpu-honest-earlyfence"), MINIMAL))
     assert early and "proposal" in early
+
+
+def test_the_stand_in_addresses_a_page_tree_as_the_release_does() -> None:
+    """A tree on pages > 1 (``prepare_for_draft``): the stand-in gathers from the row every
+    draft slot and every tail copy's target and source (``torch.gather``, which raises past
+    the row as the release's does on CPU), all inside the branch regions, which lie within
+    ``[s - lp, s - lp + A)``; the decode's reported width is 6 or 10 by ``s % 4`` at the
+    minimal shape (docs/upstream-page-trees.md section 3)."""
+    config = ModelConfig(get_cell("ov-p4-v2tree-cpu-honest"), MINIMAL)
+    shape, page = config.get_shape(), config.page_size
+    widths = {}
+    for seq_len in range(1, 6 * page):
+        slots, copies = compute_draft_writes(seq_len, shape, page)
+        gathers = get_paged_tree_gathers(seq_len, shape, page)
+        assert set(slots) | {t for t, _ in copies} | {src for _, src in copies} <= set(gathers)
+        base = seq_len - seq_len % page
+        assert base <= min(gathers) and max(gathers) < base + config.alloc_len_per_decode
+        widths[seq_len % page] = int(compute_forward_write_width(shape, "decode", page,
+                                                                 seq_len))
+    assert widths == {0: 6, 1: 6, 2: 6, 3: 10}
+    assert any("tree on pages > 1" in x.target for x in STAND_INS)
 
 
 def test_the_upstream_environment_is_looked_for_at_the_repository_root() -> None:
@@ -346,7 +371,10 @@ def test_the_differential_reference_runs_with_the_current_upstream_bugs() -> Non
     expected = {"ov-p1-none": {"B14"}, "nov-p1-none": set(),
                 "ov-p1-v2chain-cpu-honest": {"B4", "B14", "B17"},
                 "nov-p1-v2chain-cpu-honest": {"B17"}, "ov-p1-v2tree-nocpu-honest":
-                {"B4", "B14", "B17"}, "nov-p1-v2tree-cpu-honest": {"B17"}}
+                {"B4", "B14", "B17"}, "nov-p1-v2tree-cpu-honest": {"B17"},
+                "ov-p4-v2tree-cpu-honest": {"B4", "B14", "B17"},
+                "ov-p4-v2tree-nocpu-honest": {"B4", "B14", "B17"},
+                "nov-p4-v2tree-cpu-honest": {"B17"}}
     for name, faults in expected.items():
         assert get_release_faults(get_cell(name)) == faults, name
     current = {bug.id for bug in BUGS if bug.current_upstream}

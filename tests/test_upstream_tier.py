@@ -55,7 +55,8 @@ def make_broken_copy(root: Path, relative: str, old: str, new: str) -> Path:
     return tree
 
 
-BREAKAGES = {
+# name: (file, old text, new text, cell, invariants); no file: the release's env toggle.
+BREAKAGES: dict[str, tuple[str | None, str, str, str, set[str]]] = {
     # The spec-v2 result path no longer skips a request retracted while its verify flew.
     "retracted-row-committed": (
         "srt/managers/scheduler_components/batch_result_processor.py",
@@ -117,7 +118,30 @@ BREAKAGES = {
         "        if self.finished_len is not None and self.finished_len > max_new_tokens:\n",
         "        if False:\n",
         "ov-p1-v2chain-cpu-honest", {"RP5"}),
+    # #26972 reverted with the release's own toggle (debug_utils/pr_fix_toggle.py, applied
+    # in Scheduler.__init__ before the pools are built), not an edited copy: a page-4 tree's
+    # row keeps 4 + D_tok columns past the context (32), and its first decode reserves
+    # ceil4(1 + 2A) = 36. The release asserts in eagle_prepare_for_decode (a crash of the
+    # loop); a row the assert let through would be KV1 (B21).
+    "row-not-widened": (
+        None, "SGLANG_DEBUG_REVERT_PR", "26972", "ov-p4-v2tree-cpu-honest", {"KV1", "crash"}),
 }
+# The release's row assert (speculative/eagle_utils.py eagle_prepare_for_decode), as the
+# tier reports the crash of the loop.
+ROW_ASSERT = ("crash: sglang raised AssertionError: spec v2 page>1 topk>1 draft "
+              "over-allocation (36) exceeds req_to_token row width (32)")
+
+
+def break_release(root: Path, relative: str | None, old: str, new: str
+                  ) -> tuple[list[str], dict[str, str], Path | None]:
+    """A breakage's ``check`` arguments, environment and tree: an edited copy of the release
+    (``--sglang-src``), or, with no file, the release under its own toggle ``old=new``."""
+    env = dict(os.environ)
+    if relative is None:
+        env[old] = new
+        return [], env, None
+    tree = make_broken_copy(root, relative, old, new)
+    return ["--sglang-src", str(tree)], env, tree
 
 
 @needs_sglang
@@ -163,23 +187,57 @@ def test_release_passes_with_listed_findings(tmp_path: Path) -> None:
 @pytest.mark.parametrize("name", sorted(BREAKAGES))
 def test_broken_copy_fails_with_the_right_invariant(tmp_path: Path, name: str) -> None:
     relative, old, new, cell, expected = BREAKAGES[name]
-    tree = make_broken_copy(tmp_path, relative, old, new)
+    source, env, tree = break_release(tmp_path, relative, old, new)
     report_path = tmp_path / "r.json"
-    done = run_cli("check", "--cells", cell, "--sglang-src", str(tree), "--json",
-                   str(report_path), "--out", str(tmp_path), "-q")
+    done = run_cli("check", "--cells", cell, *source, "--json",
+                   str(report_path), "--out", str(tmp_path), "-q", env=env)
     assert done.returncode == 1, done.stdout + done.stderr
     report = json.loads(report_path.read_text())
-    assert report["sglang"]["source"] == str(tree / "sglang")
+    if tree is not None:
+        assert report["sglang"]["source"] == str(tree / "sglang")
     new_ids = {f["invariant"] for f in report["findings"] if not f["listed"]}
+    if "crash" in expected and not new_ids:
+        # The release crashed in the run: the cell fails with the crash as its reason, and
+        # the tier keeps no script after a crash (the scheduler is dead).
+        result = report["cells"][cell]
+        assert report["ok"] is False and result["verdict"] == "fail"
+        assert "the release crashed" in result["reason"], result["reason"]
+        assert "exceeds req_to_token row width" in result["reason"], result["reason"]
+        return
     assert new_ids & expected, (new_ids, report["cells"][cell])
     new_finding = next(f for f in report["findings"] if not f["listed"])
     assert new_finding["script"] and Path(new_finding["script"]).exists()
     assert new_finding["expected"].startswith(new_finding["invariant"])
     # The saved script replays the finding on the broken tree, and not on the release.
-    replay = run_cli("replay", new_finding["script"], "--sglang-src", str(tree))
+    replay = run_cli("replay", new_finding["script"], *source, env=env)
     assert replay.returncode == 1 and new_finding["invariant"] in replay.stdout, replay.stdout
     release = run_cli("replay", new_finding["script"])
     assert release.returncode == 0, release.stdout + release.stderr
+
+
+@needs_sglang
+def test_a_row_not_widened_crashes_the_release_on_its_row_assert(tmp_path: Path) -> None:
+    """B21 on the release: under SGLANG_DEBUG_REVERT_PR=26972 the stand-in's row is sized
+    from the reverted get_req_to_token_extra_context_len (24 + 8 = 32 columns) and a
+    one-token prompt's first decode trips the release's own assert (36 > 32); without the
+    toggle the same script runs clean on the 59-column row."""
+    iterate = {"op": "iterate", "allow_prefill": True, "retract": 0, "accept_lens": [1, 1, 1],
+               "eos_positions": [], "disable_overlap": False, "spec_steps": 0, "eos_offset": 0}
+    script = tmp_path / "row.json"
+    script.write_text(json.dumps({
+        "version": 1, "cell": "ov-p4-v2tree-cpu-honest", "preset": "minimal", "sizes": {},
+        "faults": [], "seed": None, "implementation": "upstream",
+        "ops": [{"op": "admit", "prompt_len": 1, "max_new_tokens": 8}] + [iterate] * 4}))
+    relative, name, value, _, _ = BREAKAGES["row-not-widened"]
+    _, env, _ = break_release(tmp_path, relative, name, value)
+    reverted = run_cli("replay", str(script), env=env)
+    assert reverted.returncode == 1, reverted.stdout + reverted.stderr
+    assert ROW_ASSERT in reverted.stdout and "eagle_utils.py" in reverted.stdout, \
+        reverted.stdout
+    assert "Traceback" not in reverted.stdout + reverted.stderr
+    release = run_cli("replay", str(script))
+    assert release.returncode == 0, release.stdout + release.stderr
+    assert "no violation outside the listed findings" in release.stdout, release.stdout
 
 
 @needs_sglang
@@ -209,6 +267,7 @@ def test_an_abort_in_the_verify_that_holds_a_stop_shows_tokens_past_the_stop(
 @needs_sglang
 def test_copy_first_on_pythonpath_is_the_one_driven(tmp_path: Path) -> None:
     relative, old, new, cell, expected = BREAKAGES["reserve-halved"]
+    assert relative is not None
     tree = make_broken_copy(tmp_path, relative, old, new)
     env = dict(os.environ)
     env["PYTHONPATH"] = str(tree)
@@ -707,3 +766,213 @@ def test_the_release_commits_spec_tails_as_the_reference(tmp_path: Path) -> None
     # And a Hypothesis run of the spec cells agrees op by op, with only listed findings.
     check_sized_cells(tmp_path, "ov-p1-v2chain-cpu-honest,nov-p1-v2tree-cpu-honest",
                       "chunked_prefill_size=4,mixed_chunk=1", "KV8")
+
+
+@needs_sglang
+def test_page_trees_pass_with_listed_findings(tmp_path: Path) -> None:
+    """Trees on pages of 4 (PR 26972), resolved through the triton stand-in: every invariant
+    witnessed, KV1 and KV3 at the page-aligned reserve among them, the reference agreeing
+    op by op, and nothing outside the findings the page-1 trees show."""
+    cells = ("ov-p4-v2tree-cpu-honest", "ov-p4-v2tree-nocpu-honest", "nov-p4-v2tree-cpu-honest")
+    report_path = tmp_path / "r.json"
+    done = run_cli("check", "--cells", ",".join(cells), "--json", str(report_path), "--out",
+                   str(tmp_path), "-q")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(report_path.read_text())
+    assert report["ok"] is True and set(report["cells"]) == set(cells)
+    for cell in cells:
+        entry = report["cells"][cell]
+        assert entry["verdict"] == "pass", cell
+        assert "vacuous" not in entry["invariants"].values(), cell
+        assert entry["invariants"]["KV1"] == entry["invariants"]["KV3"] == "pass", cell
+        diff = report["differential"]["cells"][cell]
+        assert diff["verdict"] == "pass" and diff["stopped"] == {}, cell
+    assert {f["id"] for f in report["findings"]} <= {"U3", "U5", "U6"}
+    assert all(f["listed"] for f in report["findings"])
+
+
+@needs_sglang
+def test_page_trees_chunk_and_mix_as_the_reference(tmp_path: Path) -> None:
+    """Chunked prefill and spec's mixed tails in the page-4 trees with the CPU mirror. At
+    chunked_prefill_size=4 a mixed chunk's budget, 4 less one token per running decode
+    (schedule_policy.py PrefillAdder.__init__), floors to no page
+    (_select_prefill_admission), so no prefill runs beside a decode and KV5 is never
+    witnessed (page-4 chains alike); 8 leaves a page."""
+    check_sized_cells(tmp_path, "ov-p4-v2tree-cpu-honest,nov-p4-v2tree-cpu-honest",
+                      "chunked_prefill_size=8,mixed_chunk=1", "KV8")
+
+
+GEOMETRY_PROBE = """
+import json
+from overlap_spec.upstream.bootstrap import load_sglang
+load_sglang()
+from overlap_spec.harness.drive.cells import make_preset
+from overlap_spec.spec.config import ModelConfig, SpecMode, enumerate_cells, get_departures
+from overlap_spec.upstream.session import publish_config
+from sglang.srt.mem_cache.allocation_sizing import (
+    get_alloc_len_per_decode, get_req_to_token_extra_context_len)
+
+rows = []
+for preset in ("minimal", "realistic"):
+    for cell in enumerate_cells():
+        if get_departures(cell):
+            continue
+        steps = (1, 3, 7) if cell.spec_mode is SpecMode.V2_CHAIN else (None,)
+        for chain in steps:
+            sizes = {} if chain is None else {"chain_steps": chain}
+            config = ModelConfig(cell, make_preset(preset, sizes))
+            publish_config(config)  # raises where the model's A or row is not the release's
+            rows.append([preset, cell.name, chain, get_alloc_len_per_decode(),
+                         get_req_to_token_extra_context_len()])
+print(json.dumps(rows))
+"""
+
+
+@needs_sglang
+def test_the_models_reserve_and_row_are_the_releases_in_every_driven_cell() -> None:
+    """``alloc_len_per_decode`` (A) and ``row_width - max_context_len`` against the release's
+    ``get_alloc_len_per_decode()`` and ``get_req_to_token_extra_context_len()``, published
+    as the tier publishes each cell (the session refuses a cell where they differ): every
+    driven cell at both presets, the chains at 1, 3 and 7 steps. A tree on pages of 4 has
+    A = 16 and a row 35 past the context at the minimal shape, 32 and 67 at the realistic."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", GEOMETRY_PROBE],
+                          capture_output=True, text=True, env=env, timeout=600, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = json.loads(done.stdout.strip().splitlines()[-1])
+    assert len(rows) == 2 * (16 + 6 * 2)
+    seen = {(r[0], r[1]): (r[3], r[4]) for r in rows if r[2] in (None, 3)}
+    assert seen["minimal", "ov-p4-v2tree-cpu-honest"] == (16, 35)
+    assert seen["realistic", "nov-p4-v2tree-cpu-honest"] == (32, 67)
+    assert seen["realistic", "ov-p1-v2tree-cpu-honest"] == (12, 12)  # U7's row: 256 + 12
+
+
+DRAFT_PROBE = """
+import json
+from types import SimpleNamespace
+from overlap_spec.upstream.bootstrap import load_sglang
+load_sglang()
+import torch
+from sglang.srt.speculative import eagle_worker_common
+from overlap_spec.spec.config import PRESETS, ModelConfig, get_cell
+from overlap_spec.spec.transitions import compute_draft_writes
+
+
+class Pool:
+    # The draft pool: move_kv_cache(tgt, src), recorded.
+    def __init__(self):
+        self.moves = []
+
+    def move_kv_cache(self, tgt, src):
+        self.moves += [list(p) for p in zip(tgt.tolist(), src.tolist(), strict=True)]
+
+
+# prepare_for_draft ends in the draft ForwardBatch, which needs a model runner; what it
+# decides about KV (out_cache_loc, the tail copies) is done by then.
+eagle_worker_common.ForwardBatch = SimpleNamespace(init_new=lambda *args, **kwargs: None)
+out = []
+for preset in ("minimal", "realistic"):
+    config = ModelConfig(get_cell("ov-p4-v2tree-cpu-honest"), PRESETS[preset])
+    shape, page = config.get_shape(), config.page_size
+    seq_lens = list(range(1, 4 * page + 1))
+    n = len(seq_lens)
+    # req_to_token with a distinct slot per (row, position); the batch takes the rows in
+    # reverse, so a batch index is not a row.
+    table = (torch.arange(n).view(-1, 1) * 10000
+             + torch.arange(int(config.row_width)).view(1, -1) + 1)
+    indices = torch.arange(n - 1, -1, -1)
+    seq = torch.tensor(seq_lens, dtype=torch.int64)
+    # The helper alone, on prepare_for_draft's arithmetic (eagle_worker_common.py).
+    last_page = seq % page
+    alone = Pool()
+    eagle_worker_common.duplicate_prefix_tail_to_draft_branches(
+        alone, table[indices], seq - last_page, last_page,
+        (last_page + shape.steps + page - 1) // page, shape.topk, page)
+    # And prepare_for_draft itself: the draft slots and the copies it makes.
+    batch = SimpleNamespace(
+        forward_mode=SimpleNamespace(is_idle=lambda: False), seq_lens=seq.clone(),
+        seq_lens_cpu=None, req_pool_indices=indices, device="cpu", out_cache_loc=None,
+        token_to_kv_pool_allocator=SimpleNamespace(page_size=page))
+    pool = Pool()
+    runner = SimpleNamespace(token_to_kv_pool=pool,
+                             spec_algorithm=SimpleNamespace(is_standalone=lambda: False))
+    eagle_worker_common.prepare_for_draft(SimpleNamespace(),
+                                          SimpleNamespace(req_to_token=table), batch, None,
+                                          runner, shape.topk, shape.steps)
+    slots, copies = [], []
+    for b, s in enumerate(seq_lens):
+        row = int(indices[b])
+        draft, tail = compute_draft_writes(s, shape, page)
+        slots += [int(table[row, p]) for p in draft]
+        copies += [[int(table[row, t]), int(table[row, src])] for t, src in tail]
+    out.append({"preset": preset, "alone": alone.moves, "copies": pool.moves,
+                "slots": batch.out_cache_loc.tolist(), "model": [slots, copies],
+                "residues": sorted({s % page for s in seq_lens})})
+print(json.dumps(out))
+"""
+
+
+@needs_sglang
+def test_the_releases_draft_writes_on_pages_of_4_are_the_models() -> None:
+    """``compute_draft_writes`` against the release's own code on CPU, for a batch holding
+    every ``seq_len % 4``: ``duplicate_prefix_tail_to_draft_branches`` with a pool that
+    records ``move_kv_cache(tgt, src)`` gives the model's tail copies (target, source)
+    mapped through each request's row, pair for pair and in order; and
+    ``prepare_for_draft`` (its ForwardBatch stubbed) gathers the model's draft slots into
+    ``out_cache_loc`` and makes the same copies. Both tree shapes: topk 2, steps 2 and
+    topk 4, steps 3."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", DRAFT_PROBE],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert [r["preset"] for r in result] == ["minimal", "realistic"]
+    for r in result:
+        slots, copies = r["model"]
+        assert r["residues"] == [0, 1, 2, 3]
+        assert copies and r["alone"] == copies, r["preset"]
+        assert r["copies"] == copies and r["slots"] == slots, r["preset"]
+
+
+LAUNCH_PROBE = """
+import json
+from overlap_spec.spec.config import MINIMAL, ModelConfig, get_cell
+from overlap_spec.spec.invariants import INVARIANTS
+from overlap_spec.spec.state import IterationChoices, ObservationPoint
+from overlap_spec.upstream.adapter import UpstreamScheduler
+
+config = ModelConfig(get_cell("ov-p4-v2tree-cpu-honest"), MINIMAL)
+applying = [inv for inv in INVARIANTS if inv.applies(config.cell)]
+widths, faults, rows = {}, [], set()
+
+def observe(obs):
+    for inv in applying:
+        inv.check(config, obs)
+    rows.add(obs.allocator.row_width)
+    if obs.point is ObservationPoint.LAUNCH and obs.launch.forward_mode == "decode":
+        faults.extend(obs.launch.kv_write_faults)
+        for m in obs.launch.members:
+            widths.setdefault(m.seq_len % 4, set()).add(int(m.write_width))
+
+model = UpstreamScheduler(config, frozenset(), observe)
+for prompt in (1, 2, 3):
+    model.admit(prompt, 8)
+for accept in (1, 2, 3, 1, 2, 3, 2, 1):
+    model.run_iteration(IterationChoices(allow_prefill=True, accept_lens=(accept,) * 3))
+print(json.dumps({"widths": {k: sorted(v) for k, v in widths.items()},
+                  "faults": len(faults), "rows": sorted(rows)}))
+"""
+
+
+@needs_sglang
+def test_a_page_tree_decode_reports_its_holey_width() -> None:
+    """The stand-in worker writes the draft's slots and tail copies and the verify window,
+    and the LAUNCH reports W by ``seq_len % 4`` (6 for 0-2, 10 for 3 at the minimal shape);
+    every invariant holds, no write faults, on the release's 59-column row."""
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", LAUNCH_PROBE],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["faults"] == 0 and result["rows"] == [59]
+    assert result["widths"] == {"0": [6], "1": [6], "2": [6], "3": [10]}, result

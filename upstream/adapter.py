@@ -33,8 +33,13 @@ BatchView                     ``ScheduleBatch``: ``forward_mode``, ``reqs``, ``s
                               ``spec_info.future_indices``; ``seq_len_cpu_ub`` is None (the
                               field exists only in the closed PR #27979)
 AllocatorView                 allocator free pages (``free_pages`` + ``release_pages``, or
-                              ``get_all_free_pages()``), ``ReqToTokenPool.free_slots``; the
-                              disabled radix cache holds no pages
+                              ``get_all_free_pages()``), ``ReqToTokenPool.free_slots``,
+                              ``req_to_token.shape[1]`` (row_width); the disabled radix
+                              cache holds no pages
+LaunchMember.write_width      the stand-in worker's: a decode's
+                              ``compute_forward_write_width`` at its ``seq_lens`` (a tree
+                              on pages > 1 depends on ``seq_len % page``), a mixed batch's
+                              decode row 1, a prefill row 0
 ghost                         :class:`~spec.relation.Ghost`, written only by the spec's
                               ghost transitions (stand-in worker, hooks)
 ============================  ============================================================
@@ -42,7 +47,7 @@ ghost                         :class:`~spec.relation.Ghost`, written only by the
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
 from typing import Any
 
@@ -200,7 +205,7 @@ class UpstreamScheduler:
         # The ghost's abort comes from the spec's rule, not from what the release decided.
         preset = self.config.preset
         _, refused = compute_admission(prompt_len, max_new_tokens, preset.max_context_len,
-                                       preset.kv_tokens, self.config.page_size)
+                                       self.config.kv_tokens, self.config.page_size)
         track.ghost = Ghost(abort_requested=refused)
         self.tracks[rid] = track
         self.by_req[id(req)] = track
@@ -329,13 +334,30 @@ class UpstreamScheduler:
 
     def write_kv(self, req: Any, rid: RequestId, start: int, end: int) -> list[KvWrite]:
         """The forward writes positions [start, end) through the request's row."""
+        return self.write_kv_at(req, rid, range(start, end))
+
+    def gather_row(self, req: Any, positions: Sequence[int]) -> None:
+        """``torch.gather`` of ``positions`` from the request's row, as the release's
+        page-tree draft addresses it: past the row it raises, as the release's does on CPU
+        (a crash of the loop, reported as such)."""
+        import torch
+
+        row = req.kv.req_pool_idx
+        if row is None or not positions:
+            return
+        table = self.scheduler.req_to_token_pool.req_to_token
+        index = torch.tensor([list(positions)], dtype=torch.int64)
+        torch.gather(table[int(row)].unsqueeze(0), 1, index)
+
+    def write_kv_at(self, req: Any, rid: RequestId, positions: Iterable[int]) -> list[KvWrite]:
+        """The forward writes ``positions`` through the request's row."""
         faults: list[KvWrite] = []
         row = req.kv.req_pool_idx
         allocated = int(req.kv.kv_allocated_len)
         table = self.scheduler.req_to_token_pool.req_to_token
         page = self.config.page_size
         mine = {int(s) // page for s in self._row_slots(req)}
-        for position in range(start, end):
+        for position in positions:
             if row is None or position < 0 or position >= table.shape[1]:
                 faults.append(KvWrite(rid, position, None, "outside the req_to_token row"))
                 continue
@@ -696,12 +718,13 @@ class UpstreamScheduler:
     def get_allocator_view(self) -> AllocatorView:
         pool = self.scheduler.req_to_token_pool
         return AllocatorView(
-            total_pages=self.config.preset.kv_tokens // self.config.page_size,
+            total_pages=self.config.kv_tokens // self.config.page_size,
             page_size=self.config.page_size,
             free_pages=tuple(PageId(p) for p in self._free_pages()),
             tree_pages=(),
             free_pool_rows=tuple(PoolRow(r) for r in pool.free_slots),
             pool_rows=int(pool.size),
+            row_width=int(pool.req_to_token.shape[1]),
         )
 
     # ------------------------------------------------------------------ helpers

@@ -41,6 +41,9 @@ class _QuietHost:
     def write_kv(self, *args: Any) -> list[Any]:
         return []
 
+    def write_kv_at(self, *args: Any) -> list[Any]:
+        return []
+
 
 class _Host:
     """Forwards to the attached adapter, or to the quiet host."""

@@ -99,15 +99,9 @@ class Session:
     # ------------------------------------------------------------------ construction
     def _build(self) -> Any:
         load_sglang()
-        import torch
         from sglang.srt.managers import scheduler as scheduler_module
         from sglang.srt.mem_cache import allocation
-        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
-        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
-        from sglang.srt.runtime_context import SpawnRanks, get_context, publish
-        from sglang.srt.server_args import PortArgs, ServerArgs
+        from sglang.srt.server_args import PortArgs
 
         # Upstream's own runtime checks, strict: the adapter runs them after each iteration
         # (upstream/adapter.py run_upstream_checker), never inside the loop.
@@ -116,64 +110,29 @@ class Session:
         os.environ.pop("SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_BUSY", None)
         cfg = self.config
         preset = cfg.preset
-        page = cfg.page_size
-        spec_kwargs: dict[str, Any] = {}
-        if cfg.cell.is_spec:
-            spec_kwargs = dict(speculative_algorithm="EAGLE",
-                               speculative_num_steps=cfg.spec_steps,
-                               speculative_eagle_topk=cfg.topk,
-                               speculative_num_draft_tokens=cfg.draft_tokens)
-        args = ServerArgs(
-            model_path=_write_tiny_model(), device="cpu", skip_tokenizer_init=True,
-            load_format="dummy", attention_backend="torch_native", disable_radix_cache=True,
-            page_size=page, max_running_requests=preset.max_running_requests,
-            max_total_tokens=preset.kv_tokens, disable_cuda_graph=True,
-            disable_overlap_schedule=not cfg.cell.overlap,
-            enable_mixed_chunk=bool(preset.mixed_chunk), **spec_kwargs)
-        publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
-        if cfg.cell.is_spec and cfg.cell.overlap:
-            # 0.5.23 resolves disable_overlap_schedule=True for spec on device=cpu
-            # (arg_groups/speculative_hook); the cell asks for overlap, so force it back on.
-            get_context().override("overlap-spec", disable_overlap_schedule=False)
+        args = publish_config(cfg)
         port_args = PortArgs.init_new(args)
         # The gloo world listens on nccl_port; several cells run at once (one process
         # each), so take a port the OS just handed out rather than a guessed one.
         port_args.nccl_port = _get_free_port()
 
-        width = int(cfg.row_width)
-        r2t = ReqToTokenPool(size=preset.max_running_requests, max_context_len=width,
-                             device="cpu", enable_memory_saver=False)
-        kv = MHATokenToKVPool(size=preset.kv_tokens, page_size=page, dtype=torch.float16,
-                              head_num=1, head_dim=8, layer_num=1, device="cpu",
-                              enable_memory_saver=False)
-        if page == 1:
-            from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
-
-            alloc: Any = TokenToKVPoolAllocator(size=preset.kv_tokens, dtype=torch.float16,
-                                                device="cpu", kvcache=kv, need_sort=False)
-        else:
-            from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
-
-            alloc = PagedTokenToKVPoolAllocator(size=preset.kv_tokens, page_size=page,
-                                                dtype=torch.float16, device="cpu",
-                                                kvcache=kv, need_sort=False)
-        tree = UnifiedRadixCache(params=CacheInitParams(
-            req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=page,
-            disable=True, tree_components=(ComponentType.FULL,)))
-        model_runner = _make_model_runner(kv, alloc, r2t, cfg.cell.needs_cpu_seq_lens)
-        worker = StandInWorker(cfg, model_runner,
-                               SimpleNamespace(use_ngram_embedding=False), hooks.HOST)
+        # The pools are built where the release builds them: in init_model_worker, after
+        # Scheduler.__init__ has applied SGLANG_DEBUG_REVERT_PR (maybe_revert_pr_fix), so a
+        # reverted row sizing (26972) sizes this row too.
+        built: dict[str, Any] = {}
 
         def init_model_worker(sched: Any) -> None:
-            _init_model_worker(sched, worker, preset.max_running_requests, preset.kv_tokens,
-                               int(preset.max_context_len))
+            built.update(self._build_pools())
+            _init_model_worker(sched, built["worker"], preset.max_running_requests,
+                               cfg.kv_tokens, int(preset.max_context_len))
 
         allocation.assign_req_to_token_pool_func = _assign_req_to_token_pool
         scheduler_module.Scheduler.init_model_worker = init_model_worker
         scheduler_module.kv_cache_builder.build_kv_cache = lambda **_: SimpleNamespace(
             is_hybrid_swa=False, is_hybrid_ssm=False, sliding_window_size=None,
-            full_tokens_per_layer=None, swa_tokens_per_layer=None, req_to_token_pool=r2t,
-            token_to_kv_pool_allocator=alloc, disable_radix_cache=True, tree_cache=tree)
+            full_tokens_per_layer=None, swa_tokens_per_layer=None,
+            req_to_token_pool=built["r2t"], token_to_kv_pool_allocator=built["alloc"],
+            disable_radix_cache=True, tree_cache=built["tree"])
         # Upstream's own retraction test knob, armed per iteration by the environment.
         scheduler_module.TEST_RETRACT_INTERVAL = 1
         scheduler_module.TEST_RETRACT_NO_PREFILL_BS = 1 << 30
@@ -192,6 +151,45 @@ class Session:
                 f"{cfg.name}: the release resolved enable_overlap={sched.enable_overlap}")
         configure_chunking(cfg, sched)
         return sched
+
+    def _build_pools(self) -> dict[str, Any]:
+        """The release's pools and the stand-in worker. The req_to_token row is the
+        preset's context plus the release's own ``get_req_to_token_extra_context_len()``,
+        read now, as its ``_init_pools`` reads it."""
+        import torch
+        from sglang.srt.mem_cache.allocation_sizing import get_req_to_token_extra_context_len
+        from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+        from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+        from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+        from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
+
+        cfg = self.config
+        preset = cfg.preset
+        page = cfg.page_size
+        width = int(preset.max_context_len) + int(get_req_to_token_extra_context_len())
+        r2t = ReqToTokenPool(size=preset.max_running_requests, max_context_len=width,
+                             device="cpu", enable_memory_saver=False)
+        kv = MHATokenToKVPool(size=cfg.kv_tokens, page_size=page, dtype=torch.float16,
+                              head_num=1, head_dim=8, layer_num=1, device="cpu",
+                              enable_memory_saver=False)
+        if page == 1:
+            from sglang.srt.mem_cache.allocator import TokenToKVPoolAllocator
+
+            alloc: Any = TokenToKVPoolAllocator(size=cfg.kv_tokens, dtype=torch.float16,
+                                                device="cpu", kvcache=kv, need_sort=False)
+        else:
+            from sglang.srt.mem_cache.allocator import PagedTokenToKVPoolAllocator
+
+            alloc = PagedTokenToKVPoolAllocator(size=cfg.kv_tokens, page_size=page,
+                                                dtype=torch.float16, device="cpu",
+                                                kvcache=kv, need_sort=False)
+        tree = UnifiedRadixCache(params=CacheInitParams(
+            req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=page,
+            disable=True, tree_components=(ComponentType.FULL,)))
+        model_runner = _make_model_runner(kv, alloc, r2t, cfg.cell.needs_cpu_seq_lens)
+        worker = StandInWorker(cfg, model_runner,
+                               SimpleNamespace(use_ngram_embedding=False), hooks.HOST)
+        return {"r2t": r2t, "alloc": alloc, "tree": tree, "worker": worker}
 
     # ------------------------------------------------------------------ stepping
     def _ingest(self, stop_at_pause: bool = False) -> list[Any]:
@@ -320,12 +318,92 @@ def configure_chunking(config: ModelConfig, sched: Any) -> None:
             "preset says chunked_prefill_size=0 (no chunking)")
 
 
+def publish_config(config: ModelConfig) -> Any:
+    """The cell's ``ServerArgs``, published as the scheduler process's config (the release
+    resolves it there), with the tier's overrides; then the resolved backends and the
+    model's geometry are checked against the release's (:func:`check_backends`,
+    :func:`check_geometry`). Returns the ``ServerArgs``."""
+    from sglang.srt.runtime_context import SpawnRanks, get_context, publish
+    from sglang.srt.server_args import ServerArgs
+
+    cfg = config
+    preset = cfg.preset
+    page = cfg.page_size
+    spec_kwargs: dict[str, Any] = {}
+    if cfg.cell.is_spec:
+        spec_kwargs = dict(speculative_algorithm="EAGLE",
+                           speculative_num_steps=cfg.spec_steps,
+                           speculative_eagle_topk=cfg.topk,
+                           speculative_num_draft_tokens=cfg.draft_tokens)
+    # A tree on pages > 1 passes 0.5.23's EAGLE gate only on a backend with the two-pass
+    # cascade draft-decode (speculative_hook.py _PAGE_TREE_SPEC_BACKENDS): resolve with
+    # triton, then run torch_native like every other cell (no backend is built here).
+    backend = "triton" if cfg.is_paged_tree else "torch_native"
+    args = ServerArgs(
+        model_path=_write_tiny_model(), device="cpu", skip_tokenizer_init=True,
+        load_format="dummy", attention_backend=backend, disable_radix_cache=True,
+        page_size=page, max_running_requests=preset.max_running_requests,
+        max_total_tokens=cfg.kv_tokens, disable_cuda_graph=True,
+        disable_overlap_schedule=not cfg.cell.overlap,
+        enable_mixed_chunk=bool(preset.mixed_chunk), **spec_kwargs)
+    publish(args, role="scheduler", ranks=SpawnRanks(world_rank=0, dp_rank=None, gpu_id=0))
+    overrides: dict[str, Any] = {}
+    if cfg.cell.is_spec and cfg.cell.overlap:
+        # 0.5.23 resolves disable_overlap_schedule=True for spec on device=cpu
+        # (arg_groups/speculative_hook); the cell asks for overlap, so force it back on.
+        overrides["disable_overlap_schedule"] = False
+    if backend != "torch_native":
+        overrides["attention_backend"] = "torch_native"
+    if overrides:
+        get_context().override("overlap-spec", **overrides)
+    check_backends()
+    check_geometry(cfg)
+    return args
+
+
+def check_backends() -> None:
+    """The resolved attention backends the scheduler path reads (``attention_backends()``:
+    ``alloc_for_extend``'s row writer, ``get_last_loc``) are torch_native, the only pair
+    with a CPU path here; a page-tree cell resolves with triton and is overridden."""
+    from sglang.srt.runtime_context import attention_backends
+
+    pair = tuple(attention_backends())
+    if pair != ("torch_native", "torch_native"):
+        raise UpstreamUnavailable(f"the release resolved attention backends {pair}; the "
+                                  "tier runs ('torch_native', 'torch_native')")
+
+
+def check_geometry(config: ModelConfig) -> None:
+    """The model's reserve and row against the release's own numbers, read after publish:
+    ``get_alloc_len_per_decode()`` is A (``alloc_len_per_decode``) and
+    ``get_req_to_token_extra_context_len()`` is the row past the context
+    (``row_width - max_context_len``). A disagreement is the model's geometry being wrong,
+    so the cell is not run."""
+    from sglang.srt.mem_cache.allocation_sizing import (
+        get_alloc_len_per_decode,
+        get_req_to_token_extra_context_len,
+    )
+
+    release = (int(get_alloc_len_per_decode()), int(get_req_to_token_extra_context_len()))
+    model = (int(config.alloc_len_per_decode),
+             int(config.row_width) - int(config.preset.max_context_len))
+    if release != model:
+        raise UpstreamUnavailable(
+            f"{config.name}: the release's geometry (A, row extra) = {release}, the model's "
+            f"(alloc_len_per_decode, row_width - max_context_len) = {model}")
+
+
 def _rids(batch: Any) -> list[str] | None:
     return None if batch is None else [r.rid for r in batch.reqs]
 
 
 _SESSION: Session | None = None
 _BUILD_ERROR: Exception | None = None
+
+
+def get_death() -> str | None:
+    """Why this process's scheduler became unusable (a crash of the release), or None."""
+    return None if _SESSION is None else _SESSION.dead
 
 
 def get_session(config: ModelConfig) -> Session:

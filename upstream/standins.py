@@ -33,15 +33,20 @@ STAND_INS: Final[tuple[StandIn, ...]] = (
     StandIn("scheduler.kv_cache_builder.build_kv_cache", "replaced",
             "needs model shapes: returns the real ReqToTokenPool, MHATokenToKVPool, "
             "TokenToKVPoolAllocator / PagedTokenToKVPoolAllocator and a disabled "
-            "UnifiedRadixCache sized from the preset"),
+            "UnifiedRadixCache sized from the preset, built by the init_model_worker "
+            "stand-in (where the release's _init_pools runs)"),
     StandIn("mem_cache.allocation.assign_req_to_token_pool_func", "replaced",
             "a @triton.jit kernel on the spec-decode reserve path; replaced by the same "
             "writes in torch (no CPU triton driver), through the flat view as the kernel "
             "stores them: past a row into the next one (U7), past the pool a crash"),
     StandIn("model forward (tp_worker.forward_batch_generation)", "replaced",
             "the environment: tokens, accept lengths, EOS; publishes where eagle_worker_v2 "
-            "does; writes KV slots through req_to_token and counts writes outside what a "
-            "request owns; keeps the ghost truth (upstream/worker.py)"),
+            "does; writes KV slots through req_to_token (a spec decode: the draft's slots "
+            "and tail copies, spec.transitions.compute_draft_writes, then the verify window "
+            "[s, s + D_tok); a tree on pages > 1 first gathers what prepare_for_draft "
+            "gathers from the row, which raises past it as the release's torch.gather does "
+            "on CPU) and counts writes outside what a request owns; keeps the ghost truth "
+            "(upstream/worker.py)"),
     StandIn("Scheduler.ingest_requests", "replaced",
             "the per-iteration request-ingest hook is the iteration boundary: the loop "
             "thread parks there; admissions and aborts are applied by the driver while it "
@@ -97,6 +102,21 @@ STAND_INS: Final[tuple[StandIn, ...]] = (
             "abort_request(abort_all) and drained iterations, flush_cache, then the "
             "constructor's values for what flush_cache keeps (running_batch, "
             "new_token_ratio, forward_ct), so an example replays the same after any other"),
+    StandIn("ServerArgs.attention_backend for a tree on pages > 1", "replaced",
+            "0.5.23 refuses torch_native for speculative_eagle_topk > 1 at page_size > 1 "
+            "(speculative_hook.py _handle_eagle_family, _PAGE_TREE_SPEC_BACKENDS: "
+            "flashinfer, fa3, triton); the *-p4-v2tree cells resolve with triton and, right "
+            "after publish, override attention_backend to torch_native (runtime_context "
+            "override), so attention_backends() is (torch_native, torch_native) as in every "
+            "other cell; no attention backend is built here (upstream/session.py)"),
+    StandIn("ReqToTokenPool width", "replaced",
+            "built by the kv-cache stand-in at the preset's max_context_len plus the "
+            "release's own get_req_to_token_extra_context_len(), read inside "
+            "init_model_worker as the release's _init_pools reads it (after "
+            "SGLANG_DEBUG_REVERT_PR is applied); after publish the release's "
+            "get_alloc_len_per_decode() and that extra must equal the model's "
+            "alloc_len_per_decode and row_width - max_context_len, or the cell is not run "
+            "(upstream/session.py check_geometry)"),
     StandIn("PortArgs.nccl_port", "replaced",
             "a port the OS just handed out: several cells (one process each) run at once"),
     StandIn("model_config (hf config.json)", "replaced",

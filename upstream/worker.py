@@ -19,9 +19,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from overlap_spec.spec.config import ModelConfig
+from overlap_spec.spec.config import ModelConfig, SpecShape
 from overlap_spec.spec.relation import ghost_forward_decode, ghost_forward_extend
 from overlap_spec.spec.state import EOS_TOKEN, IterationChoices, KvWrite, get_env_tokens
+from overlap_spec.spec.transitions import compute_draft_writes, compute_forward_write_width
 from overlap_spec.spec.units import RequestId, StepId
 
 __all__ = ["EOS_TOKEN", "StandInWorker", "StepRecord"]
@@ -48,6 +49,23 @@ def get_input_tokens(batch: Any, reqs: list[Any], is_extend: bool, spec: bool,
         raise RuntimeError("the release launched a decode without its input tokens "
                            "(input_ids / spec_info.bonus_tokens is None)")
     return [int(v) for v in source.reshape(-1).tolist()]
+
+
+def get_paged_tree_gathers(seq_len: int, shape: SpecShape, page_size: int) -> list[int]:
+    """The row positions a tree's draft on pages > 1 gathers with ``torch.gather`` from
+    the request's row (``eagle_worker_common.py`` ``prepare_for_draft``): its draft slots,
+    and in ``duplicate_prefix_tail_to_draft_branches`` the whole prefix-tail page and the
+    whole first page of every other branch (masked to ``[0, lp)`` only after the gather).
+    A gather past the row raises (a device assert on a GPU), where the page-1 kernels
+    address the flat table."""
+    slots, _ = compute_draft_writes(seq_len, shape, page_size)
+    if shape.topk <= 1:
+        return slots
+    lp = seq_len % page_size
+    base = seq_len - lp
+    span = (lp + shape.steps + page_size - 1) // page_size * page_size
+    pages = [base + t * span + i for t in range(shape.topk) for i in range(page_size)]
+    return slots + pages
 
 
 @dataclass
@@ -106,10 +124,13 @@ class StandInWorker:
         max_accept = self.config.max_accept_len
         accept_lens = [1 if is_extend else choices.get_accept_len(j, max_accept)
                        for j in range(len(reqs))]
+        page = self.config.page_size
+        shape = self.config.get_shape()  # the rung is fixed in this tier
         if is_extend:
             widths = [int(id(req) in decoding) for req in reqs]
         elif spec:
-            widths = [int(self.config.alloc_len_per_decode)] * len(reqs)
+            widths = [int(compute_forward_write_width(shape, "decode", page, s))
+                      for s in seq_lens]
         else:
             widths = [1] * len(reqs)
         host.on_launch(step, batch, reqs, seq_lens, widths, is_extend)
@@ -124,7 +145,14 @@ class StandInWorker:
                 # stopped (Req.prefix_len, 0 unless chunked) to the batch's seq_len.
                 start, end = int(req.prefix_len), seq_len
             elif spec and not mixed_decode:
-                start, end = seq_len, seq_len + widths[j]  # draft + verify, A positions
+                # The draft's slots and its tail copies (eagle_worker_common.py
+                # prepare_for_draft), then the verify window [s, s + D_tok)
+                # (eagle_prepare_for_verify), as the reference writes them.
+                slots, copies = compute_draft_writes(seq_len, shape, page)
+                if self.config.is_paged_tree:
+                    host.gather_row(req, get_paged_tree_gathers(seq_len, shape, page))
+                faults += host.write_kv_at(req, rid, slots + [target for target, _ in copies])
+                start, end = seq_len, seq_len + shape.draft_tokens
             else:  # the token being processed (a spec tail's: its pending bonus token)
                 start, end = seq_len - 1, seq_len
             faults += host.write_kv(req, rid, start, end)

@@ -415,7 +415,7 @@ def finish_differential(report: DifferentialReport, config: ModelConfig, seed: i
 # ---------------------------------------------------------------------- one cell
 def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -> dict[str, Any]:
     """Everything the tier says about one cell, as the report's JSON fragment."""
-    from overlap_spec.upstream.session import UpstreamCrash, is_drivable
+    from overlap_spec.upstream.session import UpstreamCrash, get_death, is_drivable
 
     started = time.perf_counter()
     reason = is_drivable(config)
@@ -490,7 +490,11 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
     except UpstreamCrash as error:
         crash = str(error)
     except Exception as error:  # noqa: BLE001 - a crash of the tier is a failure
-        crash = f"{type(error).__name__}: {str(error)[:400]}"
+        # A release that crashed leaves its scheduler dead: Hypothesis's replay of the
+        # example then fails before it draws (FlakyStrategyDefinition), hiding the crash.
+        death = get_death()
+        crash = (f"the release crashed: {death[:400]}" if death is not None
+                 else f"{type(error).__name__}: {str(error)[:400]}")
     seconds_check = time.perf_counter() - started
 
     findings_seen: dict[str, int] = Counter()

@@ -111,6 +111,8 @@ def select_configs(patterns: str | None, preset: str,
 SIZE_LIMITS: Final = {
     "kv_tokens": (1, 8192, "the token-to-KV pool size in tokens, whole pages"),
     "max_running_requests": (1, 32, "the request pool's rows"),
+    "paged_tree_kv_tokens": (1, 8192, "the pool of a cell with a tree on pages > 1, in "
+                                      "tokens, whole pages"),
     "chain_steps": (1, 7, "the v2 chain's draft steps (draft tokens = steps + 1)"),
     "chunked_prefill_size": (0, 8192, "prefill chunk tokens, whole pages (0: no chunking)"),
     "mixed_chunk": (0, 1, "enable_mixed_chunk: decodes ride in the prefill chunk's batch "
@@ -153,8 +155,9 @@ def split_preset(preset: Preset) -> tuple[str, dict[str, int]]:
 def check_sizes(config: ModelConfig) -> str | None:
     """Why ``config``'s sizes do not fit its cell, or None."""
     page = config.page_size
-    if config.preset.kv_tokens % page:
-        return (f"size 'kv_tokens' is {config.preset.kv_tokens}; cell {config.cell.name} "
+    size = "paged_tree_kv_tokens" if config.is_paged_tree else "kv_tokens"
+    if config.kv_tokens % page:
+        return (f"size '{size}' is {config.kv_tokens}; cell {config.cell.name} "
                 f"needs whole pages of {page} tokens")
     if config.preset.chunked_prefill_size % page:
         return (f"size 'chunked_prefill_size' is {config.preset.chunked_prefill_size}; cell "
@@ -164,9 +167,7 @@ def check_sizes(config: ModelConfig) -> str | None:
         return ("size 'mixed_chunk' is 1 without 'chunked_prefill_size': the release mixes "
                 "decodes into a prefill only when it chunks (is_mixed_chunk)")
     cell = config.cell
-    switched = cell.preclaim or cell.trimmed_finish or cell.early_fence or cell.rung_reserve \
-        or cell.cpu_ub
-    if config.preset.mixed_chunk and cell.is_spec and (switched or not cell.needs_cpu_seq_lens):
+    if config.preset.mixed_chunk and cell.is_spec and not cell.mixes_spec_tails:
         return (f"size 'mixed_chunk' is 1 in spec cell {cell.name}: spec's mixed tails are "
                 "modelled in the release's spec cells with the CPU mirror only (an era or "
                 "proposal switch, or a cell without the mirror, where the release's tail "

@@ -92,7 +92,7 @@ def generate_random_ops(config: ModelConfig, rng: random.Random, count: int) -> 
         roll = rng.random()
         if admitted < 4 and (roll < 0.3 or admitted == 0):
             admitted += 1
-            if rng.random() < 0.2:
+            if not preset.chunked_prefill_size and rng.random() < 0.2:
                 ops.append(AdmitPrebuilt(rng.choice(prompt_lens),
                                          rng.randint(2, preset.max_new_tokens)))
             else:

@@ -106,8 +106,13 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
     The upstream tier (``implementation="upstream"``) drives what sglang 0.5.23 can be
     driven through: no PD prebuilt admissions, and the configured speculative shape (the
     release's reserve does not depend on the adaptive rung, which its controller picks).
+    No implementation draws PD prebuilt admissions with chunked prefill (below).
     """
     upstream = implementation == "upstream"
+    # PD-prebuilt arrivals are drawn without chunked prefill only: a PD decode instance
+    # does not prefill, and with chunking the two together can continue a chunk into a
+    # pool the budget did not hold for it, a state the release has no path to.
+    chunked = bool(config.preset.chunked_prefill_size)
     draw = get_strategies(config, upstream)
     factory = get_factory(implementation)
 
@@ -131,7 +136,8 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
         def admit(self, prompt_len: int, max_new_tokens: int) -> None:
             self._apply(Admit(prompt_len, max_new_tokens))
 
-        @precondition(lambda self: not upstream and len(self.admitted) < MAX_REQUESTS)
+        @precondition(lambda self: not (upstream or chunked)
+                      and len(self.admitted) < MAX_REQUESTS)
         @rule(prompt_len=draw.prompt_len, max_new_tokens=draw.prebuilt_max_new_tokens)
         def admit_prebuilt(self, prompt_len: int, max_new_tokens: int) -> None:
             self._apply(AdmitPrebuilt(prompt_len, max_new_tokens))

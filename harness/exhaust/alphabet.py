@@ -152,7 +152,8 @@ def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
     configured rung, no forced retraction, no early processing): few enough operations
     for a third request and a sixth operation, which a row reused under an in-flight
     forward needs (B9 with the release's fence). With ``chunked_prefill_size`` the full
-    alphabet also admits a prompt of three chunks, and with ``mixed_chunk`` the longest
+    alphabet admits no prebuilt request (a PD decode instance does not chunk) and a
+    prompt of three chunks, and with ``mixed_chunk`` the longest
     prompt, which a small pool caps to 0 new tokens (a prefill-only prefill)."""
     if scope not in MAX_REQUESTS_BY_SCOPE:
         raise ValueError(f"alphabet {scope!r}: not one of {', '.join(MAX_REQUESTS_BY_SCOPE)}")
@@ -163,8 +164,11 @@ def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
     cell, preset = config.cell, config.preset
     longest = preset.max_new_tokens
     prebuilt = [AdmitPrebuilt(p, longest) for p in get_prompt_lens(config)]
-    admissions: list[Admit | AdmitPrebuilt] = [Admit(1, 2), Admit(1, longest), *prebuilt]
     chunk = preset.chunked_prefill_size
+    # With chunking, no prebuilt arrivals: a PD decode instance does not prefill, and the
+    # two together are the model's composition, not a configuration of the release's.
+    admissions: list[Admit | AdmitPrebuilt] = [Admit(1, 2), Admit(1, longest),
+                                               *([] if chunk else prebuilt)]
     if chunk:  # a prompt of three chunks: a middle chunk continued, then the last (B18)
         admissions.append(Admit(min(2 * chunk + 1, preset.max_context_len - 1), 2))
     if preset.mixed_chunk:  # the longest prompt, which the pool caps to 0 new tokens (B19)
