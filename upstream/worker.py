@@ -61,11 +61,10 @@ def get_paged_tree_gathers(seq_len: int, shape: SpecShape, page_size: int) -> li
     slots, _ = compute_draft_writes(seq_len, shape, page_size)
     if shape.topk <= 1:
         return slots
+    # Branch t's region starts lp before its first draft slot (compute_draft_writes).
     lp = seq_len % page_size
-    base = seq_len - lp
-    span = (lp + shape.steps + page_size - 1) // page_size * page_size
-    pages = [base + t * span + i for t in range(shape.topk) for i in range(page_size)]
-    return slots + pages
+    starts = [slots[t * shape.steps] - lp for t in range(shape.topk)]
+    return slots + [start + i for start in starts for i in range(page_size)]
 
 
 @dataclass
