@@ -135,18 +135,16 @@ class ScheduleBatch:
 
     # -- decode -----------------------------------------------------------------
     def prepare_for_decode(self) -> None:
-        """Non-spec: claim column seq_lens, seq_lens + 1 (a new tensor under overlap), sum None.
+        """Non-spec: claim column seq_lens, seq_lens + 1 as a new tensor (#30669), sum None.
         Spec-v2: reserve up to max(cur, committed + reserve), page aligned; seq_lens untouched."""
         self.forward_mode = "decode"
         if self.rt.config.cell.is_spec:
             self._prepare_for_decode_spec_v2()
             return
         alloc_for_decode(self.rt, self.reqs, self.get_seq_lens_host())
-        if self.rt.config.cell.overlap:
-            # The in-flight forward still reads the old tensor: never bump it in place.
-            self.seq_lens = self.seq_lens + NS_DECODE_STEP
-        else:
-            self.seq_lens.add_(NS_DECODE_STEP)
+        # A new tensor with and without overlap (#30669): under overlap the in-flight
+        # forward still reads the old one.
+        self.seq_lens = self.seq_lens + NS_DECODE_STEP
         if self.seq_lens_cpu is not None:
             with self.rt.streams.on_host():
                 self.seq_lens_cpu = self.seq_lens_cpu + NS_DECODE_STEP
@@ -160,6 +158,10 @@ class ScheduleBatch:
         if rt.has_fault("B12"):
             # No max(cur, ...) clamp: after a down-switch the allocation shrinks.
             targets = [compute_page_align_up(req.kv_committed_len + reserve, page_size)
+                       for req in self.reqs]
+        elif rt.has_fault("B22"):
+            # No page rounding (#31616's "before"): the record stops inside its last page.
+            targets = [max(req.kv_allocated_len, req.kv_committed_len + reserve)
                        for req in self.reqs]
         else:
             targets = [compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len,

@@ -24,7 +24,7 @@ Its checkers are the differential run against the reference (``get_observable_st
 after every operation) and the race detector (``gpu_impl/race.py``) listening to the
 streams; it reports no spec Observations, so the ``observer`` argument is accepted for
 the shared factory signature and ignored. ``faults`` re-introduces the historical bugs
-of ``spec/bugs.py`` as the mistake upstream made, in torch code.
+of the catalogue (``spec/bugs.py``'s IDs) as the mistake upstream made, in torch code.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ from overlap_spec.spec.transitions import (
 )
 from overlap_spec.spec.units import RequestId, StepId, TokenCount
 
-# Historical bugs (spec/bugs.py) gpu_impl can re-introduce, by ID.
+# Historical bugs (spec/bugs.py's IDs) gpu_impl can re-introduce.
 SUPPORTED_FAULTS = frozenset(BUG_IDS)
 
 # The isolation snapshot of _forward_isolation: spec restores these fields after launch.

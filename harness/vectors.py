@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from overlap_spec.harness.catalogue import BUGS
 from overlap_spec.harness.drive.cells import (
     DEFAULT_SEED,
     SIZE_LIMITS,
@@ -42,7 +43,6 @@ from overlap_spec.harness.drive.script import (
 from overlap_spec.harness.trace.codec import CodecError, decode_dataclass, encode_value
 from overlap_spec.harness.trace.format import TraceFormatError
 from overlap_spec.harness.trace.record import RecordedRun, record_script
-from overlap_spec.spec.bugs import BUGS
 from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells
 from overlap_spec.spec.invariants import InvariantViolation
 from overlap_spec.spec.state import Observation

@@ -196,13 +196,10 @@ def ind_reserve(ctx: Context, r: Record) -> Term:
         r["kv_allocated_len"] <= ctx.config.row_width // page * page))
     if not ctx.is_spec:
         return zs.And(covered, zs.Implies(r["holds_kv"], r["seq_len"] == r["kv_committed_len"]))
-    return zs.And(
-        covered,
-        zs.Implies(
-            zs.And(r["holds_kv"], r["prepared"]),
-            r["kv_allocated_len"] >= r["kv_len_true"] + r["write_width"],
-        ),
-    )
+    reserved = r["kv_allocated_len"] >= r["kv_len_true"] + r["write_width"]
+    if page > 1:  # the spec-v2 prepare rounds its target up to a page (KV3, #31616)
+        reserved = zs.And(reserved, r["kv_allocated_len"] % page == 0)
+    return zs.And(covered, zs.Implies(zs.And(r["holds_kv"], r["prepared"]), reserved))
 
 
 def ind_relay(ctx: Context, r: Record) -> Term:
@@ -265,8 +262,8 @@ STATE_INVARIANTS: Final[tuple[StateInvariant, ...]] = (
     StateInvariant(
         "IND6",
         "the allocation covers the true length within the row's whole pages, and a "
-        "prepared spec step's reservation its writes from it (non-spec: seq_lens == "
-        "committed)",
+        "prepared spec step's reservation its writes from it, in whole pages on pages > 1 "
+        "(non-spec: seq_lens == committed)",
         ind_reserve,
         _always,
     ),
@@ -304,7 +301,9 @@ def sl11(ctx: Context, r: Record, step: Step) -> Term:
 
 
 def kv3(ctx: Context, r: Record, step: Step) -> Term:
-    return r["kv_allocated_len"] >= r["kv_len_true"] + r["write_width"]
+    covers = r["kv_allocated_len"] >= r["kv_len_true"] + r["write_width"]
+    page = ctx.config.page_size
+    return covers if page == 1 else zs.And(covers, r["kv_allocated_len"] % page == 0)
 
 
 def sl6(ctx: Context, r: Record, step: Step) -> Term:

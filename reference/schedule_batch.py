@@ -121,7 +121,7 @@ class ScheduleBatch:
 
     # -- decode -----------------------------------------------------------------
     def prepare_for_decode(self) -> None:
-        """Non-spec: claim one slot, seq_lens + 1 (new tensor under overlap), sum = None.
+        """Non-spec: claim one slot, seq_lens + 1 as a new tensor (#30669), sum = None.
         Spec-v2: reserve up to max(cur, committed + 2A), page aligned; seq_lens untouched."""
         rt = self.rt
         self.forward_mode = "decode"
@@ -132,13 +132,10 @@ class ScheduleBatch:
         old = self.seq_lens.values
         for req, seq_len in zip(self.reqs, old, strict=True):
             alloc_for_decode(rt, req, seq_len)
-        bumped = [compute_decode_seq_len_ns(s) for s in old]
-        if rt.config.cell.overlap:
-            # A new tensor: the in-flight forward still reads the old one.
-            self.seq_lens = rt.new_tensor(bumped, "prepare_for_decode")
-        else:
-            self.seq_lens.values = bumped
-            rt.hb.write(SCHEDULE, ("tensor", self.seq_lens.tensor_id), "prepare_for_decode")
+        # A new tensor with and without overlap, as the release does since #30669: under
+        # overlap the in-flight forward still reads the old one.
+        self.seq_lens = rt.new_tensor([compute_decode_seq_len_ns(s) for s in old],
+                                      "prepare_for_decode")
         if self.seq_lens_cpu is not None:
             self.seq_lens_cpu = [compute_decode_seq_len_ns(s) for s in self.seq_lens_cpu]
         self.seq_lens_sum = None

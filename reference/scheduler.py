@@ -210,7 +210,7 @@ class Scheduler:
             status = "finished" if req.finished() else "waiting" if req.waiting else "running"
             row: tuple[int, ...] = ()
             if req.holds_kv and req.req_pool_idx is not None:
-                width = min(req.kv_allocated_len, self.config.row_width)
+                width = min(req.kv_allocated_len, rt.req_to_token.width)
                 row = tuple(rt.req_to_token.rows[req.req_pool_idx][:width])
             requests.append(RequestState(req.rid, status, tuple(req.output_ids),
                                          req.kv_committed_len, req.kv_allocated_len, row,

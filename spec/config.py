@@ -318,17 +318,20 @@ class ModelConfig:
 
     @property
     def row_width(self) -> TokenCount:
-        """req_to_token row width: max_context_len + the release's headroom
-        (``get_req_to_token_extra_context_len``): 4, plus D_tok with speculation, widened on
-        pages > 1 to the decode reserve 2A + page - 1 (#26972). On page 1 a tree's 2A can
-        exceed 4 + D_tok: finding U7, which KV1 reports."""
+        """req_to_token row width: max_context_len + the headroom
+        (``get_req_to_token_extra_context_len``): 4, plus D_tok with speculation, widened to
+        the decode reserve 2A + page - 1 (#26972) on every page size. The release widens on
+        pages > 1 only, so a page-1 tree's 2A can run past its row (finding U7): that gate is
+        B23, current upstream."""
         return self.get_row_width()
 
     def get_row_width(self, faults: frozenset[str] = frozenset()) -> TokenCount:
         """:attr:`row_width`; B21 (in ``faults``) is #26972 reverted, the row not widened
-        (the release's ``SGLANG_DEBUG_REVERT_PR=26972``)."""
+        on pages > 1 (the release's ``SGLANG_DEBUG_REVERT_PR=26972``); B23 is the release's
+        gate, the row not widened on page 1."""
         extra = 4 + (self.draft_tokens if self.cell.is_spec else 0)
-        if self.cell.is_spec and self.page_size > 1 and "B21" not in faults:
+        gated = "B21" if self.page_size > 1 else "B23"
+        if self.cell.is_spec and gated not in faults:
             extra = max(extra, 2 * self.alloc_len_per_decode + self.page_size - 1)
         return TokenCount(self.preset.max_context_len + extra)
 

@@ -398,12 +398,11 @@ def check_sl11(config: ModelConfig, obs: Observation) -> int:
 @invariant("KV1", "committed <= allocated <= width", "schedule_batch.py #23456")
 def check_kv1(config: ModelConfig, obs: Observation) -> int:
     """KV1: 0 <= kv_committed_len <= kv_allocated_len <= row width for every request
-    holding KV: the release's row, or the narrower one an implementation built and says
-    it built (B21, the row not widened; a trace without the allocator is held to the
-    release's) (schedule_batch.py, PR 23456)."""
+    holding KV: the model's row (widened to the decode reserve), or the narrower one an
+    implementation built and says it built (B21, B23, the release's page-1 tree; a trace
+    without the allocator is held to the model's) (schedule_batch.py, PR 23456)."""
     count = 0
-    built = obs.allocator.row_width if isinstance(obs.allocator, AllocatorView) else 0
-    width = min(config.row_width, built or config.row_width)
+    width = _get_row_width(config, obs)
     for r in _holding(obs):
         if not 0 <= r.kv_committed_len <= r.kv_allocated_len <= width:
             past = " (allocated past the row)" if r.kv_allocated_len > width else ""
@@ -414,11 +413,19 @@ def check_kv1(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
+def _get_row_width(config: ModelConfig, obs: Observation) -> int:
+    """The row KV1 holds a request to: the model's, or the narrower one the
+    implementation built and says it built (AllocatorView.row_width; 0 = not said)."""
+    built = obs.allocator.row_width if isinstance(obs.allocator, AllocatorView) else 0
+    return min(config.row_width, built or config.row_width)
+
+
 def _past_the_row(config: ModelConfig, obs: Observation) -> str:
     """What a row or page miscount follows from when a request allocated past its
     req_to_token row (KV1; the release's kernel then writes the next row): said in the
     message, so a report names the cause."""
-    past = [r.rid for r in obs.requests if r.kv_allocated_len > config.row_width]
+    width = _get_row_width(config, obs)
+    past = [r.rid for r in obs.requests if r.kv_allocated_len > width]
     return f" (r{past[0]} allocated past its row)" if past else ""
 
 
@@ -438,7 +445,9 @@ def check_kv2(config: ModelConfig, obs: Observation) -> int:
 @invariant("KV3", "2x reserve covers draft+verify", "eagle_info_v2.py", _spec)
 def check_kv3(config: ModelConfig, obs: Observation) -> int:
     """KV3: at a spec decode launch kv_allocated_len >= true length + W, so draft and
-    verify write only reserved positions (eagle_info_v2.py 2x reserve)."""
+    verify write only reserved positions, and on pages > 1 it ends on a page boundary, the
+    paged allocator's whole-page footprint (eagle_info_v2.py 2x reserve;
+    allocation_sizing.py page_aligned_decode_alloc_lens, #31616)."""
     launch = obs.launch
     if obs.point is not ObservationPoint.LAUNCH or launch is None:
         return 0
@@ -453,6 +462,10 @@ def check_kv3(config: ModelConfig, obs: Observation) -> int:
             raise fail("KV3", obs, f"for request r{m.rid}: kv_allocated_len="
                        f"{m.kv_allocated_len} < true length {m.ghost_kv_len} + W "
                        f"{m.write_width}")
+        if m.kv_allocated_len % config.page_size:
+            raise fail("KV3", obs, f"for request r{m.rid}: kv_allocated_len="
+                       f"{m.kv_allocated_len} is not a multiple of the page size "
+                       f"{config.page_size} after the spec-v2 prepare")
     return len(launch.members)
 
 

@@ -37,7 +37,7 @@ results are decodes'.
 result for a PD-decode request. Pages and ``req_to_token`` columns are the allocator's: an
 implementation backs the lengths decided here with memory (``reference/mem_cache.py``).
 
-Bug switches that change a per-request update arrive as ``faults`` (B-ids of
+Bug switches that change a per-request update arrive as ``faults`` (the B-ids of
 ``spec/bugs.py``); with none the relation is the intended design.
 """
 
@@ -360,11 +360,14 @@ def prepare_for_decode_spec_v2(req: RequestRecord, reserve: int, page_size: int,
     aligned; with the pre-claim (PR 23456) the bonus slot is claimed now. seq_lens is
     untouched (batch state).
 
-    B12 drops the max(cur, ...) clamp: a down-switch can shrink the allocation.
+    B12 drops the max(cur, ...) clamp: a down-switch can shrink the allocation. B22 drops
+    the page rounding (#31616's "before"): the record stops inside its last page.
     """
     _require_decodable("prepare_for_decode_spec_v2", req)
     if "B12" in faults:
         target = compute_page_align_up(req.kv_committed_len + reserve, page_size)
+    elif "B22" in faults:
+        target = max(req.kv_allocated_len, req.kv_committed_len + reserve)
     else:
         target = compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len,
                                          reserve, page_size)

@@ -178,17 +178,18 @@ def test_the_bmc_domain_lies_where_admission_neither_caps_nor_refuses() -> None:
 
 
 def test_a_page_1_tree_near_the_context_length_outgrows_its_row() -> None:
-    """U7 (predicted here, then seen on the release with the same numbers:
+    """U7, B23 (predicted here, then seen on the release with the same numbers:
     tests/test_upstream_tier.py): the release widens the
     req_to_token row to the decode reserve only on pages > 1 (allocation_sizing.py
     get_req_to_token_extra_context_len, #26972); on page 1 the headroom stays 4 + D_tok
     = 12 while a tree's reserve 2 * steps * topk is 24. A request capped just below the
     context length then allocates past its row; KV1 reports it at the prepare (the model
-    never clamps it away)."""
+    never clamps it away). The model's row, widened on every page size, holds it."""
     ops: list[Op] = [Admit(240, 96)] + [
         Iterate(IterationChoices(allow_prefill=True, accept_lens=(1,) * 16))
         for _ in range(20)]
-    outcome = run_script(Script("ov-p1-v2tree-cpu-honest", "realistic", ops, ()))
+    assert run_script(Script("ov-p1-v2tree-cpu-honest", "realistic", ops, ())).violation is None
+    outcome = run_script(Script("ov-p1-v2tree-cpu-honest", "realistic", ops, ("B23",)))
     assert outcome.violation is not None
     assert outcome.violation.invariant_id == "KV1"
     assert "kv_committed_len=245, kv_allocated_len=269, row width=268" in str(outcome.violation)

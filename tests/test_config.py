@@ -97,11 +97,12 @@ def test_reserve_and_row_width_follow_the_digest(preset: object) -> None:
                 assert cfg.get_decode_reserve(shape, frozenset({"B16"})) == \
                     2 * shape.alloc_len_per_decode
         # get_req_to_token_extra_context_len: 4 (+ D_tok with speculation), widened to
-        # 2A + page - 1 on pages > 1 (#26972).
+        # 2A + page - 1 (#26972); the release widens on pages > 1 only (B23).
         extra = 4 + (cfg.draft_tokens if cell.is_spec else 0)
-        if cell.is_spec and cfg.page_size > 1:
-            extra = max(extra, 2 * a + cfg.page_size - 1)
-        assert cfg.row_width == cfg.preset.max_context_len + extra
+        widened = max(extra, 2 * a + cfg.page_size - 1) if cell.is_spec else extra
+        assert cfg.row_width == cfg.preset.max_context_len + widened
+        release = widened if cfg.page_size > 1 else extra
+        assert cfg.get_row_width(frozenset({"B23"})) == cfg.preset.max_context_len + release
         if cell.spec_mode is SpecMode.V2_CHAIN:
             assert cfg.draft_tokens == cfg.spec_steps + 1 and cfg.topk == 1
         # One request alone always fits the pool (the retraction loop may keep one): the
@@ -115,17 +116,21 @@ def test_reserve_and_row_width_follow_the_digest(preset: object) -> None:
             assert worst * cfg.page_size <= cfg.kv_tokens, (cfg.name, prompt)
 
 
-# Written out from the release's formula (minimal: context 24; realistic: 256).
-@pytest.mark.parametrize(("cell", "preset", "width"), [
-    ("ov-p1-none", MINIMAL, 28),
-    ("ov-p1-v2chain-cpu-honest", MINIMAL, 32),  # 4 + D_tok 4
-    ("ov-p4-v2chain-cpu-honest", MINIMAL, 35),  # 2A 8 + page 4 - 1
-    ("ov-p1-v2tree-cpu-honest", REALISTIC, 268),  # 4 + D_tok 8, though 2A is 24 (U7)
-    ("ov-p4-v2tree-cpu-honest", MINIMAL, 59),  # 2A 32 (A: 1 page x 4 x topk 2) + 3
-    ("ov-p4-v2tree-cpu-honest", REALISTIC, 323),  # 2A 64 (A: 2 pages x 4 x topk 4) + 3
+# Written out from the release's formula (minimal: context 24; realistic: 256); the
+# release's own row is the model's with B23 (no widening on page 1).
+@pytest.mark.parametrize(("cell", "preset", "width", "release"), [
+    ("ov-p1-none", MINIMAL, 28, 28),
+    ("ov-p1-v2chain-cpu-honest", MINIMAL, 32, 32),  # 4 + D_tok 4 = 2A 8
+    ("ov-p4-v2chain-cpu-honest", MINIMAL, 35, 35),  # 2A 8 + page 4 - 1
+    ("ov-p1-v2tree-cpu-honest", REALISTIC, 280, 268),  # 2A 24; the release: 4 + D_tok 8 (U7)
+    ("ov-p4-v2tree-cpu-honest", MINIMAL, 59, 59),  # 2A 32 (A: 1 page x 4 x topk 2) + 3
+    ("ov-p4-v2tree-cpu-honest", REALISTIC, 323, 323),  # 2A 64 (A: 2 pages x 4 x topk 4) + 3
 ])
-def test_the_row_width_is_the_releases(cell: str, preset: object, width: int) -> None:
-    assert ModelConfig(get_cell(cell), preset).row_width == width  # type: ignore[arg-type]
+def test_the_row_width_is_the_releases(cell: str, preset: object, width: int,
+                                       release: int) -> None:
+    config = ModelConfig(get_cell(cell), preset)  # type: ignore[arg-type]
+    assert config.row_width == width
+    assert config.get_row_width(frozenset({"B23"})) == release
 
 
 def test_cells_switches_names_each_era_and_proposal(capsys: pytest.CaptureFixture[str]) -> None:

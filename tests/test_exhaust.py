@@ -26,6 +26,7 @@ from pathlib import Path
 
 import pytest
 
+from overlap_spec.harness.catalogue import BUGS, get_bug
 from overlap_spec.harness.cli import main
 from overlap_spec.harness.drive.cells import make_preset
 from overlap_spec.harness.drive.checker import InvariantChecker
@@ -58,7 +59,6 @@ from overlap_spec.harness.exhaust.tier import (
 )
 from overlap_spec.harness.verdict import Verdict
 from overlap_spec.reference.scheduler import Scheduler
-from overlap_spec.spec.bugs import BUGS, get_bug
 from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells, get_cell
 from overlap_spec.spec.invariants import INVARIANTS
 from overlap_spec.spec.state import IterationChoices, Observation
@@ -131,7 +131,8 @@ FAST_KILLS = [
     ("B15", "ov-p1-v2tree-nocpu-honest"), ("B16", "ov-p1-v2chain-cpu-honest"),
     ("B17", "nov-p1-v2chain-cpu-honest"), ("B18", "nov-p1-v2tree-cpu-honest"),
     ("B19", "nov-p1-none"), ("B20", "nov-p1-v2tree-cpu-honest"),
-    ("B21", "nov-p4-v2tree-cpu-honest"),
+    ("B21", "nov-p4-v2tree-cpu-honest"), ("B22", "nov-p4-v2chain-cpu-honest"),
+    ("B23", "nov-p1-v2tree-cpu-honest"),
 ]
 
 

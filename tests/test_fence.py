@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import pytest
 
+from overlap_spec.harness.catalogue import get_bug
 from overlap_spec.harness.differential.compare import get_finding_kind, run_differential
 from overlap_spec.harness.drive.script import (
     Admit,
@@ -28,7 +29,6 @@ from overlap_spec.harness.mutants.z3 import get_stream_scenarios, replay_counter
 from overlap_spec.proofs import solver as zs
 from overlap_spec.proofs.streams import prove_protocol
 from overlap_spec.reference.worker import ModelWorker
-from overlap_spec.spec.bugs import get_bug
 from overlap_spec.spec.config import get_cell
 from overlap_spec.spec.happens_before import FORWARD, SCHEDULE, HappensBefore
 from overlap_spec.spec.state import IterationChoices

@@ -14,6 +14,7 @@ from overlap_spec.gpu_impl.race import RaceDetector
 from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS
 from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
 from overlap_spec.gpu_impl.streams import Streams
+from overlap_spec.harness.catalogue import BUGS
 from overlap_spec.harness.cli import main
 from overlap_spec.harness.differential.compare import (
     check_cell_differential,
@@ -27,7 +28,7 @@ from overlap_spec.harness.measure.sync_contract import measure_steady_state
 from overlap_spec.harness.mutants.matrix import run_mutants
 from overlap_spec.harness.mutants.select import KILLED, NOT_APPLICABLE
 from overlap_spec.reference.scheduler import Scheduler as ReferenceScheduler
-from overlap_spec.spec.bugs import BUG_IDS, BUGS
+from overlap_spec.spec.bugs import BUG_IDS
 from overlap_spec.spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell
 from overlap_spec.spec.happens_before import D2H, SCHEDULE
 from overlap_spec.spec.state import IterationChoices

@@ -14,9 +14,10 @@ from overlap_spec.gpu_impl.race import RaceDetector
 from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS
 from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
 from overlap_spec.gpu_impl.streams import Streams
+from overlap_spec.harness.catalogue import BUGS
 from overlap_spec.harness.drive.cells import make_preset, split_preset
 from overlap_spec.reference.scheduler import Scheduler as ReferenceScheduler
-from overlap_spec.spec.bugs import BUG_IDS, BUGS
+from overlap_spec.spec.bugs import BUG_IDS
 from overlap_spec.spec.config import MINIMAL, REALISTIC, ModelConfig, SpecMode, enumerate_cells
 from overlap_spec.spec.interface import SchedulerModel
 from overlap_spec.spec.state import IterationChoices
@@ -141,10 +142,13 @@ def test_each_value_fault_diverges_from_the_clean_reference(bug_id: str) -> None
         divergence = first_divergence(config, ops, frozenset({bug_id}))
         assert divergence is not None and "inconclusive" not in divergence, divergence
         return
-    if bug.sizes:  # B18: chunked prefill, in chunks of 1 (these ops draw prompts up to 5)
+    if bug_id == "B18":  # chunked prefill, in chunks of 1 (these ops draw prompts up to 5)
         assert config.page_size == 1 and dict(bug.sizes) == {"chunked_prefill_size": 4}
         config = ModelConfig(config.cell, make_preset(split_preset(config.preset)[0],
                                                       {"chunked_prefill_size": 1}))
+    elif bug.sizes:  # B23: a four-branch tree in a context of 8
+        config = ModelConfig(config.cell, make_preset(split_preset(config.preset)[0],
+                                                      dict(bug.sizes)))
     found = [first_divergence(config, make_ops(config, random.Random(seed), 60),
                               frozenset({bug_id})) for seed in range(20)]
     # A divergence, not a crash both share (that compares nothing).
@@ -174,7 +178,7 @@ def test_clean_gpu_impl_has_no_race(cell_name: str) -> None:
 
 # B15 in the early fence's cell: in a release spec cell S has waited for the read-done
 # event, past every read F makes of the batch's tensors, before its allocator reuses them
-# (spec/bugs.py, B15's representative cells).
+# (harness/catalogue.py, B15's representative cells).
 @pytest.mark.parametrize(("bug_id", "cell"), [
     ("B5", "ov-p1-v2chain-cpu-honest"), ("B8", "ov-p1-v2chain-cpu-honest"),
     ("B9", "ov-p1-v2chain-cpu-honest"), ("B13", "ov-p1-v2chain-cpu-honest"),

@@ -10,9 +10,9 @@ import json
 
 import pytest
 
+from overlap_spec.harness.catalogue import get_bug
 from overlap_spec.harness.drive.script import load_script, run_script
 from overlap_spec.harness.drive.stateful import check_cell, get_profile
-from overlap_spec.spec.bugs import get_bug
 from overlap_spec.spec.config import MINIMAL, ModelConfig, get_cell
 
 CASES = [

@@ -38,10 +38,12 @@ PROJECT = set(ALLOWED)
 # result's checkpoint, and to 2275 for mixed chunks (the mix transition, KV11's set-aside
 # decode tokens and empty-chunk claim, RP8 and B19; about 25 lines), and to 2325 for trees on
 # pages > 1 (#26972: the page-aware A, the holey draft write set and its width, the row an
-# implementation built in KV1, B21; about 40 lines). The GUIDE's target is
-# well under 2,000: this is past it, and the split it asks for is still owed (the
-# catalogue's prose and the departures' are data a module of their own could hold).
-SPEC_CODE_LINE_CAP = 2325
+# implementation built in KV1, B21; about 40 lines), and lowered to 2150 when the bug
+# catalogue's prose, the mutant runner's data, moved to harness/catalogue.py (spec/bugs.py
+# keeps the IDs the implementations take; 170 lines out), then to 2160 for KV3's page
+# alignment (B22) and the release's page gate on the row (B23). The GUIDE's target is well
+# under 2,000: this is still past it; invariants.py (about 890 lines) is most of the rest.
+SPEC_CODE_LINE_CAP = 2160
 
 
 def _module_name(path: Path) -> str:

@@ -69,9 +69,9 @@ def test_readme_example_prints_what_the_readme_shows(
 
 
 def test_the_readme_mutant_table_lists_the_catalogues_invariants() -> None:
-    """Each row of the README's mutant table names exactly the invariants spec/bugs.py
+    """Each row of the README's mutant table names exactly the invariants harness/catalogue.py
     lists for that bug (a kill outside them is ``other-id`` and fails the matrix)."""
-    from overlap_spec.spec.bugs import BUGS
+    from overlap_spec.harness.catalogue import BUGS
 
     found = re.findall(r"^\| (B\d+) \| .*? \| ([^|\n]*) \| ([^|\n]*) \|$", README.read_text(),
                        flags=re.M)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from overlap_spec.harness.catalogue import get_bug
 from overlap_spec.harness.drive.generate import generate_random_ops
 from overlap_spec.harness.drive.script import Admit, Iterate, Script, load_script, run_script
 from overlap_spec.harness.drive.stateful import check_cell, get_profile
@@ -24,7 +25,6 @@ from overlap_spec.harness.trace.format import (
     strip_snapshots,
 )
 from overlap_spec.harness.trace.render import render_trace_file
-from overlap_spec.spec.bugs import get_bug
 from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells, get_cell
 from overlap_spec.spec.state import IterationChoices
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from overlap_spec.harness.catalogue import get_bug
 from overlap_spec.harness.drive.script import load_script, run_script
 from overlap_spec.harness.drive.stateful import get_profile
 from overlap_spec.harness.trace.check import check_trace, record_script_trace
@@ -20,7 +21,6 @@ from overlap_spec.harness.trace.format import (
 )
 from overlap_spec.harness.trace.record import record_script
 from overlap_spec.harness.vectors import build_vector, check_vector
-from overlap_spec.spec.bugs import get_bug
 
 CORPUS = sorted((Path(__file__).parent / "data" / "mutant_scripts").glob("*.json"))
 

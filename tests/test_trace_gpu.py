@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from overlap_spec.harness.catalogue import get_bug
 from overlap_spec.harness.drive.script import (
     Admit,
     AdmitPrebuilt,
@@ -19,7 +20,6 @@ from overlap_spec.harness.drive.script import (
 from overlap_spec.harness.trace.check import check_trace_file, record_script_trace
 from overlap_spec.harness.trace.format import read_trace
 from overlap_spec.harness.trace.render import render_trace_file
-from overlap_spec.spec.bugs import get_bug
 from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells, get_cell
 from overlap_spec.spec.state import IterationChoices
 

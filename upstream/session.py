@@ -24,13 +24,17 @@ import traceback
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any
+from typing import Any, Final
 
 from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.state import IterationChoices
 from overlap_spec.upstream import hooks
 from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
 from overlap_spec.upstream.worker import EOS_TOKEN, StandInWorker
+
+# The release's row is the model's with this current-upstream gate switched on (B23: the
+# widening to the decode reserve on pages > 1 only; the catalogue lists it).
+RELEASE_ROW_FAULTS: Final = frozenset({"B23"})
 
 ITERATION_TIMEOUT_S = 120.0
 DRAIN_ITERATIONS = 64
@@ -377,8 +381,9 @@ def check_geometry(config: ModelConfig) -> None:
     """The model's reserve and row against the release's own numbers, read after publish:
     ``get_alloc_len_per_decode()`` is A (``alloc_len_per_decode``) and
     ``get_req_to_token_extra_context_len()`` is the row past the context
-    (``row_width - max_context_len``). A disagreement is the model's geometry being wrong,
-    so the cell is not run."""
+    (``row_width - max_context_len``) with the release's own page gate on the widening
+    (B23, current upstream: no widening on page 1). A disagreement is the model's geometry
+    being wrong, so the cell is not run."""
     from sglang.srt.mem_cache.allocation_sizing import (
         get_alloc_len_per_decode,
         get_req_to_token_extra_context_len,
@@ -386,7 +391,7 @@ def check_geometry(config: ModelConfig) -> None:
 
     release = (int(get_alloc_len_per_decode()), int(get_req_to_token_extra_context_len()))
     model = (int(config.alloc_len_per_decode),
-             int(config.row_width) - int(config.preset.max_context_len))
+             int(config.get_row_width(RELEASE_ROW_FAULTS)) - int(config.preset.max_context_len))
     if release != model:
         raise UpstreamUnavailable(
             f"{config.name}: the release's geometry (A, row extra) = {release}, the model's "

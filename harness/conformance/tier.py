@@ -257,7 +257,7 @@ def as_the_release_read_it(op: Op, processed_early: bool) -> Op:
 def get_release_faults(cell: Cell) -> frozenset[str]:
     """The catalogue's bugs that are the release's own behaviour in ``cell``
     (``Bug.current_upstream``): the reference the differential compares runs with them."""
-    from overlap_spec.spec.bugs import BUGS
+    from overlap_spec.harness.catalogue import BUGS
 
     return frozenset(bug.id for bug in BUGS if bug.current_upstream and bug.applies(cell))
 

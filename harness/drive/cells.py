@@ -18,7 +18,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
-from overlap_spec.spec.bugs import BUGS
+from overlap_spec.harness.catalogue import BUGS
 from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, Preset, enumerate_cells
 
 # The seed every tier runs under unless told otherwise; printed with every failure.
@@ -114,6 +114,9 @@ SIZE_LIMITS: Final = {
     "paged_tree_kv_tokens": (1, 8192, "the pool of a cell with a tree on pages > 1, in "
                                       "tokens, whole pages"),
     "chain_steps": (1, 7, "the v2 chain's draft steps (draft tokens = steps + 1)"),
+    "tree_topk": (2, 4, "the v2 tree's branches per step"),
+    "max_context_len": (4, 256, "the context length in tokens (the row is this plus its "
+                                "headroom; a longer prompt is refused)"),
     "chunked_prefill_size": (0, 8192, "prefill chunk tokens, whole pages (0: no chunking)"),
     "mixed_chunk": (0, 1, "enable_mixed_chunk: decodes ride in the prefill chunk's batch "
                           "(needs chunked_prefill_size; not in era, proposal or mirrorless "

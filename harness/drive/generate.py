@@ -42,8 +42,9 @@ class OpStrategies:
 def get_prompt_lens(preset: Preset) -> list[int]:
     """The prompt lengths drawn from, with repeats as weights: up to ``max_prompt_len``
     mostly, and up to the context length (where admission caps ``max_new_tokens`` and
-    refuses a prompt too long) about a quarter of the time; shrinking goes to 1."""
-    short = list(range(1, preset.max_prompt_len + 1))
+    refuses a prompt too long) about a quarter of the time; shrinking goes to 1. A context
+    shorter than ``max_prompt_len`` (a size) bounds both."""
+    short = list(range(1, min(preset.max_prompt_len, preset.max_context_len - 1) + 1))
     return short * 8 + list(range(preset.max_prompt_len + 1, preset.max_context_len))
 
 

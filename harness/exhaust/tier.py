@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
+from overlap_spec.harness.catalogue import get_bug
 from overlap_spec.harness.drive.cells import (
     CONFIG_WIDTH,
     UsageError,
@@ -51,7 +52,6 @@ from overlap_spec.harness.trace.check import record_script_trace
 from overlap_spec.harness.trace.format import get_trace_path
 from overlap_spec.harness.verdict import Verdict
 from overlap_spec.reference.scheduler import SUPPORTED_FAULTS
-from overlap_spec.spec.bugs import get_bug
 from overlap_spec.spec.config import Cell, ModelConfig
 from overlap_spec.spec.invariants import INVARIANTS, Invariant, InvariantViolation
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from overlap_spec.harness.catalogue import BUGS, Bug
 from overlap_spec.harness.drive.cells import CONFIG_WIDTH, make_preset
 from overlap_spec.harness.drive.minimize import minimize_script
 from overlap_spec.harness.drive.script import (
@@ -36,7 +37,6 @@ from overlap_spec.harness.pool import run_tasks
 from overlap_spec.harness.trace.check import record_script_trace
 from overlap_spec.harness.trace.format import get_trace_path
 from overlap_spec.harness.verdict import TierReport, Verdict, as_verdict, combine
-from overlap_spec.spec.bugs import BUGS, Bug
 from overlap_spec.spec.config import PRESETS, Cell, ModelConfig
 
 

@@ -5,7 +5,7 @@ vocabulary of a kill.
 
 from __future__ import annotations
 
-from overlap_spec.spec.bugs import Bug
+from overlap_spec.harness.catalogue import Bug
 from overlap_spec.spec.config import Cell, enumerate_cells
 
 KILLED, SURVIVED, NOT_APPLICABLE = "killed", "survived", "n/a"

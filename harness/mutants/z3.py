@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
+from overlap_spec.harness.catalogue import BUGS, Bug
 from overlap_spec.harness.drive.script import (
     Admit,
     AdmitPrebuilt,
@@ -25,7 +26,6 @@ from overlap_spec.proofs import bmc
 from overlap_spec.proofs import solver as zs
 from overlap_spec.proofs.model import Context
 from overlap_spec.proofs.streams import STREAM_MUTANTS, prove_protocol
-from overlap_spec.spec.bugs import BUGS, Bug
 from overlap_spec.spec.config import PRESETS, Cell, ModelConfig
 from overlap_spec.spec.state import IterationChoices
 
