@@ -161,6 +161,7 @@ class Scheduler:
         capped, refused = compute_admission(prompt_len, max_new_tokens,
                                             cfg.preset.max_context_len, cfg.kv_tokens,
                                             cfg.page_size)
+        refused = refused and not self.rt.has_fault("B24")  # B24: no validate_input_length
         if prebuilt:  # a PD-decode request needs room for one token past its first
             capped = max(capped, 2)
         req = Req(rid, TokenCount(1 if refused else prompt_len), TokenCount(capped),

@@ -1,8 +1,8 @@
-"""The catalogue of historical bugs B1-B23 (digest section 5; B16 is the reserve upstream
+"""The catalogue of historical bugs B1-B24 (digest section 5; B16 is the reserve upstream
 fixed in #26354, B17 what the upstream tier found the release doing, B18 a chunked-prefill
 counter bug of the JAX port, B19 and B20 mixed-chunk bugs, B21 the row of a tree on pages
-> 1, B22 an unaligned spec-v2 allocation, B23 the release's page-1 tree row: U7), each a
-mutant the checkers must kill.
+> 1, B22 an unaligned spec-v2 allocation, B23 the release's page-1 tree row: U7, B24
+a prompt too long admitted), each a mutant the checkers must kill.
 
 Each entry names the upstream PRs, the trigger, the invariants the digest says it
 breaks and the cells where the trigger can occur. An implementation re-introduces
@@ -259,6 +259,21 @@ BUGS: Final[tuple[Bug, ...]] = (
         not_in_z3="the Z3 model and BMC take the row width from the configuration "
                   "(proofs/claims.py), not from an implementation",
         sizes=(("max_context_len", 8), ("tree_topk", 4))),
+    # Admission-time validation (issue 12, deliverable 5). Refused from max_req_len - 5 =
+    # min(context, pool) - 6 tokens: the kill size, a context of 7, refuses every prompt,
+    # the alphabet's one-token prompt included, so the mutant runs it at once.
+    Bug("B24", "a prompt too long for the context admitted",
+        "#3910 (open, 2025-02) and #9599 (closed, 2025-08): a prompt near the context "
+        "length crashed the server; 0.5.23 refuses it in validate_input_length and "
+        "queues it as one token with an abort (set_finish_with_abort)",
+        "a prompt of max_req_len - 5 tokens or more reaches the waiting queue whole and "
+        "is prefilled and decoded as any other, where the release aborts it at once",
+        "validate_input_length skipped: the prompt is admitted whole, its max_new_tokens "
+        "only capped", ("RP9",), lambda cell: True,
+        representative_cells=("ov-p1-none", "ov-p1-v2chain-cpu-honest"),
+        not_in_z3="the BMC draws prompts up to max_prompt_len, where admission neither caps "
+                  "nor refuses (tests/test_admission.py)",
+        sizes=(("max_context_len", 7),)),
 )
 
 def get_bug(bug_id: str) -> Bug:

@@ -80,7 +80,7 @@ commands:
                upstream tier: sglang 0.5.23's own scheduler against the spec
   upstream     check sglang's own scheduler (the release, or --sglang-src DIR, a
                PR branch) against the spec: invariants, findings, differential
-  mutants      switch each historical bug B1-B23 on alone and print the kill matrix
+  mutants      switch each historical bug B1-B24 on alone and print the kill matrix
   exhaust      every operation sequence up to a small depth (1-2 requests; 3 in the
                pd-decode alphabet) in each cell, every invariant checked, states and
                witnesses counted
@@ -94,7 +94,7 @@ commands:
   cells        list the configuration cells
   invariants   list the invariant IDs with their claims and sources
 
-Invariant IDs follow the digest: SL1-SL11, KV1-KV12, FM1-FM7, ST1-ST5, RP1-RP8.
+Invariant IDs follow the digest: SL1-SL11, KV1-KV12, FM1-FM7, ST1-ST5, RP1-RP9.
 A check passes only if no invariant fails, every applicable invariant had a
 witness in every cell (else "vacuous"), gpu_impl agrees with the reference with
 no race, every proof is proved (a solver timeout or "unknown" fails), and every
@@ -377,7 +377,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where failing scripts are saved (default: .overlap-spec)")
     review.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     review.set_defaults(func=cmd_review)
-    mutants = sub.add_parser("mutants", help="the B1-B23 kill matrix")
+    mutants = sub.add_parser("mutants", help="the B1-B24 kill matrix")
     mutants.add_argument("--bugs", type=bug_ids, help="comma-separated bug IDs (default: all)")
     mutants.add_argument("--all-cells", action="store_true",
                          help="every applicable cell instead of the representative ones")

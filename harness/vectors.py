@@ -326,7 +326,7 @@ How an SGLang unit test can use them:
 
 1. *Invariant predicates*: feed `post.state` to your own checks; valid vectors must
    pass, invalid ones must fail with `post.invariant` (IDs SL1-SL11, KV1-KV12, FM1-FM7,
-   ST1-ST5, RP1-RP8 of the overlap-spec digest).
+   ST1-ST5, RP1-RP9 of the overlap-spec digest).
 2. *Scheduler conformance*: drive a scheduler with `prefix` then the `op` of `events`,
    map its `ScheduleBatch` / `Req` fields at each observation point and compare with
    the `observe` points and `post.state` (fields you do not model can be skipped).

@@ -124,6 +124,7 @@ class Scheduler:
         capped, refused = compute_admission(prompt_len, max_new_tokens,
                                             cfg.preset.max_context_len, cfg.kv_tokens,
                                             cfg.page_size)
+        refused = refused and not self.rt.has_fault("B24")  # B24: no validate_input_length
         req = Req(rid, TokenCount(prompt_len), TokenCount(capped), prebuilt, refused)
         self.requests[rid] = req
         self.waiting_queue.append(req)

@@ -1,4 +1,4 @@
-"""The IDs of the historical bugs B1-B23, the faults an implementation can re-introduce.
+"""The IDs of the historical bugs B1-B24, the faults an implementation can re-introduce.
 
 A ``faults`` set of these IDs switches each bug's mechanism on in the relation
 (``spec/relation.py``) and in the implementations; with none they are the intended design.
@@ -10,4 +10,4 @@ from __future__ import annotations
 
 from typing import Final
 
-BUG_IDS: Final = tuple(f"B{number}" for number in range(1, 24))
+BUG_IDS: Final = tuple(f"B{number}" for number in range(1, 25))

@@ -21,6 +21,7 @@ from overlap_spec.spec.config import Cell, ModelConfig
 from overlap_spec.spec.happens_before import FORWARD, SCHEDULE, Race
 from overlap_spec.spec.state import (
     EOS_TOKEN,
+    REFUSED_PROMPT_TOKEN,
     SCHEDULE_SIDE_POINTS,
     AllocatorView,
     BatchView,
@@ -32,6 +33,7 @@ from overlap_spec.spec.state import (
 )
 from overlap_spec.spec.transitions import (
     CLIP_MAX_NEW_TOKENS,
+    compute_admission,
     compute_committed_lead,
     compute_host_sync_budget,
     compute_ns_expected_seq_len,
@@ -1225,6 +1227,25 @@ def check_rp8(config: ModelConfig, obs: Observation) -> int:
                        f"{obs.get_request(rid).max_new_tokens} in a {batch.forward_mode} "
                        "batch flagged prefill-only, which is never decoded")
         count += any(capped)
+    return count
+
+
+@invariant("RP9", "no refused prompt runs", "scheduler.py validate_input_length")
+def check_rp9(config: ModelConfig, obs: Observation) -> int:
+    """RP9: no request holds KV for a prompt the release refuses (max_req_len - 5 tokens or
+    more): ``validate_input_length`` refuses it and ``set_finish_with_abort`` queues it as
+    one token with an abort, so only that one-token stand-in may run (a trace that shows no
+    prompt token is given the benefit of the doubt there). Witnessed by each request
+    holding KV (scheduler.py ``validate_input_length``, #3910, #9599)."""
+    count = 0
+    for r in _holding(obs):
+        refused = compute_admission(r.prompt_len, 1, config.preset.max_context_len,
+                                    config.kv_tokens, config.page_size)[1]
+        stand_in = r.prompt_len == 1 and r.last_prompt_token in (None, REFUSED_PROMPT_TOKEN)
+        if refused and not stand_in:
+            raise fail("RP9", obs, f"for request r{r.rid}: a prompt of {r.prompt_len} "
+                       f"tokens holds KV, where validate_input_length refuses it")
+        count += 1
     return count
 
 

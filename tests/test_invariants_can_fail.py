@@ -177,6 +177,9 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
     # A batch holding a request with tokens to generate flagged prefill-only (B19).
     "RP8": lambda o: _with_request(replace(o, batch=replace(o.batch, is_prefill_only=True)),
                                    lambda r: r.rid == o.batch.rids[0], max_new_tokens=1),
+    # A prompt the release refuses (18 tokens or more at the minimal context of 24) holding
+    # KV: what an admission without validate_input_length runs (B24).
+    "RP9": lambda o: _with_request(o, lambda r: r.holds_kv, prompt_len=23),
 }
 
 

@@ -41,9 +41,10 @@ PROJECT = set(ALLOWED)
 # implementation built in KV1, B21; about 40 lines), and lowered to 2150 when the bug
 # catalogue's prose, the mutant runner's data, moved to harness/catalogue.py (spec/bugs.py
 # keeps the IDs the implementations take; 170 lines out), then to 2160 for KV3's page
-# alignment (B22) and the release's page gate on the row (B23). The GUIDE's target is well
-# under 2,000: this is still past it; invariants.py (about 890 lines) is most of the rest.
-SPEC_CODE_LINE_CAP = 2160
+# alignment (B22) and the release's page gate on the row (B23), and to 2175 for RP9
+# (admission-time validation, B24). The GUIDE's target is well under 2,000: this is
+# still past it; invariants.py (about 900 lines) is most of the rest.
+SPEC_CODE_LINE_CAP = 2175
 
 
 def _module_name(path: Path) -> str:

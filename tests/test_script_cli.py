@@ -38,11 +38,12 @@ from overlap_spec.spec.state import IterationChoices
 
 # The digest's IDs, plus FM6 and FM7 (upstream's CI relay guards, #30471), RP4 (the
 # release's finishing-decode skip), RP5 and RP6 (finish reason and output, per-request
-# spec metrics), KV12 (chunked prefill), RP8 (a prefill-only batch, mixed chunks).
+# spec metrics), KV12 (chunked prefill), RP8 (a prefill-only batch, mixed chunks), RP9
+# (no refused prompt runs: admission-time validation).
 DIGEST_IDS = (
     [f"SL{i}" for i in range(1, 12)] + [f"KV{i}" for i in range(1, 13)]
     + [f"FM{i}" for i in range(1, 8)] + [f"ST{i}" for i in range(1, 6)]
-    + [f"RP{i}" for i in range(1, 9)]
+    + [f"RP{i}" for i in range(1, 10)]
 )
 
 
