@@ -36,7 +36,6 @@ from overlap_spec.gpu_impl.runtime import Runtime
 from overlap_spec.spec.transitions import (
     compute_decode_seq_len_ns,
     compute_fill_len,
-    compute_page_align_up,
     compute_v2_alloc_target,
     is_prefill_only,
 )
@@ -155,17 +154,9 @@ class ScheduleBatch:
         rt = self.rt
         page_size = rt.config.page_size
         reserve = rt.get_decode_reserve()
-        if rt.has_fault("B12"):
-            # No max(cur, ...) clamp: after a down-switch the allocation shrinks.
-            targets = [compute_page_align_up(req.kv_committed_len + reserve, page_size)
-                       for req in self.reqs]
-        elif rt.has_fault("B22"):
-            # No page rounding (#31616's "before"): the record stops inside its last page.
-            targets = [max(req.kv_allocated_len, req.kv_committed_len + reserve)
-                       for req in self.reqs]
-        else:
-            targets = [compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len,
-                                               reserve, page_size) for req in self.reqs]
+        # B12 (no max(cur, ...) clamp) and B22 (no page rounding) are the target's faults.
+        targets = [compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len,
+                                           reserve, page_size, rt.faults) for req in self.reqs]
         grow_to(rt, self.reqs, targets)
         if rt.config.cell.preclaim:
             for req in self.reqs:

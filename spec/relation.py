@@ -57,7 +57,6 @@ from overlap_spec.spec.transitions import (
     compute_decode_seq_len_ns,
     compute_fill_len,
     compute_output_budget,
-    compute_page_align_up,
     compute_run_len,
     compute_v2_alloc_target,
 )
@@ -364,13 +363,8 @@ def prepare_for_decode_spec_v2(req: RequestRecord, reserve: int, page_size: int,
     the page rounding (#31616's "before"): the record stops inside its last page.
     """
     _require_decodable("prepare_for_decode_spec_v2", req)
-    if "B12" in faults:
-        target = compute_page_align_up(req.kv_committed_len + reserve, page_size)
-    elif "B22" in faults:
-        target = max(req.kv_allocated_len, req.kv_committed_len + reserve)
-    else:
-        target = compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len,
-                                         reserve, page_size)
+    target = compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len, reserve,
+                                     page_size, faults)
     return replace(req, kv_allocated_len=target,
                    kv_committed_len=req.kv_committed_len + (1 if preclaim else 0),
                    ghost=ghost_prepare_decode(req.ghost))

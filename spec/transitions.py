@@ -164,15 +164,20 @@ def compute_decode_seq_len_ns(seq_len: int) -> int:
     return seq_len + 1
 
 
-def compute_v2_alloc_target(committed: int, allocated: int, reserve: int, page_size: int) -> int:
+def compute_v2_alloc_target(committed: int, allocated: int, reserve: int, page_size: int,
+                            faults: frozenset[str] = frozenset()) -> int:
     """Spec-v2 ``prepare_for_decode``: nxt = page_align(max(cur, committed + 2A)).
 
     The clamp keeps the allocation monotone after an adaptive down-switch (B12 drops it,
     stranding the pages past the shrunk length); the page rounding is the release's
-    (``page_aligned_decode_alloc_lens``, as #31616 asked). Changes kv_allocated_len only;
-    seq_lens, seq_lens_cpu and seq_lens_sum are untouched (they are one verify stale
-    under overlap and are fixed by resolve_seq_lens_cpu).
+    (``page_aligned_decode_alloc_lens``; B22 drops it, #31616's "before"). Changes
+    kv_allocated_len only; seq_lens, seq_lens_cpu and seq_lens_sum are untouched (they are
+    one verify stale under overlap and are fixed by resolve_seq_lens_cpu).
     """
+    if "B12" in faults:
+        return compute_page_align_up(committed + reserve, page_size)
+    if "B22" in faults:
+        return max(allocated, committed + reserve)
     return compute_page_align_up(max(allocated, committed + reserve), page_size)
 
 
