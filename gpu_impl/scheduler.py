@@ -45,7 +45,7 @@ from overlap_spec.gpu_impl.runtime import Runtime
 from overlap_spec.gpu_impl.schedule_batch import ResultBatch, ScheduleBatch
 from overlap_spec.gpu_impl.streams import Streams
 from overlap_spec.gpu_impl.worker import ForwardResult, ModelWorker
-from overlap_spec.spec.bugs import BUG_IDS
+from overlap_spec.spec.bugs import BUG_IDS, LAST_REQUEST_OOM
 from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.happens_before import COPY, FORWARD, SCHEDULE
 from overlap_spec.spec.interface import BatchState, ObservableState, Observer, RequestState
@@ -556,6 +556,8 @@ class Scheduler:
             self.release_req(req)
             retracted.append(req)
         aborted = short_of_pages()
+        if aborted and self.rt.has_fault("B25"):  # before #19881: the scheduler dies
+            raise ValueError(LAST_REQUEST_OOM)
         if aborted:  # the last one alone does not fit: aborted, not a crash (reference)
             req = batch.reqs[order.pop()]
             self.release_req(req)

@@ -2,14 +2,16 @@
 fixed in #26354, B17 what the upstream tier found the release doing, B18 a chunked-prefill
 counter bug of the JAX port, B19 and B20 mixed-chunk bugs, B21 the row of a tree on pages
 > 1, B22 an unaligned spec-v2 allocation, B23 the release's page-1 tree row: U7, B24
-a prompt too long admitted), each a mutant the checkers must kill.
+a prompt too long admitted, B25 the crash when the last request does not fit), each a
+mutant the checkers must kill.
 
 Each entry names the upstream PRs, the trigger, the invariants the digest says it
 breaks and the cells where the trigger can occur. An implementation re-introduces
 a bug when its ``faults`` set holds the ID (``spec/relation.py`` and the implementations
 say what each fault changes); with no fault it is the intended design. A mutant is
 *killed* by a checker when the checker reports a violation in every cell where the bug
-applies.
+applies, or by exactly the crash its entry expects where the bug was a crash (B2 in
+gpu_impl, B25 everywhere; ``harness/crash.py``), and by nothing else.
 
 The catalogue is the mutant runner's data, not a claim, so it lives here and not in
 ``spec/``: the spec keeps only the IDs (``spec/bugs.py`` ``BUG_IDS``), which the
@@ -23,7 +25,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Final
 
-from overlap_spec.spec.bugs import BUG_IDS
+from overlap_spec.harness.crash import Crash
+from overlap_spec.spec.bugs import BUG_IDS, LAST_REQUEST_OOM
 from overlap_spec.spec.config import Cell, SpecMode
 
 
@@ -48,6 +51,10 @@ class Bug:
     # Sizes the trigger needs in place of the preset's (chunked prefill for B18): every
     # column runs the mutant at them.
     sizes: tuple[tuple[str, int], ...] = ()
+    # The crash a bug was (B2 in gpu_impl's backend, B25): a checker kills the bug by a
+    # listed invariant or by exactly this crash (type, raising function, words of the
+    # message); any other crash is no kill.
+    crash: Crash | None = None
 
 
 BUGS: Final[tuple[Bug, ...]] = (
@@ -57,7 +64,10 @@ BUGS: Final[tuple[Bug, ...]] = (
     Bug("B2", "a None seq_lens_sum consumed without refresh", "#25818, #32532",
         "init_new no longer backfills the lazily-None sum; a consumer gets None",
         "init_new skips the backfill", ("SL1",),
-        lambda cell: not (cell.is_spec and cell.overlap)),
+        lambda cell: not (cell.is_spec and cell.overlap),
+        # gpu_impl's ForwardBatch.init_new raises where the backend sized its buffer by
+        # the None (#25818's crash); the reference's checker sees SL1 first.
+        crash=Crash("SeqLensSumMissing", "init_new", "seq_lens_sum is None with a CPU mirror")),
     # Stale rows exist under overlap only; the pre-claim era is where their commit was the
     # bug (#23456 added the skip with the pre-claim; the honest cells never lacked it).
     Bug("B3", "late verify results committed for finished or retracted requests",
@@ -274,6 +284,30 @@ BUGS: Final[tuple[Bug, ...]] = (
         not_in_z3="the BMC draws prompts up to max_prompt_len, where admission neither caps "
                   "nor refuses (tests/test_admission.py)",
         sizes=(("max_context_len", 7),)),
+    # The retract-time abort of the last request (issue 12, deliverable 5). Only a spec-v2
+    # decode can outgrow the pool alone: admission caps prompt + max_new_tokens at the
+    # pool less 2 (validate_input_length's max_req_len), and a non-spec decode asks one
+    # token; #14948's other road there, the PD-decode prealloc queue, is not modelled. The
+    # kill sizes: a pool of 12 (40 for a tree on pages > 1), chain steps 5 and three
+    # branches, where a one-token prompt's first decode already asks more than the pool
+    # (A = 6 for chains and page-1 trees, 1 + 2A = 13 > 12; A = 24 for a page-4 tree,
+    # 1 + 2A = 49 > 40), so the exhaustive tier's one-token admissions reach it within
+    # its depth; the rung-dependent reserve of a cell without overlap (3 at the minimal
+    # chain, which a capped request never outgrows) reaches it at chain steps 5.
+    Bug("B25", "the last request that cannot fit crashes the scheduler",
+        "#19881 (merged 2026-03-04); #15626 and #14948 (closed): with one request left "
+        "and the pool short, retract_decode raised (ValueError; earlier an assertion) "
+        "and the scheduler process died; 0.5.23 aborts that request instead",
+        "one running request whose next decode alone needs more KV than the pool has "
+        "free once every other request is retracted",
+        "retract_decode raises where it would abort the last request",
+        (), lambda cell: cell.is_spec,
+        representative_cells=("ov-p1-v2chain-cpu-honest", "nov-p4-v2tree-cpu-honest",
+                              "nov-p1-v2chain-cpu-honest-rungreserve"),
+        not_in_z3="the BMC leaves the out-of-memory abort path out (docs/proofs.md)",
+        sizes=(("kv_tokens", 12), ("paged_tree_kv_tokens", 40), ("chain_steps", 5),
+               ("tree_topk", 3)),
+        crash=Crash("ValueError", "retract_decode", LAST_REQUEST_OOM)),
 )
 
 def get_bug(bug_id: str) -> Bug:

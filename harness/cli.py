@@ -80,7 +80,7 @@ commands:
                upstream tier: sglang 0.5.23's own scheduler against the spec
   upstream     check sglang's own scheduler (the release, or --sglang-src DIR, a
                PR branch) against the spec: invariants, findings, differential
-  mutants      switch each historical bug B1-B24 on alone and print the kill matrix
+  mutants      switch each historical bug B1-B25 on alone and print the kill matrix
   exhaust      every operation sequence up to a small depth (1-2 requests; 3 in the
                pd-decode alphabet) in each cell, every invariant checked, states and
                witnesses counted
@@ -191,7 +191,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(f"replayed {len(script.ops)} ops in cell {script.get_config().name}"
           f" faults={list(script.faults)} seed={script.seed}")
     if outcome.crash is not None:
-        print(f"op {outcome.failed_at}: the model crashed: {outcome.crash} (inconclusive)")
+        from overlap_spec.harness.catalogue import get_bug
+
+        expected = [bug_id for bug_id in script.faults
+                    if (crash := get_bug(bug_id).crash) is not None
+                    and crash.matches(outcome.crashed)]
+        print(f"op {outcome.failed_at}: the model crashed: {outcome.crash} " +
+              (f"(the crash the catalogue expects of {', '.join(expected)}: a kill)"
+               if expected else "(inconclusive)"))
         return 1
     if outcome.violation is None:
         print("no violation")
@@ -377,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where failing scripts are saved (default: .overlap-spec)")
     review.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     review.set_defaults(func=cmd_review)
-    mutants = sub.add_parser("mutants", help="the B1-B24 kill matrix")
+    mutants = sub.add_parser("mutants", help="the B1-B25 kill matrix")
     mutants.add_argument("--bugs", type=bug_ids, help="comma-separated bug IDs (default: all)")
     mutants.add_argument("--all-cells", action="store_true",
                          help="every applicable cell instead of the representative ones")

@@ -155,7 +155,8 @@ def generate_vectors(directory: Path, seed: int = DEFAULT_SEED, scripts_per_cell
             for step in range(len(script.ops)):
                 emit(build_vector(script, step, run, f"{cell.name}/clean-{k}-op{step}"))
         for bug in BUGS:
-            if not bug.applies(cell):
+            # A vector's verdict is an invariant ID; a bug that was a crash (B25) has none.
+            if not bug.applies(cell) or bug.crash is not None:
                 continue
             sized = ModelConfig(cell, make_preset(preset, dict(bug.sizes)))  # B18: chunks
             for _ in range(fault_tries):
@@ -294,7 +295,8 @@ Keys of a vector:
 - `preset`, `derived`: sizes: `max_running_requests` (req_to_token rows),
   `kv_tokens`, the draft shape; `derived` holds `draft_tokens` (D_tok),
   `alloc_len_per_decode` (A), `lag_bound`, `row_width`.
-- `faults`: historical bugs switched on (B1..B20); empty for a correct design.
+- `faults`: historical bugs switched on (B1..B25; B25, a crash, has no vectors); empty
+  for a correct design.
 - `prefix`: the operations from an empty scheduler to the pre state (the same
   objects as the `op` event).
 - `pre`: the state at the last observation point before the operation, or null.

@@ -33,7 +33,7 @@ from overlap_spec.reference.runtime import Runtime
 from overlap_spec.reference.schedule_batch import ScheduleBatch
 from overlap_spec.reference.worker import ForwardResult, ModelWorker
 from overlap_spec.spec import relation
-from overlap_spec.spec.bugs import BUG_IDS
+from overlap_spec.spec.bugs import BUG_IDS, LAST_REQUEST_OOM
 from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.happens_before import COPY, FORWARD, HOST, SCHEDULE
 from overlap_spec.spec.interface import BatchState, ObservableState, Observer, RequestState
@@ -563,6 +563,8 @@ class Scheduler:
             self.release_req(req)
             retracted.append(req)
         aborted = not self._fits(batch, keep)
+        if aborted and self.rt.has_fault("B25"):  # before #19881: the scheduler dies
+            raise ValueError(LAST_REQUEST_OOM)
         if aborted:
             # Even the last request does not fit: the release aborts it instead of crashing
             # (retract_decode: "Out of memory even after retracting all other requests");

@@ -1,4 +1,4 @@
-"""The IDs of the historical bugs B1-B24, the faults an implementation can re-introduce.
+"""The IDs of the historical bugs B1-B25, the faults an implementation can re-introduce.
 
 A ``faults`` set of these IDs switches each bug's mechanism on in the relation
 (``spec/relation.py``) and in the implementations; with none they are the intended design.
@@ -10,4 +10,9 @@ from __future__ import annotations
 
 from typing import Final
 
-BUG_IDS: Final = tuple(f"B{number}" for number in range(1, 25))
+BUG_IDS: Final = tuple(f"B{number}" for number in range(1, 26))
+
+# B25's crash, raised by both implementations' retract_decode under the fault where the
+# release aborts the last request (the catalogue's expected crash matches these words).
+LAST_REQUEST_OOM: Final = ("retract_decode: out of memory with one request left, and none "
+                           "to retract (B25: the crash before #19881)")

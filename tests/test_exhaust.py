@@ -133,6 +133,7 @@ FAST_KILLS = [
     ("B19", "nov-p1-none"), ("B20", "nov-p1-v2tree-cpu-honest"),
     ("B21", "nov-p4-v2tree-cpu-honest"), ("B22", "nov-p4-v2chain-cpu-honest"),
     ("B23", "nov-p1-v2tree-cpu-honest"), ("B24", "ov-p1-none"),
+    ("B25", "ov-p1-v2chain-cpu-honest"),
 ]
 
 
@@ -157,8 +158,14 @@ def _assert_killed(bug_id: str, cell: str, out: Path, requests: int = 2) -> None
     assert report.error is None, report.error
     assert report.kill == KILLED, (bug_id, cell, report.kill, report.others)
     stopped = report.stopped
-    assert stopped is not None and stopped.kind == "violation"
-    assert set(stopped.ids) & set(get_bug(bug_id).invariants), stopped.message
+    crash = get_bug(bug_id).crash
+    assert stopped is not None
+    if crash is not None and stopped.kind == "crash":  # B25: exactly the crash it lists
+        assert stopped.expected and stopped.invariant == crash.label
+        assert crash.message in stopped.message
+    else:
+        assert stopped is not None and stopped.kind == "violation"
+        assert set(stopped.ids) & set(get_bug(bug_id).invariants), stopped.message
     assert stopped.ops <= depth and stopped.requests <= requests
     assert Path(stopped.script).exists()
 
@@ -166,6 +173,32 @@ def _assert_killed(bug_id: str, cell: str, out: Path, requests: int = 2) -> None
 @pytest.mark.parametrize(("bug_id", "cell"), FAST_KILLS, ids=[f"{b}-{c}" for b, c in FAST_KILLS])
 def test_bug_is_killed_fast(bug_id: str, cell: str, tmp_path: Path) -> None:
     _assert_killed(bug_id, cell, tmp_path, 1 if (bug_id, cell) in ONE_REQUEST_FAST_KILLS else 2)
+
+
+def test_a_crash_other_than_the_expected_one_is_inconclusive_not_a_kill(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """B25's crash, against a catalogue entry that expects another exception type or
+    other words: the search still stops at the crash and saves it, but it is no kill
+    and the cell is inconclusive (a crash is never a pass)."""
+    import dataclasses
+
+    from overlap_spec.harness.crash import Crash
+    from overlap_spec.harness.exhaust import tier
+
+    bug = get_bug("B25")
+    assert bug.crash is not None
+    config = ModelConfig(get_cell("ov-p1-v2chain-cpu-honest"),
+                         make_preset("minimal", dict(bug.sizes)))
+    for wrong in (Crash("RuntimeError", "retract_decode", bug.crash.message),
+                  Crash("ValueError", "retract_decode", "out of pages")):
+        other = dataclasses.replace(bug, crash=wrong)
+        monkeypatch.setattr(tier, "get_bug", lambda bug_id, other=other: other)
+        report = run_exhaust_task(ExhaustTask(config, SPEC_DEPTH, frozenset({"B25"}),
+                                              tmp_path))
+        assert report.stopped is not None and report.stopped.kind == "crash"
+        assert not report.stopped.expected and report.kill != KILLED, report
+        assert report.verdict is Verdict.INCONCLUSIVE
+        assert Path(report.stopped.script).exists()
 
 
 def test_the_fast_subset_has_every_bug_in_an_applicable_cell() -> None:

@@ -146,7 +146,7 @@ def test_each_value_fault_diverges_from_the_clean_reference(bug_id: str) -> None
         assert config.page_size == 1 and dict(bug.sizes) == {"chunked_prefill_size": 4}
         config = ModelConfig(config.cell, make_preset(split_preset(config.preset)[0],
                                                       {"chunked_prefill_size": 1}))
-    elif bug.sizes:  # B23: a four-branch tree in a context of 8
+    elif bug.sizes:  # B23: a four-branch tree in a context of 8; B25: a pool of 12
         config = ModelConfig(config.cell, make_preset(split_preset(config.preset)[0],
                                                       dict(bug.sizes)))
     found = [first_divergence(config, make_ops(config, random.Random(seed), 60),

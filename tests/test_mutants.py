@@ -33,11 +33,14 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, MutantResult]:
 
 
 def test_catalogue_is_complete_and_consistent() -> None:
-    assert BUG_IDS == tuple(f"B{i}" for i in range(1, 25))
+    assert BUG_IDS == tuple(f"B{i}" for i in range(1, 26))
     # The catalogue (harness) lists exactly the IDs the spec and the implementations take.
     assert tuple(bug.id for bug in BUGS) == BUG_IDS
     for bug in BUGS:
         assert set(bug.invariants) <= set(INVARIANT_IDS), bug.id
+        # A kill is a listed invariant or, for a bug that was a crash (B2, B25), exactly
+        # that crash: never neither.
+        assert bug.invariants or bug.crash is not None, bug.id
         assert any(bug.applies(c) for c in enumerate_cells()), bug.id
         assert get_representative_cells(bug), bug.id
         for name in bug.representative_cells:
@@ -53,6 +56,11 @@ def test_bug_is_killed_by_an_invariant_it_breaks(bug_id: str,
     assert result.verdict == KILLED, [(c.cell, c.verdict, c.detail) for c in result.cells]
     bug = get_bug(bug_id)
     for cell in result.cells:
+        if bug.crash is not None and cell.invariant == bug.crash.label:  # replayed
+            assert cell.invariant == bug.crash.label and cell.replay, cell
+            outcome = run_script(load_script(Path(cell.replay.split()[-1])), catch_crash=True)
+            assert bug.crash.matches(outcome.crashed), outcome.crash
+            continue
         assert set(cell.all_invariants) & set(bug.invariants), (
             f"{bug_id} in {cell.cell} tripped {cell.all_invariants}, expected one of "
             f"{bug.invariants}")
@@ -146,3 +154,53 @@ def test_a_violation_of_an_unlisted_id_is_not_a_kill(tmp_path: Path) -> None:
     result = MutantResult(bug, "hypothesis", [kill])
     assert result.verdict == OTHER_ID
     assert "killed by another ID" in render_mutants([result])
+
+
+def test_only_the_expected_crash_kills_a_crash_bug(tmp_path: Path) -> None:
+    """B25 is killed by its crash: a ValueError raised in retract_decode with the words of
+    ``spec.bugs.LAST_REQUEST_OOM``. The same run against an entry that expects another type,
+    another function or other words is no kill (the crash is reported, never a pass)."""
+    import dataclasses
+
+    from overlap_spec.harness.crash import Crash
+    from overlap_spec.harness.drive.cells import make_preset
+    from overlap_spec.harness.mutants.matrix import run_mutant_in_cell
+    from overlap_spec.harness.mutants.select import SURVIVED
+    from overlap_spec.spec.config import ModelConfig, get_cell
+
+    bug = get_bug("B25")
+    assert bug.crash is not None
+    config = ModelConfig(get_cell("nov-p1-v2chain-cpu-honest"),
+                         make_preset("minimal", dict(bug.sizes)))
+    kill = run_mutant_in_cell(bug, config, get_profile("ci"), SEED, tmp_path)
+    assert kill.verdict == KILLED and kill.invariant == "crash:ValueError@retract_decode"
+    for wrong in (Crash("RuntimeError", "retract_decode", bug.crash.message),
+                  Crash("ValueError", "update_running_batch", bug.crash.message),
+                  Crash("ValueError", "retract_decode", "out of pages")):
+        other = dataclasses.replace(bug, crash=wrong)
+        kill = run_mutant_in_cell(other, config, get_profile("ci"), SEED, tmp_path)
+        assert kill.verdict == SURVIVED, (wrong, kill)
+        assert (kill.detail or "").startswith("crash: ValueError in retract_decode"), kill.detail
+        assert wrong.describe() in (kill.detail or "")
+
+
+def test_a_crash_is_no_kill_of_a_bug_that_breaks_invariants(tmp_path: Path) -> None:
+    """The same crash, against an entry that lists invariants instead: not a kill in the
+    Hypothesis column (survived, the crash named) nor in gpu_impl's (other-id)."""
+    import dataclasses
+
+    from overlap_spec.harness.drive.cells import make_preset
+    from overlap_spec.harness.mutants.matrix import run_gpu_mutant_in_cell, run_mutant_in_cell
+    from overlap_spec.harness.mutants.select import OTHER_ID, SURVIVED
+    from overlap_spec.spec.config import ModelConfig, get_cell
+
+    bug = dataclasses.replace(get_bug("B25"), invariants=("KV1",), crash=None)
+    config = ModelConfig(get_cell("ov-p1-v2chain-cpu-honest"),
+                         make_preset("minimal", dict(bug.sizes)))
+    kill = run_mutant_in_cell(bug, config, get_profile("ci"), SEED, tmp_path)
+    assert kill.verdict == SURVIVED and "crash: ValueError in retract_decode" in (kill.detail or "")
+    gpu = run_gpu_mutant_in_cell(bug, config, get_profile("ci"), SEED, tmp_path)
+    assert gpu.verdict == OTHER_ID and gpu.invariant == "crash:ValueError@retract_decode"
+    expected = dataclasses.replace(bug, invariants=(), crash=get_bug("B25").crash)
+    assert run_gpu_mutant_in_cell(expected, config, get_profile("ci"), SEED,
+                                  tmp_path).verdict == KILLED

@@ -496,6 +496,40 @@ def test_the_out_of_memory_abort_of_the_last_request_agrees_with_the_release(
 
 
 @needs_sglang
+def test_the_b25_kill_sizes_abort_a_one_token_prompt_on_the_release(tmp_path: Path) -> None:
+    """B25's kill sizes (``Bug.sizes``): a one-token prompt's first decode already asks more
+    than the pool (1 + 2A = 13 > 12 with chain steps 5 or three branches). The release
+    aborts the request there, and the clean reference agrees op by op: the mutant's crash
+    stands where the release's own path is the abort."""
+    from overlap_spec.harness.catalogue import get_bug
+    from overlap_spec.harness.drive.cells import format_sizes
+    from overlap_spec.harness.drive.script import Script, op_from_json, run_script
+
+    sizes = dict(get_bug("B25").sizes)
+    iterate = {"op": "iterate", "allow_prefill": True, "retract": 0, "accept_lens": [1, 1, 1],
+               "eos_positions": [], "disable_overlap": False, "spec_steps": 0, "eos_offset": 0}
+    ops = [{"op": "admit", "prompt_len": 1, "max_new_tokens": 8}] + [iterate] * 3
+    for cell in ("ov-p1-v2tree-cpu-honest", "nov-p1-v2chain-cpu-honest"):
+        script = tmp_path / f"b25-{cell}.json"
+        script.write_text(json.dumps({
+            "version": 1, "cell": cell, "preset": "minimal", "sizes": sizes, "faults": [],
+            "seed": None, "implementation": "upstream-differential", "ops": ops}))
+        replay = run_cli("replay", str(script))
+        assert replay.returncode == 0, replay.stdout + replay.stderr
+        assert f"{cell}@minimal[{format_sizes(sizes)}]" in replay.stdout, replay.stdout
+        assert "replayed 4 of 4 ops" in replay.stdout, replay.stdout
+        assert "no unexplained divergence" in replay.stdout, replay.stdout
+        clean = run_script(Script(cell, "minimal", [op_from_json(op, i) for i, op in
+                                                    enumerate(ops)], sizes=sizes))
+        assert clean.violation is None
+        crashed = run_script(Script(cell, "minimal", [op_from_json(op, i) for i, op in
+                                                      enumerate(ops)], ("B25",), sizes=sizes),
+                             catch_crash=True)
+        expected = get_bug("B25").crash
+        assert expected is not None and expected.matches(crashed.crashed), crashed.crash
+
+
+@needs_sglang
 def test_a_prompt_capped_to_zero_new_tokens_agrees_with_the_release(tmp_path: Path) -> None:
     """A prompt of 9 in a 16-token page-4 pool is accepted with max_new_tokens capped to
     0: the release finishes it by length at its prefill with no visible token (finished_len

@@ -24,6 +24,7 @@ import torch
 from overlap_spec.gpu_impl.race import RaceDetector, RaceReport
 from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
 from overlap_spec.gpu_impl.streams import Streams
+from overlap_spec.harness.crash import Crash
 from overlap_spec.harness.drive.checker import InvariantChecker
 from overlap_spec.harness.drive.script import Abort, Iterate, Op, Script, apply_op, op_to_json
 from overlap_spec.harness.drive.stateful import Profile, get_machine_test, make_machine
@@ -42,6 +43,8 @@ class Divergence:
     field: str
     reference: Any
     gpu_impl: Any
+    # gpu_impl raised where the reference did not: the crash, as the matrix matches it.
+    gpu_crash: Crash | None = None
 
     def describe(self) -> str:
         return (f"divergence at step {self.step} ({self.operation}): {self.field}: "
@@ -106,11 +109,14 @@ def get_gpu_mutant_examples(profile: Profile) -> int:
 
 
 def get_finding_kind(outcome: DifferentialOutcome) -> str:
-    """"race:<ID>" (the spec's classify_race) or "diff:<field>": a gpu_impl kill's label."""
+    """"race:<ID>" (the spec's classify_race), "crash:<Type>@<function>" (gpu_impl alone
+    raised) or "diff:<field>": a gpu_impl kill's label."""
     if outcome.races:
         return "race:" + outcome.races[0].get_invariant()
     if outcome.hidden_host_reads:
         return "hidden-sync:ST3"
+    if outcome.divergence is not None and outcome.divergence.gpu_crash is not None:
+        return outcome.divergence.gpu_crash.label
     if outcome.divergence is not None:
         field_path = outcome.divergence.field
         if field_path.startswith("request "):  # "request r3.kv_committed_len": any request
@@ -215,7 +221,9 @@ class DifferentialPair:
                 self.outcome.divergence = Divergence(
                     step, describe_op(op), "exception",
                     None if ref_error is None else f"{ref_kind}: {ref_error}",
-                    None if gpu_error is None else f"{gpu_kind}: {gpu_error}")
+                    None if gpu_error is None else f"{gpu_kind}: {gpu_error}",
+                    Crash.of(gpu_error) if gpu_error is not None and ref_error is None
+                    else None)
                 return self.outcome
             raise ref_error  # type: ignore[misc]  # both failed alike: the reference's error
         self.reference_state = self.reference.get_observable_state()

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from overlap_spec.harness.crash import Crash
 from overlap_spec.harness.drive.cells import UsageError, check_sizes, make_preset, split_preset
 from overlap_spec.harness.drive.checker import InvariantChecker
 from overlap_spec.reference.scheduler import SUPPORTED_FAULTS, Scheduler
@@ -361,7 +362,12 @@ class RunOutcome:
     violation: InvariantViolation | None
     failed_at: int | None
     checker: InvariantChecker
-    crash: str | None = None  # with catch_crash: the model raised this (inconclusive)
+    crashed: Crash | None = None  # with catch_crash: the model raised this (inconclusive)
+
+    @property
+    def crash(self) -> str | None:
+        """The crash as "Type: message" (None: no crash)."""
+        return None if self.crashed is None else f"{self.crashed.exception}: {self.crashed.message}"
 
 
 def run_script(script: Script, catch_crash: bool = False) -> RunOutcome:
@@ -382,5 +388,5 @@ def run_script(script: Script, catch_crash: bool = False) -> RunOutcome:
         except Exception as error:
             if not catch_crash:
                 raise
-            return RunOutcome(None, index, checker, f"{type(error).__name__}: {error}")
+            return RunOutcome(None, index, checker, Crash.of(error))
     return RunOutcome(None, None, checker)

@@ -47,6 +47,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
+from overlap_spec.harness.crash import Crash
 from overlap_spec.harness.drive.checker import InvariantChecker
 from overlap_spec.harness.drive.script import (
     Abort,
@@ -83,7 +84,7 @@ class Finding:
 
     ops: tuple[Op, ...]
     violation: InvariantViolation | None = None
-    crash: str | None = None  # "Type: message" of any other exception
+    crash: Crash | None = None  # any other exception
 
     @property
     def ids(self) -> tuple[str, ...]:
@@ -92,7 +93,9 @@ class Finding:
     def describe(self) -> str:
         if self.violation is not None:
             return str(self.violation)
-        return f"the model crashed at op {len(self.ops) - 1}: {self.crash}"
+        assert self.crash is not None
+        return (f"the model crashed at op {len(self.ops) - 1}: "
+                f"{self.crash.exception}: {self.crash.message}")
 
 
 @dataclass
@@ -187,7 +190,7 @@ class Outcome:
     op: Op
     state: bytes | None  # the state reached; None when the operation failed
     violation: InvariantViolation | None = None
-    crash: str | None = None
+    crash: Crash | None = None
 
 
 def _run(state: bytes, depth: int, checker: InvariantChecker, op: Op | None,
@@ -196,7 +199,7 @@ def _run(state: bytes, depth: int, checker: InvariantChecker, op: Op | None,
     model, admitted = restore_state(state, checker)
     model.set_step_index(depth)
     violation: InvariantViolation | None = None
-    crash: str | None = None
+    crash: Crash | None = None
     try:
         if oracle is not None:
             oracle.attach(model, peek)
@@ -206,7 +209,7 @@ def _run(state: bytes, depth: int, checker: InvariantChecker, op: Op | None,
     except InvariantViolation as error:
         violation = error
     except Exception as error:  # noqa: BLE001 - a crash is a finding, never a pass
-        crash = f"{type(error).__name__}: {error}"
+        crash = Crash.of(error)
     done: Op | None = Iterate(oracle.get_choices()) if oracle is not None else op
     assert done is not None
     if violation is not None or crash is not None:

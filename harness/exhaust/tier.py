@@ -9,7 +9,9 @@ and the time.
 With ``--faults`` the search stops at the first (shortest) violation of an invariant the
 catalogue lists for one of those bugs: the bug is *killed* there; violations of other IDs
 are reported and the search goes on around them (*other-id* when nothing else is found);
-a search that completes with neither is *survived*.
+a search that completes with neither is *survived*. A crash stops the search too: it is a
+kill when it is exactly the crash the catalogue expects of one of those bugs (B25,
+``harness/crash.py``), and inconclusive otherwise.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from overlap_spec.harness.catalogue import get_bug
+from overlap_spec.harness.crash import Crash
 from overlap_spec.harness.drive.cells import (
     CONFIG_WIDTH,
     UsageError,
@@ -67,6 +70,11 @@ def get_wanted_ids(faults: Iterable[str]) -> frozenset[str]:
     return frozenset(i for bug_id in faults for i in get_bug(bug_id).invariants)
 
 
+def get_expected_crashes(faults: Iterable[str]) -> tuple[Crash, ...]:
+    """The crashes the catalogue expects of these bugs (a kill for B25, nothing else)."""
+    return tuple(crash for bug_id in faults if (crash := get_bug(bug_id).crash) is not None)
+
+
 @dataclass(frozen=True)
 class ExhaustTask:
     config: ModelConfig
@@ -88,7 +96,7 @@ class FindingReport:
     ops: int
     requests: int
     script: str
-    expected: bool  # with faults: trips an invariant the catalogue lists for them
+    expected: bool  # with faults: trips an invariant (or the crash) the catalogue lists
     trace: str | None = None  # the same run as a trace (violations), and its checker's word
     trace_status: str | None = None
 
@@ -128,7 +136,7 @@ class CellReport:
         """With faults: killed, other-id or survived; None without faults."""
         if not self.faults:
             return None
-        if self.stopped is not None and self.stopped.kind == "violation":
+        if self.stopped is not None and (self.stopped.kind == "violation" or self.stopped.expected):
             return KILLED
         if self.others:
             return OTHER_ID
@@ -136,8 +144,9 @@ class CellReport:
 
     @property
     def verdict(self) -> Verdict:
-        if self.error is not None or (self.stopped is not None and self.stopped.kind == "crash"):
-            return Verdict.INCONCLUSIVE
+        if self.error is not None or (self.stopped is not None and self.stopped.kind == "crash"
+                                      and not self.stopped.expected):
+            return Verdict.INCONCLUSIVE  # a crash the catalogue does not expect
         if self.stopped is not None or self.others:
             return Verdict.FAIL
         if self.vacuous:
@@ -158,15 +167,20 @@ def _save(task: ExhaustTask, result: Exploration, finding: Finding, suffix: str,
     if violation is not None:
         trace = get_trace_path(path)
         trace_status = record_script_trace(script, trace).status
-    # The invariant a kill is named by: the first listed one it tripped, else the first.
+    # The invariant a kill is named by: the first listed one it tripped, else the first;
+    # a crash by its label (crash:ValueError@retract_decode).
     invariant = None if violation is None else next(
         (i for i in violation.all_ids if i in wanted), violation.invariant_id)
+    expected = bool(set(finding.ids) & wanted)
+    if finding.crash is not None:
+        invariant = finding.crash.label
+        expected = any(c.matches(finding.crash) for c in get_expected_crashes(task.faults))
     return FindingReport(
         kind="violation" if violation is not None else "crash",
         invariant=invariant,
         ids=finding.ids, message=finding.describe(), ops=len(finding.ops),
         requests=script.count_requests(), script=str(path),
-        expected=bool(set(finding.ids) & wanted),
+        expected=expected,
         trace=None if trace is None else str(trace), trace_status=trace_status)
 
 
@@ -250,9 +264,9 @@ def render_findings(reports: list[CellReport]) -> str:
     for report in reports:
         shown = ([report.stopped] if report.stopped is not None else []) + report.others
         for finding in shown:
-            what = "crash" if finding.kind == "crash" else (
-                "kill" if report.faults and finding.expected else
-                "violation" if not report.faults else "other-id")
+            what = ("kill" if report.faults and finding.expected else
+                    "crash" if finding.kind == "crash" else
+                    "violation" if not report.faults else "other-id")
             lines.append(f"[{what}] {report.cell}" + (
                 f", faults {','.join(report.faults)}" if report.faults else ""))
             lines.append(f"    {finding.message}")

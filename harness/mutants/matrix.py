@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from overlap_spec.harness.catalogue import BUGS, Bug
+from overlap_spec.harness.crash import Crash
 from overlap_spec.harness.drive.cells import CONFIG_WIDTH, make_preset
 from overlap_spec.harness.drive.minimize import minimize_script
 from overlap_spec.harness.drive.script import (
@@ -94,7 +95,12 @@ def run_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed: in
                         shrink=False, max_examples=profile.mutant_examples)
     kill = CellKill(config.name, SURVIVED)
     if result.error is not None:
-        kill.detail = f"crash: {type(result.error).__name__}: {result.error}"
+        found = Crash.of(result.error)
+        if bug.crash is not None and bug.crash.matches(found) and result.script is not None:
+            kill = _save_crash_kill(bug, config, result.script, found, save_dir)
+        else:  # a crash is never a pass, nor a kill unless the catalogue expects it
+            kill.detail = f"crash: {found.describe()}" + (
+                f"; the catalogue expects {bug.crash.describe()}" if bug.crash else "")
     elif result.violation is not None and result.script is not None:
         # Report the invariant the catalogue expects when it tripped; else the first one.
         tripped = result.violation.all_ids
@@ -112,9 +118,34 @@ def run_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed: in
                         tripped, len(small.ops), small.count_requests(), 0.0,
                         f"overlap-spec replay {path}",
                         None if listed else f"tripped {', '.join(tripped)}; the catalogue "
-                        f"lists {', '.join(bug.invariants)}")
+                        f"lists {_get_expected(bug)}")
     kill.seconds = time.perf_counter() - started
     return kill
+
+
+def _get_expected(bug: Bug) -> str:
+    """What a kill of ``bug`` must show, in words."""
+    return bug.crash.describe() if bug.crash is not None else ", ".join(bug.invariants)
+
+
+def _save_crash_kill(bug: Bug, config: ModelConfig, script: Script, found: Crash,
+                     save_dir: Path) -> CellKill:
+    """The Hypothesis column's kill of a crash bug: the crashing script, minimised so that
+    it still raises the expected crash, saved; its replay reports that crash."""
+    assert bug.crash is not None
+    expected = bug.crash
+
+    def still_crashes(trial: Script) -> bool:
+        return expected.matches(run_script(trial, catch_crash=True).crashed)
+
+    small = minimize_script(script, found.label, still_fails=still_crashes)
+    replayed = run_script(small, catch_crash=True)
+    assert expected.matches(replayed.crashed), replayed.crash
+    name = "-".join([config.name.replace("@", "-"), bug.id])
+    path = save_script(small, save_dir / f"{name}.json")
+    return CellKill(config.name, KILLED, "hypothesis", found.label, (found.label,),
+                    len(small.ops), small.count_requests(), 0.0,
+                    f"overlap-spec replay {path}", f"op {replayed.failed_at}: {found.describe()}")
 
 
 def get_gpu_supported_faults() -> frozenset[str]:
@@ -180,12 +211,18 @@ def run_gpu_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed
         path = save_script(small, save_dir / f"{name}.json")
         record_script_trace(small, get_trace_path(path))  # gpu_impl's own trace of the kill
         race_id = kind.removeprefix("race:") if kind.startswith("race:") else None
-        listed = race_id is None or race_id in bug.invariants
+        crashed = None if outcome.divergence is None else outcome.divergence.gpu_crash
+        if crashed is not None or kind == "diff:exception":  # only the expected crash kills
+            listed = bug.crash is not None and bug.crash.matches(crashed)
+        elif not bug.invariants:
+            listed = False  # a bug that was only a crash (B25) is killed by it alone
+        else:
+            listed = race_id is None or race_id in bug.invariants
         kill = CellKill(config.name, KILLED if listed else OTHER_ID, "gpu_impl", kind, (kind,),
                         len(small.ops), small.count_requests(), 0.0,
                         f"overlap-spec replay {path}",
-                        outcome.describe() if listed else f"race {race_id}; the catalogue "
-                        f"lists {', '.join(bug.invariants)}: {outcome.describe()}")
+                        outcome.describe() if listed else f"{kind}; the catalogue "
+                        f"expects {_get_expected(bug)}: {outcome.describe()}")
     kill.seconds = time.perf_counter() - started
     return kill
 
