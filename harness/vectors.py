@@ -155,8 +155,9 @@ def generate_vectors(directory: Path, seed: int = DEFAULT_SEED, scripts_per_cell
             for step in range(len(script.ops)):
                 emit(build_vector(script, step, run, f"{cell.name}/clean-{k}-op{step}"))
         for bug in BUGS:
-            # A vector's verdict is an invariant ID; a bug that was a crash (B25) has none.
-            if not bug.applies(cell) or bug.crash is not None:
+            # A vector's verdict is an invariant ID; a bug that was only a crash (B25) has
+            # none (B2, killed by SL1 or by its crash, keeps its vectors).
+            if not bug.applies(cell) or not bug.invariants:
                 continue
             sized = ModelConfig(cell, make_preset(preset, dict(bug.sizes)))  # B18: chunks
             for _ in range(fault_tries):

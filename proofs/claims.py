@@ -196,10 +196,16 @@ def ind_reserve(ctx: Context, r: Record) -> Term:
         r["kv_allocated_len"] <= ctx.config.row_width // page * page))
     if not ctx.is_spec:
         return zs.And(covered, zs.Implies(r["holds_kv"], r["seq_len"] == r["kv_committed_len"]))
-    reserved = r["kv_allocated_len"] >= r["kv_len_true"] + r["write_width"]
-    if page > 1:  # the spec-v2 prepare rounds its target up to a page (KV3, #31616)
-        reserved = zs.And(reserved, r["kv_allocated_len"] % page == 0)
+    reserved = _get_reserve_claim(ctx, r)
     return zs.And(covered, zs.Implies(zs.And(r["holds_kv"], r["prepared"]), reserved))
+
+
+def _get_reserve_claim(ctx: Context, r: Record) -> Term:
+    """KV3 on a prepared spec step: the allocation covers the write width and, on pages
+    > 1, is whole pages (the spec-v2 prepare rounds its target up, #31616)."""
+    covers = r["kv_allocated_len"] >= r["kv_len_true"] + r["write_width"]
+    page = ctx.config.page_size
+    return covers if page == 1 else zs.And(covers, r["kv_allocated_len"] % page == 0)
 
 
 def ind_relay(ctx: Context, r: Record) -> Term:
@@ -301,9 +307,7 @@ def sl11(ctx: Context, r: Record, step: Step) -> Term:
 
 
 def kv3(ctx: Context, r: Record, step: Step) -> Term:
-    covers = r["kv_allocated_len"] >= r["kv_len_true"] + r["write_width"]
-    page = ctx.config.page_size
-    return covers if page == 1 else zs.And(covers, r["kv_allocated_len"] % page == 0)
+    return _get_reserve_claim(ctx, r)
 
 
 def sl6(ctx: Context, r: Record, step: Step) -> Term:

@@ -33,6 +33,14 @@ def test_vectors_cover_every_cell_and_replay_green(vectors: Path) -> None:
     assert count == len(entries) and not failures, failures[:3]
     readme = (vectors / "README.md").read_text()
     assert "overlap-spec-vector" in readme and "`post`" in readme
+    # Every bug that lists invariants has invalid vectors (B2 too, whose gpu_impl kill is
+    # its crash); B25, only a crash, has none: a vector's verdict is an invariant ID.
+    from overlap_spec.harness.catalogue import BUGS
+
+    faulted = {e["faults"][0] for e in entries if e["faults"]}
+    listed = {bug.id for bug in BUGS if bug.invariants}
+    # B9's one vector (the early fence's cell) takes more than this fixture's 15 tries.
+    assert faulted <= listed and listed - faulted <= {"B9"} and "B2" in faulted, faulted
 
 
 def test_a_vector_is_plain_self_contained_json(vectors: Path) -> None:
