@@ -124,8 +124,10 @@ def run_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed: in
 
 
 def _get_expected(bug: Bug) -> str:
-    """What a kill of ``bug`` must show, in words."""
-    return bug.crash.describe() if bug.crash is not None else ", ".join(bug.invariants)
+    """What a kill of ``bug`` must show, in words: its invariants, or its crash."""
+    shown = [", ".join(bug.invariants)] if bug.invariants else []
+    shown += [f"the crash {bug.crash.describe()}"] if bug.crash is not None else []
+    return " or ".join(shown)
 
 
 def _save_crash_kill(bug: Bug, config: ModelConfig, script: Script, found: Crash,
