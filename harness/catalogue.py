@@ -1,4 +1,4 @@
-"""The catalogue of historical bugs B1-B24 (digest section 5; B16 is the reserve upstream
+"""The catalogue of historical bugs B1-B25 (digest section 5; B16 is the reserve upstream
 fixed in #26354, B17 what the upstream tier found the release doing, B18 a chunked-prefill
 counter bug of the JAX port, B19 and B20 mixed-chunk bugs, B21 the row of a tree on pages
 > 1, B22 an unaligned spec-v2 allocation, B23 the release's page-1 tree row: U7, B24

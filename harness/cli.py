@@ -59,6 +59,8 @@ from overlap_spec.spec.config import PRESETS
 if TYPE_CHECKING:
     import torch
 
+    from overlap_spec.harness.crash import Crash
+
 # review's budget: a reviewer's minute (harness.drive.stateful.PROFILES["quick"]).
 REVIEW_PROFILE = "quick"
 SIZES_HELP = ("sizes in place of the preset's, e.g. kv_tokens=16,chain_steps=2; settable: "
@@ -186,16 +188,17 @@ def cmd_replay(args: argparse.Namespace) -> int:
         print(f"replayed {diff.ops} ops of gpu_impl against the reference in cell "
               f"{script.get_config().name} faults={list(script.faults)} seed={script.seed}")
         print(diff.describe())
+        crashed = None if diff.divergence is None else diff.divergence.gpu_crash
+        expected = _get_expecting_bugs(script.faults, crashed)
+        if expected:
+            print(f"gpu_impl's crash is the one the catalogue expects of {', '.join(expected)}: "
+                  "a kill")
         return 0 if diff.ok else 1
     outcome = run_script(script, catch_crash=True)
     print(f"replayed {len(script.ops)} ops in cell {script.get_config().name}"
           f" faults={list(script.faults)} seed={script.seed}")
     if outcome.crash is not None:
-        from overlap_spec.harness.catalogue import get_bug
-
-        expected = [bug_id for bug_id in script.faults
-                    if (crash := get_bug(bug_id).crash) is not None
-                    and crash.matches(outcome.crashed)]
+        expected = _get_expecting_bugs(script.faults, outcome.crashed)
         print(f"op {outcome.failed_at}: the model crashed: {outcome.crash} " +
               (f"(the crash the catalogue expects of {', '.join(expected)}: a kill)"
                if expected else "(inconclusive)"))
@@ -205,6 +208,14 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return 0
     print(f"step {outcome.failed_at}: {outcome.violation}")
     return 1
+
+
+def _get_expecting_bugs(faults: tuple[str, ...], crashed: Crash | None) -> list[str]:
+    """The bugs of ``faults`` whose catalogue entry expects exactly ``crashed``."""
+    from overlap_spec.harness.catalogue import get_bug
+
+    return [bug_id for bug_id in faults
+            if (crash := get_bug(bug_id).crash) is not None and crash.matches(crashed)]
 
 
 def _resolve_device(name: str) -> torch.device:
@@ -427,7 +438,8 @@ def build_parser() -> argparse.ArgumentParser:
     exhaust.add_argument("--faults", type=bug_ids, default=None,
                          help="switch historical bugs on in the reference, e.g. B16: the "
                               "search stops at the shortest sequence that trips an "
-                              "invariant the catalogue lists for them")
+                              "invariant the catalogue lists for them, or raises the "
+                              "crash it lists (B25)")
     exhaust.add_argument("--json", type=output_file, metavar="PATH",
                          help="write the JSON report here")
     exhaust.add_argument("--out", type=output_dir, metavar="DIR",

@@ -3,8 +3,9 @@
 A crash is never a pass. It is a kill only for a bug whose catalogue entry expects exactly
 that crash (B25: before #19881 the scheduler raised where the release now aborts): the
 exception's type, the function that raised it and words of its message must all match.
-Any other crash stays what it was: inconclusive for the Hypothesis and exhaustive tiers,
-a finding of another kind for gpu_impl's differential run.
+Any other crash stays what it was: inconclusive in ``check`` and the exhaustive tier, and
+in the mutant matrix no kill (survived, with the crash named, in the Hypothesis column;
+other-id in gpu_impl's).
 """
 
 from __future__ import annotations

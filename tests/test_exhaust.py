@@ -190,6 +190,7 @@ def test_a_crash_other_than_the_expected_one_is_inconclusive_not_a_kill(
     config = ModelConfig(get_cell("ov-p1-v2chain-cpu-honest"),
                          make_preset("minimal", dict(bug.sizes)))
     for wrong in (Crash("RuntimeError", "retract_decode", bug.crash.message),
+                  Crash("ValueError", "update_running_batch", bug.crash.message),
                   Crash("ValueError", "retract_decode", "out of pages")):
         other = dataclasses.replace(bug, crash=wrong)
         monkeypatch.setattr(tier, "get_bug", lambda bug_id, other=other: other)

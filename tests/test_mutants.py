@@ -56,8 +56,9 @@ def test_bug_is_killed_by_an_invariant_it_breaks(bug_id: str,
     assert result.verdict == KILLED, [(c.cell, c.verdict, c.detail) for c in result.cells]
     bug = get_bug(bug_id)
     for cell in result.cells:
-        if bug.crash is not None and cell.invariant == bug.crash.label:  # replayed
-            assert cell.invariant == bug.crash.label and cell.replay, cell
+        if cell.invariant is not None and cell.invariant.startswith("crash:"):  # B25
+            assert bug.crash is not None and cell.invariant == bug.crash.label, cell
+            assert cell.replay, cell
             outcome = run_script(load_script(Path(cell.replay.split()[-1])), catch_crash=True)
             assert bug.crash.matches(outcome.crashed), outcome.crash
             continue
@@ -189,6 +190,7 @@ def test_a_crash_is_no_kill_of_a_bug_that_breaks_invariants(tmp_path: Path) -> N
     Hypothesis column (survived, the crash named) nor in gpu_impl's (other-id)."""
     import dataclasses
 
+    from overlap_spec.harness.crash import Crash
     from overlap_spec.harness.drive.cells import make_preset
     from overlap_spec.harness.mutants.matrix import run_gpu_mutant_in_cell, run_mutant_in_cell
     from overlap_spec.harness.mutants.select import OTHER_ID, SURVIVED
@@ -201,6 +203,14 @@ def test_a_crash_is_no_kill_of_a_bug_that_breaks_invariants(tmp_path: Path) -> N
     assert kill.verdict == SURVIVED and "crash: ValueError in retract_decode" in (kill.detail or "")
     gpu = run_gpu_mutant_in_cell(bug, config, get_profile("ci"), SEED, tmp_path)
     assert gpu.verdict == OTHER_ID and gpu.invariant == "crash:ValueError@retract_decode"
-    expected = dataclasses.replace(bug, invariants=(), crash=get_bug("B25").crash)
+    right = get_bug("B25").crash
+    assert right is not None
+    expected = dataclasses.replace(bug, invariants=(), crash=right)
     assert run_gpu_mutant_in_cell(expected, config, get_profile("ci"), SEED,
                                   tmp_path).verdict == KILLED
+    for wrong in (Crash("RuntimeError", "retract_decode", right.message),
+                  Crash("ValueError", "update_running_batch", right.message),
+                  Crash("ValueError", "retract_decode", "out of pages")):
+        other = dataclasses.replace(expected, crash=wrong)
+        kill = run_gpu_mutant_in_cell(other, config, get_profile("ci"), SEED, tmp_path)
+        assert kill.verdict in (OTHER_ID, SURVIVED), (wrong, kill)

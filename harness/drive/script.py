@@ -362,7 +362,7 @@ class RunOutcome:
     violation: InvariantViolation | None
     failed_at: int | None
     checker: InvariantChecker
-    crashed: Crash | None = None  # with catch_crash: the model raised this (inconclusive)
+    crashed: Crash | None = None  # with catch_crash: the model raised this (never a pass)
 
     @property
     def crash(self) -> str | None:

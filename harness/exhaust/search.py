@@ -315,7 +315,8 @@ def check_replays(result: Exploration, finding: Finding) -> None:
                if outcome.crash is not None else "no crash")
     else:
         got = str(outcome.violation) if outcome.violation is not None else "no violation"
-    if got != expected or outcome.failed_at != len(finding.ops) - 1:
+    if (got != expected or outcome.failed_at != len(finding.ops) - 1
+            or outcome.crashed != finding.crash):  # a crash: the same function raised it too
         raise ReplayMismatch(f"{result.config.name}: the enumeration found {expected!r} "
                              f"after {len(finding.ops)} ops, the replay gives {got!r} "
                              f"(op {outcome.failed_at})")

@@ -142,9 +142,12 @@ def _save_crash_kill(bug: Bug, config: ModelConfig, script: Script, found: Crash
 
     small = minimize_script(script, found.label, still_fails=still_crashes)
     replayed = run_script(small, catch_crash=True)
-    assert expected.matches(replayed.crashed), replayed.crash
     name = "-".join([config.name.replace("@", "-"), bug.id])
     path = save_script(small, save_dir / f"{name}.json")
+    if not expected.matches(replayed.crashed):  # the saved script must crash the same way
+        return CellKill(config.name, SURVIVED, "hypothesis", detail=(
+            f"crash: {found.describe()}, but the saved script (overlap-spec replay {path}) "
+            f"gives {replayed.crash or replayed.violation or 'no crash'}"))
     return CellKill(config.name, KILLED, "hypothesis", found.label, (found.label,),
                     len(small.ops), small.count_requests(), 0.0,
                     f"overlap-spec replay {path}", f"op {replayed.failed_at}: {found.describe()}")
@@ -165,6 +168,7 @@ def run_gpu_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed
     import torch
 
     from overlap_spec.harness.differential.compare import (
+        DifferentialOutcome,
         check_cell_differential,
         get_finding_kind,
         get_gpu_mutant_examples,
@@ -191,11 +195,20 @@ def run_gpu_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed
     elif result.failure is not None:
         kind = get_finding_kind(result.failure.outcome)
 
+        def is_same_finding(outcome: DifferentialOutcome) -> bool:
+            """The finding again: the same kind, and for the crash the catalogue expects,
+            that crash (its label leaves the message out)."""
+            if outcome.ok or get_finding_kind(outcome) != kind:
+                return False
+            if bug.crash is not None and kind == bug.crash.label:
+                assert outcome.divergence is not None
+                return bug.crash.matches(outcome.divergence.gpu_crash)
+            return True
+
         def get_still_fails(detect_races: bool) -> Callable[[Script], bool]:
             def still_fails(trial: Script) -> bool:
-                outcome = run_differential(trial, device=torch.device("cpu"),
-                                           detect_races=detect_races)
-                return not outcome.ok and get_finding_kind(outcome) == kind
+                return is_same_finding(run_differential(trial, device=torch.device("cpu"),
+                                                        detect_races=detect_races))
             return still_fails
 
         # A divergence is minimised without the race detector (a trial costs about a
@@ -205,13 +218,18 @@ def run_gpu_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed
         small = minimize_script(result.failure.script, kind, budget=100,
                                 still_fails=get_still_fails(is_race))
         outcome = run_differential(small, device=torch.device("cpu"))
-        if not is_race and (outcome.ok or get_finding_kind(outcome) != kind):
+        if not is_race and not is_same_finding(outcome):
             small = minimize_script(result.failure.script, kind, budget=100,
                                     still_fails=get_still_fails(True))
             outcome = run_differential(small, device=torch.device("cpu"))
         name = "-".join([config.name.replace("@", "-"), bug.id, "gpu_impl"])
         path = save_script(small, save_dir / f"{name}.json")
         record_script_trace(small, get_trace_path(path))  # gpu_impl's own trace of the kill
+        if not is_same_finding(outcome):  # judged on the saved script's run alone
+            kill.detail = (f"{kind} did not replay on the saved script "
+                           f"(overlap-spec replay {path}): {outcome.describe()}")
+            kill.seconds = time.perf_counter() - started
+            return kill
         race_id = kind.removeprefix("race:") if kind.startswith("race:") else None
         crashed = None if outcome.divergence is None else outcome.divergence.gpu_crash
         if crashed is not None or kind == "diff:exception":  # only the expected crash kills
