@@ -21,7 +21,7 @@ lists to each other.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
 
@@ -315,4 +315,10 @@ def get_bug(bug_id: str) -> Bug:
         if bug.id == bug_id:
             return bug
     raise KeyError(f"unknown bug {bug_id!r}; known: {', '.join(BUG_IDS)}")
+
+
+def get_bugs_expecting(faults: Iterable[str], crashed: Crash | None) -> list[str]:
+    """The bugs of ``faults`` whose entry expects exactly ``crashed``: a kill by crash."""
+    return [bug_id for bug_id in faults
+            if (crash := get_bug(bug_id).crash) is not None and crash.matches(crashed)]
 

@@ -59,8 +59,6 @@ from overlap_spec.spec.config import PRESETS
 if TYPE_CHECKING:
     import torch
 
-    from overlap_spec.harness.crash import Crash
-
 # review's budget: a reviewer's minute (harness.drive.stateful.PROFILES["quick"]).
 REVIEW_PROFILE = "quick"
 SIZES_HELP = ("sizes in place of the preset's, e.g. kv_tokens=16,chain_steps=2; settable: "
@@ -170,6 +168,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
 
 
 def cmd_replay(args: argparse.Namespace) -> int:
+    from overlap_spec.harness.catalogue import get_bugs_expecting
     from overlap_spec.harness.drive.script import ScriptError, load_script, run_script
 
     try:
@@ -189,7 +188,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
               f"{script.get_config().name} faults={list(script.faults)} seed={script.seed}")
         print(diff.describe())
         crashed = None if diff.divergence is None else diff.divergence.gpu_crash
-        expected = _get_expecting_bugs(script.faults, crashed)
+        expected = get_bugs_expecting(script.faults, crashed)
         if expected:
             print(f"gpu_impl's crash is the one the catalogue expects of {', '.join(expected)}: "
                   "a kill")
@@ -198,7 +197,7 @@ def cmd_replay(args: argparse.Namespace) -> int:
     print(f"replayed {len(script.ops)} ops in cell {script.get_config().name}"
           f" faults={list(script.faults)} seed={script.seed}")
     if outcome.crash is not None:
-        expected = _get_expecting_bugs(script.faults, outcome.crashed)
+        expected = get_bugs_expecting(script.faults, outcome.crashed)
         print(f"op {outcome.failed_at}: the model crashed: {outcome.crash} " +
               (f"(the crash the catalogue expects of {', '.join(expected)}: a kill)"
                if expected else "(inconclusive)"))
@@ -208,14 +207,6 @@ def cmd_replay(args: argparse.Namespace) -> int:
         return 0
     print(f"step {outcome.failed_at}: {outcome.violation}")
     return 1
-
-
-def _get_expecting_bugs(faults: tuple[str, ...], crashed: Crash | None) -> list[str]:
-    """The bugs of ``faults`` whose catalogue entry expects exactly ``crashed``."""
-    from overlap_spec.harness.catalogue import get_bug
-
-    return [bug_id for bug_id in faults
-            if (crash := get_bug(bug_id).crash) is not None and crash.matches(crashed)]
 
 
 def _resolve_device(name: str) -> torch.device:

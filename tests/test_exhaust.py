@@ -182,8 +182,8 @@ def test_a_crash_other_than_the_expected_one_is_inconclusive_not_a_kill(
     and the cell is inconclusive (a crash is never a pass)."""
     import dataclasses
 
+    from overlap_spec.harness import catalogue
     from overlap_spec.harness.crash import Crash
-    from overlap_spec.harness.exhaust import tier
 
     bug = get_bug("B25")
     assert bug.crash is not None
@@ -193,7 +193,7 @@ def test_a_crash_other_than_the_expected_one_is_inconclusive_not_a_kill(
                   Crash("ValueError", "update_running_batch", bug.crash.message),
                   Crash("ValueError", "retract_decode", "out of pages")):
         other = dataclasses.replace(bug, crash=wrong)
-        monkeypatch.setattr(tier, "get_bug", lambda bug_id, other=other: other)
+        monkeypatch.setattr(catalogue, "get_bug", lambda bug_id, other=other: other)
         report = run_exhaust_task(ExhaustTask(config, SPEC_DEPTH, frozenset({"B25"}),
                                               tmp_path))
         assert report.stopped is not None and report.stopped.kind == "crash"

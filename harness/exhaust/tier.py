@@ -24,8 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final
 
-from overlap_spec.harness.catalogue import get_bug
-from overlap_spec.harness.crash import Crash
+from overlap_spec.harness.catalogue import get_bug, get_bugs_expecting
 from overlap_spec.harness.drive.cells import (
     CONFIG_WIDTH,
     UsageError,
@@ -68,11 +67,6 @@ def get_default_depth(cell: Cell) -> int:
 def get_wanted_ids(faults: Iterable[str]) -> frozenset[str]:
     """The invariants the catalogue lists for these bugs (what a kill must trip)."""
     return frozenset(i for bug_id in faults for i in get_bug(bug_id).invariants)
-
-
-def get_expected_crashes(faults: Iterable[str]) -> tuple[Crash, ...]:
-    """The crashes the catalogue expects of these bugs (a kill for B25, nothing else)."""
-    return tuple(crash for bug_id in faults if (crash := get_bug(bug_id).crash) is not None)
 
 
 @dataclass(frozen=True)
@@ -174,7 +168,7 @@ def _save(task: ExhaustTask, result: Exploration, finding: Finding, suffix: str,
     expected = bool(set(finding.ids) & wanted)
     if finding.crash is not None:
         invariant = finding.crash.label
-        expected = any(c.matches(finding.crash) for c in get_expected_crashes(task.faults))
+        expected = bool(get_bugs_expecting(task.faults, finding.crash))
     return FindingReport(
         kind="violation" if violation is not None else "crash",
         invariant=invariant,
