@@ -25,14 +25,24 @@ for: the engine is reused as it is; what is ours is listed here.
   without an order between them count as a race. The upstream protocol orders whole
   streams, so the clean model has none (asserted in every cell).
 
-Pinned torch versions: the private API used here (``EventHandler``,
-``ArgumentHandler``, ``StreamSynchronizations``, ``FACTORY_FUNCTION_REGEX``) is checked
-at import by :func:`check_sanitizer_api`; ``pyproject.toml`` pins torch to the versions
-tested (``tests/test_race_detector.py`` asserts the pin and the API).
+Torch versions: nothing here asks for a version. What is used of the sanitizer's private
+API (:data:`SANITIZER_API`: classes, methods, the fields of ``Access`` in order, the
+parameters of the constructors and handlers we call or override, the per-instance
+state) is looked for at import by :func:`check_sanitizer_api`, which names each missing
+internal and the torch version in one ``ImportError``. :data:`TESTED_TORCH` is the
+series the suite ran on (``pyproject.toml`` pins it; ``tests/test_race_detector.py``
+asserts both). The GPU evidence run (``harness/measure/gpu_evidence.py``) runs on the
+device machine's own torch (2.11 there): that these internals are the same in 2.11 is
+what the check decides on that machine, not a claim made here. Read against PyTorch's
+source, every name in :data:`SANITIZER_API` is also in ``torch/cuda/_sanitizer.py`` of
+the main-branch copy the project's code search holds (commit 01c9f4fc; the file differs
+from 2.13.0's only in where ``TypeVar`` is imported from).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
 import sys
 import traceback
 import weakref
@@ -47,7 +57,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from overlap_spec.spec.happens_before import COPY, D2H, FORWARD, HOST, SCHEDULE, Access, Race
 from overlap_spec.spec.invariants import classify_race
 
-TESTED_TORCH = ("2.13",)  # major.minor versions this module was run against
+TESTED_TORCH = ("2.13",)  # the major.minor series this module's tests ran on
 STREAM_IDS: dict[str, int] = {SCHEDULE: 1, FORWARD: 2, COPY: 3, D2H: 4, HOST: 5}
 STREAM_NAMES = {number: name for name, number in STREAM_IDS.items()}
 _SKIPPED_OPS = {"aten::record_stream", "aten::detach"}
@@ -58,14 +68,82 @@ def count_as_launch(func: Any) -> bool:
     return not func.is_view and func._schema.name not in _SKIPPED_OPS | {"aten::lift_fresh"}
 
 
-def check_sanitizer_api() -> None:
-    """Fail loudly if this torch moved the sanitizer internals we build on."""
-    needed = ("EventHandler", "ArgumentHandler", "StreamSynchronizations",
-              "FACTORY_FUNCTION_REGEX", "UnsynchronizedAccessError")
-    missing = [name for name in needed if not hasattr(csan, name)]
+# What this module (and the CUDA run's ``enable_cuda_sanitizer``) uses of
+# ``torch.cuda._sanitizer``. Names are module attributes; "A.b" an attribute of class A;
+# "A().b" one an instance has after ``A()``; "A(x, y)" the first parameters of A's
+# constructor (a dataclass's fields) in order; "A.f(x, y)" those of method f.
+SANITIZER_API: tuple[str, ...] = (
+    "FACTORY_FUNCTION_REGEX", "enable_cuda_sanitizer",
+    "AccessType.READ", "AccessType.WRITE",
+    "Access(type, seq_num, stream, operator, aliases, is_output, stack_trace)",
+    "UnsynchronizedAccessError(data_ptr, allocation_stack_trace, current_access, "
+    "previous_access)",
+    "ArgumentHandler._handle_argument(value, is_write, metadata_only, name, is_output)",
+    "ArgumentHandler().dataptrs_read", "ArgumentHandler().dataptrs_written",
+    "ArgumentHandler().tensor_aliases", "ArgumentHandler().outputs",
+    "EventHandler._handle_kernel_launch(stream, read_only, read_write, outputs, operator, "
+    "tensor_aliases)",
+    "EventHandler._handle_stream_creation", "EventHandler._handle_event_creation",
+    "EventHandler._handle_event_record", "EventHandler._handle_event_wait",
+    "EventHandler._handle_event_synchronization", "EventHandler._handle_stream_synchronization",
+    "EventHandler().seq_num", "EventHandler().syncs", "EventHandler().tensors_accessed",
+    "StreamSynchronizations.update_seq_num", "StreamSynchronizations.is_ordered_after",
+    "StreamSynchronizations._state_wait_for_other",
+    "StreamSynchronizations().current_sync_states",
+    "_TensorsAccessed.ensure_tensor_exists", "_TensorsAccessed.get_write",
+    "_TensorsAccessed.add_read", "_TensorsAccessed.get_reads", "_TensorsAccessed.set_write",
+    "_TensorsAccessed.were_there_reads_since_last_write", "_TensorsAccessed().accesses",
+    "TensorInfo.reads", "TensorInfo.write",
+)
+
+
+def _parameters(target: Any) -> list[str]:
+    """The parameter names of a callable (a dataclass's are its fields), ``self`` left out."""
+    if dataclasses.is_dataclass(target):
+        return [f.name for f in dataclasses.fields(target)]
+    try:
+        names = list(inspect.signature(target).parameters)
+    except (TypeError, ValueError):
+        return []
+    return names[1:] if names[:1] == ["self"] else names
+
+
+def get_missing_sanitizer_api(module: Any = csan) -> list[str]:
+    """The entries of :data:`SANITIZER_API` that ``module`` does not offer, as written there
+    (a changed parameter list is missing too)."""
+    missing: list[str] = []
+    for entry in SANITIZER_API:
+        path, params = entry, ""
+        if entry.endswith(")"):
+            path, _, params = entry[:-1].partition("(")
+        wanted = [p.strip() for p in params.split(",")] if params else []
+        instance = path.split(".")[0].endswith("()")
+        owner_name, _, attribute = path.replace("()", "").partition(".")
+        target = getattr(module, owner_name, None)
+        if target is not None and instance:
+            try:
+                target = target()
+            except Exception:  # noqa: BLE001 - a constructor that changed is a missing API
+                target = None
+        if target is not None and attribute:
+            if dataclasses.is_dataclass(target) and not instance:
+                fields = {f.name for f in dataclasses.fields(target)}
+                target = target if attribute in fields else getattr(target, attribute, None)
+            else:
+                target = getattr(target, attribute, None)
+        if target is None or (wanted and _parameters(target)[:len(wanted)] != wanted):
+            missing.append(entry)
+    return missing
+
+
+def check_sanitizer_api(module: Any = csan) -> None:
+    """Fail loudly, naming each missing internal, if this torch moved what we build on."""
+    missing = get_missing_sanitizer_api(module)
     if missing:
-        raise ImportError(f"torch {torch.__version__}: torch.cuda._sanitizer lacks {missing}; "
-                          f"gpu_impl.race was tested with torch {', '.join(TESTED_TORCH)}")
+        raise ImportError(
+            f"torch {torch.__version__}: torch.cuda._sanitizer lacks "
+            f"{'; '.join(missing)} (gpu_impl/race.py builds on these internals; it was "
+            f"tested with torch {', '.join(TESTED_TORCH)})")
 
 
 check_sanitizer_api()
