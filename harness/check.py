@@ -38,6 +38,7 @@ from overlap_spec.harness.drive.stateful import (
     get_profile,
     run_cell_task,
 )
+from overlap_spec.harness.drive.witness import describe_witnesses
 from overlap_spec.harness.mutants.matrix import (
     mutants_tier_report,
     print_mutant_progress,
@@ -81,9 +82,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     print(f"\n{run.report.closing_line()}")
     if args.json:
         write_json(run.report.to_json(), Path(args.json))
-    if run.report.interrupted:
-        return 130
-    return 0 if run.report.ok else 1
+    return run.report.exit_code
 
 
 @dataclass
@@ -148,6 +147,7 @@ def run_hypothesis_cells(configs: list[ModelConfig], profile: Profile, seed: int
 
 def _hypothesis_tier(run: _Run) -> None:
     args = run.args
+    print(describe_witnesses(run.configs))
     results = run_hypothesis_cells(run.configs, run.profile, args.seed, run.faults, run.out,
                                    args.jobs, args.quiet)
     print(render_table(results))

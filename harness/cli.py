@@ -16,7 +16,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from overlap_spec import __version__
-from overlap_spec.harness.conformance.cli import add_upstream_arguments, cmd_upstream
+from overlap_spec.harness.conformance.cli import (
+    UPSTREAM_EPILOG,
+    add_upstream_arguments,
+    cmd_upstream,
+)
 from overlap_spec.harness.drive.cells import (
     DEFAULT_SEED,
     PROFILE_NAMES,
@@ -93,14 +97,36 @@ commands:
   replay FILE  re-run a saved counterexample script and report the first finding
   cells        list the configuration cells
   invariants   list the invariant IDs with their claims and sources
+  witnesses    check the witness corpus (each cell's deterministic witnesses, replayed
+               before every search) still exercises what it claims; --write regenerates it
 
 Invariant IDs follow the digest: SL1-SL11, KV1-KV12, FM1-FM7, ST1-ST5, RP1-RP9.
 A check passes only if no invariant fails, every applicable invariant had a
-witness in every cell (else "vacuous"), gpu_impl agrees with the reference with
+witness in every cell (else "vacuous"; one with no witness at the sizes run is
+"n/a" with its reason, never a pass), gpu_impl agrees with the reference with
 no race, every proof is proved (a solver timeout or "unknown" fails), and every
 mutant is killed by every checker that claims it.
-Exit codes: 0 all checks passed, 1 a check failed or was inconclusive, 2 usage error.
+Exit codes: 0 all checks passed; 1 a check failed, crashed, was vacuous or
+inconclusive; 2 a usage error, found before any work (one line on stderr, an
+unwritable --json or --out included); 3 the upstream tier cannot drive the sglang
+it was given (it does not import, or a name the tier relies on is missing or has
+another signature: 'overlap-spec upstream compat') and nothing else failed;
+130 interrupted.
 """
+
+CHECK_EPILOG = """\
+exit codes: 0 every tier passed; 1 a violation, crash, vacuous or inconclusive check in
+any tier; 2 a usage error, found before any tier runs (one line on stderr; an unwritable
+--json PATH or --out DIR included); 3 the upstream tier cannot drive the sglang given
+(each cell says 'cannot drive this sglang: <hook>: <what changed>'; 'overlap-spec
+upstream compat' lists every name it relies on) and no other tier failed; 130
+interrupted (Ctrl-C), the report marked incomplete."""
+
+
+def cmd_witnesses(args: argparse.Namespace) -> int:
+    from overlap_spec.harness.drive.witness import cmd_witnesses as run_witnesses
+
+    return run_witnesses(args)
 
 
 def cmd_check(args: argparse.Namespace) -> int:
@@ -330,7 +356,9 @@ def build_parser() -> argparse.ArgumentParser:
     jobs = get_default_jobs()
     bug_ids = name_list(BUG_IDS, "bug IDs")
     profiles = ", ".join(PROFILE_NAMES)
-    check = sub.add_parser("check", help="run every checker tier on every cell")
+    check = sub.add_parser("check", help="run every checker tier on every cell",
+                           epilog=CHECK_EPILOG,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
     check.add_argument("--profile", choices=PROFILE_NAMES, default=None,
                        help=f"hypothesis budget: {profiles} (default: $HYPOTHESIS_PROFILE "
                             "or ci)")
@@ -362,7 +390,9 @@ def build_parser() -> argparse.ArgumentParser:
     check.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     check.set_defaults(func=cmd_check)
     review = sub.add_parser("review", help="a reviewer's minute: does my change to the "
-                            "reference (or an SGLang tree) break an invariant?")
+                            "reference (or an SGLang tree) break an invariant?",
+                            epilog=CHECK_EPILOG,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     review.add_argument("--sglang-src", type=input_dir, metavar="DIR", default=None,
                         help="review an SGLang checkout (its python/sglang) with the upstream "
                              "tier instead of the reference (needs ./dev upstream)")
@@ -509,7 +539,8 @@ def build_parser() -> argparse.ArgumentParser:
         "dir", type=input_dir)
     vectors.set_defaults(func=cmd_vectors)
     upstream = sub.add_parser(
-        "upstream", help="sglang's own scheduler (release or --sglang-src tree) against the spec")
+        "upstream", help="sglang's own scheduler (release or --sglang-src tree) against the spec",
+        epilog=UPSTREAM_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_upstream_arguments(upstream)
     upstream.set_defaults(func=cmd_upstream)
     replay = sub.add_parser("replay", help="re-run a saved counterexample script")
@@ -525,6 +556,20 @@ def build_parser() -> argparse.ArgumentParser:
                             "era or a proposal rather than sglang 0.5.23")
     cells.set_defaults(func=cmd_cells)
     sub.add_parser("invariants", help="list invariant IDs").set_defaults(func=cmd_invariants)
+    witnesses = sub.add_parser(
+        "witnesses", help="check (or --write) the committed witness corpus",
+        description="Each cell's deterministic witnesses, replayed before every random "
+                    "search at the sizes the commands offer (harness/drive/witnesses/). "
+                    "Without flags: every witness is replayed on the clean reference and "
+                    "must still exercise every invariant it claims, and every applicable "
+                    "invariant must be claimed or n/a with a reason (exit 1 otherwise). "
+                    "--write regenerates the corpus from a seeded search, minimised "
+                    "(after a change of behaviour; about five minutes on 2 cores).")
+    witnesses.add_argument("--write", action="store_true",
+                           help="regenerate the corpus in place")
+    witnesses.add_argument("-j", "--jobs", type=positive_int, default=jobs,
+                           help=f"worker processes (default {jobs})")
+    witnesses.set_defaults(func=cmd_witnesses)
     return parser
 
 

@@ -23,7 +23,10 @@ def get_verdicts(results: list[CellResult]) -> dict[str, dict[str, Verdict]]:
     """invariant ID -> cell name -> pass / fail / n/a / vacuous.
 
     Vacuous: the invariant applies to the cell but no observation of the run gave
-    it anything to check (no witness). That is a failure, never a pass.
+    it anything to check (no witness), though the cell's deterministic witnesses claim
+    it (or the run replayed none). That is a failure, never a pass. An invariant the
+    witnesses give a reason for having no witness at these sizes (``na_reasons``), and
+    the search did not reach either, is n/a.
     """
     verdicts: dict[str, dict[str, Verdict]] = {inv.id: {} for inv in INVARIANTS}
     for result in results:
@@ -35,7 +38,7 @@ def get_verdicts(results: list[CellResult]) -> dict[str, dict[str, Verdict]]:
             elif inv.id in failed or result.error is not None:
                 verdict = FAIL
             elif result.ok and result.exercised.get(inv.id, 0) == 0:
-                verdict = VACUOUS
+                verdict = NOT_APPLICABLE if inv.id in result.na_reasons else VACUOUS
             else:
                 verdict = PASS
             verdicts[inv.id][cell] = verdict
@@ -56,7 +59,9 @@ def render_table(results: list[CellResult]) -> str:
         row = "".join(f"{SYMBOLS[verdicts[inv.id][r.config.name]]:>3}" for r in results)
         lines.append(f"{inv.id:<6}{row}   {inv.claim}")
     failures = render_failures(results)
-    return "\n".join(lines + ([""] + failures.splitlines() if failures else []))
+    na = render_na_reasons(results)
+    return "\n".join(lines + ([""] + na.splitlines() if na else [])
+                     + ([""] + failures.splitlines() if failures else []))
 
 
 def _shape(head: str, text: str) -> str:
@@ -135,6 +140,30 @@ def render_failures(results: list[CellResult]) -> str:
     return "\n".join(lines)
 
 
+def get_na_reasons(result: CellResult) -> dict[str, str]:
+    """The applicable invariants left n/a in this cell for want of a witness at its sizes,
+    with the reason (those the search reached after all are not among them)."""
+    return {inv: reason for inv, reason in sorted(result.na_reasons.items())
+            if not result.exercised.get(inv, 0)}
+
+
+def render_na_reasons(results: list[CellResult]) -> str:
+    """One line per (invariant, reason) with its cells: what has no witness at these sizes
+    and why (n/a, not a pass)."""
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for result in results:
+        for inv, reason in get_na_reasons(result).items():
+            grouped.setdefault((inv, reason), []).append(result.config.name)
+    if not grouped:
+        return ""
+    lines = ["n/a for want of a witness at these sizes (not a pass):"]
+    for (inv, reason), cells in sorted(grouped.items()):
+        where = cells[0] if len(cells) == 1 else f"{len(cells)} cells: {', '.join(cells)}"
+        lines += textwrap.wrap(f"  {inv} in {where}: {reason}", width=100,
+                               subsequent_indent="      ", break_on_hyphens=False)
+    return "\n".join(lines)
+
+
 def is_clean(results: list[CellResult]) -> bool:
     """Every cell ran clean and every applicable invariant had a witness."""
     verdicts = get_verdicts(results)
@@ -156,6 +185,10 @@ def build_section(results: list[CellResult]) -> dict[str, Any]:
             "exercised": {inv.id: result.exercised.get(inv.id, 0) for inv in INVARIANTS
                           if inv.applies(result.config.cell)},
         }
+        if result.witness_source is not None:
+            entry["witnesses"] = {"source": result.witness_source,
+                                  "ran": result.witnesses_ran,
+                                  "not_applicable": get_na_reasons(result)}
         if result.violation is not None:
             entry["violation"] = str(result.violation)
             entry["failed"] = list(result.failed_ids)

@@ -23,11 +23,13 @@ from overlap_spec.harness.conformance.cli import (
 )
 from overlap_spec.harness.drive.cells import format_sizes, get_fault_sizes, select_configs
 from overlap_spec.harness.drive.stateful import get_profile
+from overlap_spec.harness.drive.witness import describe_witnesses
 from overlap_spec.harness.pool import catching_interrupts, raise_if_interrupted
 from overlap_spec.harness.report import (
     get_verdicts,
     hypothesis_tier_report,
     render_failures,
+    render_na_reasons,
     write_json,
 )
 from overlap_spec.harness.verdict import CheckReport, Verdict
@@ -57,9 +59,7 @@ def cmd_review(args: argparse.Namespace) -> int:
     print(report.closing_line())
     if args.json:
         write_json(report.to_json(), Path(args.json))
-    if report.interrupted:
-        return 130
-    return 0 if report.ok else 1
+    return report.exit_code
 
 
 def _review_reference(args: argparse.Namespace, profile_name: str, faults: frozenset[str],
@@ -72,11 +72,15 @@ def _review_reference(args: argparse.Namespace, profile_name: str, faults: froze
           + (f", faults {','.join(sorted(faults))}" if faults else "")
           + (f", sizes {format_sizes(args.sizes)}"
              if getattr(args, "sizes", None) else ""))
+    print(describe_witnesses(configs))
     out = Path(args.out) / "failures" if args.out else None
     # Our minimiser instead of Hypothesis's shrinker: a failing cell costs seconds, not
     # tens of seconds, and the counterexample is as small (tests/test_review.py).
     results = run_hypothesis_cells(configs, profile, args.seed, faults, out, args.jobs,
                                    args.quiet, shrink=False)
+    na = render_na_reasons(results)
+    if na:
+        print(na)
     failures = render_failures(results)
     if failures:
         print(failures)

@@ -4,7 +4,14 @@ Each tier keeps the words natural to it for its items (a mutant is *killed*, a p
 obligation *proved*, a trace *ok*), and says what each word means here through
 :data:`ITEM_VERDICTS`; its overall result is a :class:`TierReport` with a :class:`Verdict`.
 :class:`CheckReport` holds the tiers of one run and is the only place that decides
-whether the run passed.
+whether the run passed, and the one place that turns that into an exit code
+(:attr:`CheckReport.exit_code`).
+
+Exit codes, for every command that reports a verdict: 0 clean; 1 a violation, a crash, a
+vacuous check or an inconclusive one; 2 a usage error, found before any work (raised as
+``UsageError``, never a report); 3 the upstream tier cannot drive the sglang it was given
+(it does not import, or a name the tier relies on is missing or has another signature:
+``upstream/compat.py``) and nothing else failed; 130 interrupted.
 """
 
 from __future__ import annotations
@@ -26,10 +33,14 @@ class Verdict(enum.StrEnum):
     INCONCLUSIVE = "inconclusive"  # a crash, a solver timeout or "unknown"
     NOT_APPLICABLE = "n/a"
     SKIPPED = "skipped"
+    # The upstream tier cannot drive the sglang given (upstream/compat.py): nothing was
+    # checked, so never a pass; exit 3 when it is the only failure.
+    CANNOT_DRIVE = "cannot-drive"
 
     @property
     def fails_run(self) -> bool:
-        return self in (Verdict.FAIL, Verdict.VACUOUS, Verdict.INCONCLUSIVE)
+        return self in (Verdict.FAIL, Verdict.VACUOUS, Verdict.INCONCLUSIVE,
+                        Verdict.CANNOT_DRIVE)
 
 
 # The item-level words of each tier, in the one vocabulary.
@@ -39,7 +50,14 @@ ITEM_VERDICTS: dict[str, Verdict] = {
     "counterexample": Verdict.FAIL, "other-id": Verdict.FAIL, "vacuous": Verdict.VACUOUS,
     "inconclusive": Verdict.INCONCLUSIVE, "unknown": Verdict.INCONCLUSIVE,
     "error": Verdict.INCONCLUSIVE, "n/a": Verdict.NOT_APPLICABLE, "skipped": Verdict.SKIPPED,
+    "cannot-drive": Verdict.CANNOT_DRIVE,
 }
+
+EXIT_CLEAN = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_CANNOT_DRIVE = 3
+EXIT_INTERRUPTED = 130
 
 
 def as_verdict(word: str) -> Verdict:
@@ -54,7 +72,7 @@ def combine(verdicts: list[Verdict]) -> Verdict:
     """The verdict of several checks: the worst one; all n/a is n/a; nothing is skipped."""
     if not verdicts:
         return Verdict.SKIPPED
-    for worst in (Verdict.FAIL, Verdict.INCONCLUSIVE, Verdict.VACUOUS):
+    for worst in (Verdict.FAIL, Verdict.INCONCLUSIVE, Verdict.VACUOUS, Verdict.CANNOT_DRIVE):
         if worst in verdicts:
             return worst
     if all(v is Verdict.NOT_APPLICABLE for v in verdicts):
@@ -106,10 +124,25 @@ class CheckReport:
     def ok(self) -> bool:
         return self.interrupted is None and not any(t.verdict.fails_run for t in self.tiers)
 
+    @property
+    def exit_code(self) -> int:
+        """130 interrupted; 0 passed; 3 when the only failing tiers could not drive their
+        sglang; 1 otherwise (a violation anywhere outranks an undrivable sglang)."""
+        if self.interrupted is not None:
+            return EXIT_INTERRUPTED
+        failing = [t.verdict for t in self.tiers if t.verdict.fails_run]
+        if not failing:
+            return EXIT_CLEAN
+        if all(v is Verdict.CANNOT_DRIVE for v in failing):
+            return EXIT_CANNOT_DRIVE
+        return EXIT_FAILED
+
     def closing_line(self) -> str:
         parts = ", ".join(t.summary for t in self.tiers)
         word = ("INTERRUPTED (report incomplete)" if self.interrupted
-                else "OK" if self.ok else "FAILED")
+                else "OK" if self.ok
+                else "CANNOT DRIVE SGLANG" if self.exit_code == EXIT_CANNOT_DRIVE
+                else "FAILED")
         return (f"{word}: {parts}, seed {self.seed}, "
                 f"profile {self.profile}, {self.elapsed_s:.1f}s")
 

@@ -236,6 +236,8 @@ SWEEP: dict[tuple[str, ...], list[tuple[list[str], str]]] = {
     ("cells",): [(["extra"], "unrecognized arguments: extra"),
                  (["--limits", "--preset", "huge"], "invalid choice: 'huge'")],
     ("invariants",): [(["--bogus"], "unrecognized arguments: --bogus")],
+    ("witnesses",): [(["--bogus"], "unrecognized arguments: --bogus"),
+                     (["-j", "0"], "argument -j/--jobs")],
 }
 
 CASES = [(path, argv, message) for path, cases in SWEEP.items() for argv, message in cases]
@@ -391,3 +393,45 @@ def test_what_the_parser_restates_agrees_with_its_source() -> None:
     assert prove_cli.DEFAULT_REQUESTS == tier.DEFAULT_REQUESTS
     assert prove_cli.DEFAULT_BMC_TIMEOUT_MS == tier.DEFAULT_BMC_TIMEOUT_MS
     assert trace_cli.DEFAULT_WINDOW == render.DEFAULT_WINDOW
+
+
+# Paths no process can write, root included: /proc takes no new files, and a path under
+# a regular file has no directory to go in.
+UNWRITABLE = ["/proc/overlap-spec-report.json", "{file}/report.json"]
+OUTPUT_OPTIONS = [
+    (["check"], "--json"), (["check"], "--out"), (["review"], "--json"),
+    (["review"], "--out"), (["mutants"], "--json"), (["exhaust"], "--json"),
+    (["exhaust"], "--out"), (["diff"], "--out"), (["prove"], "--json"),
+    (["upstream", "check"], "--json"), (["upstream", "check"], "--out"),
+    (["trace", "check", "{file}"], "--json"), (["bench", "gpu"], "--out"),
+]
+
+
+@pytest.mark.parametrize("where", UNWRITABLE, ids=["proc", "under-a-file"])
+@pytest.mark.parametrize(("command", "option"), OUTPUT_OPTIONS,
+                         ids=[" ".join([*c, o]) for c, o in OUTPUT_OPTIONS])
+def test_every_output_option_refuses_an_unwritable_path_first(
+        command: list[str], option: str, where: str, paths: dict[str, str],
+        capsys: pytest.CaptureFixture[str]) -> None:
+    target = where.format(**paths)
+    if option == "--out":
+        target = target.removesuffix(".json")
+    code = main([*_fill(command, paths), option, target])
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2, (code, out, err)
+    assert len(lines) == 1 and lines[0].startswith(f"overlap-spec: error: argument {option}"), err
+    assert out == "", "the command started before its output path was checked"
+
+
+def test_an_unwritable_json_ends_check_before_any_tier_runs() -> None:
+    """Until the path was probed, root passed os.access on /proc and the whole run went by
+    before the report could not be written (the verdict lost)."""
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    done = subprocess.run([sys.executable, "-m", "overlap_spec", "check", "--cells", "ov-p1-none",
+                           "--json", "/proc/overlap-spec-report.json"], capture_output=True,
+                          text=True, env=env, timeout=120, check=False)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert done.stdout == "", "a tier started"
+    lines = [line for line in done.stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and "cannot write /proc/overlap-spec-report.json" in lines[0]

@@ -202,3 +202,7 @@ def test_a_built_wheel_holds_every_module_under_the_namespace(tmp_path: Path) ->
     missing = sorted(expected - names)
     assert not missing, f"not in the wheel: {missing[:10]}"
     assert f"{NAMESPACE}/py.typed" in names and f"{NAMESPACE}/__main__.py" in names
+    # The witness corpus travels with the package (harness.drive.witness reads it).
+    corpus = {f"{NAMESPACE}/{p.relative_to(ROOT).as_posix()}"
+              for p in (ROOT / "harness" / "drive" / "witnesses").rglob("*.json")}
+    assert corpus and corpus <= names, sorted(corpus - names)[:5]

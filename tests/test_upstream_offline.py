@@ -12,6 +12,7 @@ import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 
@@ -420,3 +421,293 @@ def test_a_reference_crash_in_the_differential_is_a_failure_with_its_script(
     saved = load_script(Path(report.divergence["script"]))
     assert saved.implementation == "upstream-differential" and saved.seed == 7
     assert saved.ops == short.ops
+
+
+# ---------------------------------------------------------------------- compat (no sglang)
+UPSTREAM_DIR = Path(__file__).resolve().parents[1] / "upstream"
+FAKE_UPSTREAM = '''
+class Base:
+    def __init__(self):
+        self.inherited = 1
+
+class Scheduler(Base):
+    flag = True
+
+    def __init__(self, a, b=2):
+        super().__init__()
+        self.chunked_req = None
+
+    def run_batch(self, batch, *args, key=None, **kwargs):
+        return batch
+
+    @staticmethod
+    def helper(x, /, y):
+        return x
+
+def build(*, server_args, model_config):
+    return None
+
+def loose(**kwargs):
+    return kwargs
+'''
+
+
+@pytest.fixture
+def fake_upstream(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+    (tmp_path / "fake_upstream_mod.py").write_text(FAKE_UPSTREAM)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    sys.modules.pop("fake_upstream_mod", None)
+    return "fake_upstream_mod"
+
+
+def test_compat_finds_each_kind_of_change(fake_upstream: str) -> None:
+    from overlap_spec.upstream.compat import Need, check_need, get_mismatches
+
+    m = fake_upstream
+    ok = [Need(m, "", "module", "u"), Need(m, "Scheduler", "class", "u"),
+          Need(m, "Scheduler.run_batch", "callable", "u",
+               signature="(self, batch, *args, key=, **kwargs)"),
+          Need(m, "Scheduler.helper", "callable", "u", signature="(x, /, y)"),
+          Need(m, "Scheduler", "callable", "u", accepts=("a", "b")),
+          Need(m, "loose", "callable", "u", accepts=("anything",)),
+          Need(m, "build", "callable", "u", signature="(*, server_args, model_config)"),
+          Need(m, "Scheduler.chunked_req", "attribute", "u"),
+          Need(m, "Scheduler.inherited", "attribute", "u"),
+          Need(m, "Scheduler.flag", "attribute", "u")]
+    assert [check_need(n) for n in ok] == [None] * len(ok)
+    bad = {
+        Need(m, "Scheduler.process_pending", "callable", "u", signature="(self)"):
+            f"missing: {m}.Scheduler has no 'process_pending'",
+        Need(m, "Scheduler.run_batch", "callable", "u", signature="(self, batch)"):
+            "signature changed: now (self, batch, *args, key=, **kwargs), the tier expects "
+            "(self, batch)",
+        Need(m, "Scheduler", "callable", "u", accepts=("a", "c")):
+            "no longer accepts c (signature now (a, b=))",
+        Need(m, "Scheduler.waiting_queue", "attribute", "u"):
+            f"missing: {m}.Scheduler no longer has an attribute 'waiting_queue'",
+        Need(m, "build", "class", "u"): f"{m}.build is no longer a class",
+        Need("no_such_module_here", "X", "callable", "u", signature="()"):
+            "module no_such_module_here does not import",
+    }
+    for need, change in bad.items():
+        found = check_need(need)
+        assert found is not None and found.startswith(change), (need, found)
+    mismatches = get_mismatches(tuple(bad))
+    assert [x.hook for x in mismatches] == [n.hook for n in bad]
+    assert mismatches[0].line() == (f"cannot drive this sglang: Scheduler.process_pending: "
+                                    f"missing: {m}.Scheduler has no 'process_pending'")
+
+
+def test_compat_table_renders_every_row_and_counts_the_missing(fake_upstream: str) -> None:
+    from overlap_spec.upstream.compat import Need, check_compat, render_compat
+
+    needs = (Need(fake_upstream, "Scheduler.run_batch", "callable", "u",
+                  signature="(self, batch)"),
+             Need(fake_upstream, "Scheduler.gone", "callable", "u", signature="(self)"),
+             Need(fake_upstream, "Scheduler.chunked_req", "attribute", "u"))
+    text = render_compat(check_compat(needs))
+    rows = {line.split()[0]: line.split()[2] for line in text.splitlines()[1:4]}
+    assert rows == {"Scheduler.run_batch": "CHANGED", "Scheduler.gone": "MISSING",
+                    "Scheduler.chunked_req": "ok"}
+    assert "1/3 names present" in text and "2 missing or changed" in text
+
+
+def _sglang_imports(tree: Any) -> set[tuple[str, str]]:
+    import ast
+
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("sglang"):
+            found |= {(node.module or "", alias.name) for alias in node.names}
+        elif isinstance(node, ast.Import):
+            found |= {(alias.name, "") for alias in node.names
+                      if alias.name.startswith("sglang")}
+    return found
+
+
+def test_every_sglang_import_of_the_tier_is_in_the_compat_list() -> None:
+    import ast
+
+    from overlap_spec.upstream.compat import NEEDS
+
+    listed = {(n.module, n.name.split(".")[0]) for n in NEEDS} | {(n.module, "") for n in NEEDS}
+    imports = set()
+    for path in sorted(UPSTREAM_DIR.glob("*.py")):
+        imports |= _sglang_imports(ast.parse(path.read_text()))
+    # Submodules imported as names (``from sglang.srt.managers import scheduler``) are
+    # modules in the list.
+    unlisted = {(m, n) for m, n in imports
+                if (m, n) not in listed and (f"{m}.{n}", "") not in listed}
+    assert len(imports) > 20 and unlisted == set(), unlisted
+
+
+# The names the tier's files give the release's objects, and the class each one is.
+RECEIVERS = {"sched": "Scheduler", "self.scheduler": "Scheduler", "req": "Req",
+             "track.req": "Req", "chunked": "Req", "r": "Req", "batch": "ScheduleBatch",
+             "running_batch": "ScheduleBatch", "sched.running_batch": "ScheduleBatch",
+             "req.kv": "ReqKvInfo", "chunked.kv": "ReqKvInfo", "middle.kv": "ReqKvInfo",
+             "track.req.kv": "ReqKvInfo", "future_map": "FutureMap",
+             "req.sampling_params": "SamplingParams", "r.sampling_params": "SamplingParams"}
+# Set on the scheduler by the stand-in init_model_worker (what the real one sets), or the
+# ingest hook the session replaces per instance: written, not relied on.
+WRITTEN_BY_THE_TIER = {"ingest_requests", "tp_worker", "model_worker", "draft_worker",
+                       "max_total_num_tokens", "max_running_requests", "max_prefill_tokens",
+                       "max_req_len", "device", "random_seed", "max_queued_requests",
+                       "min_free_slots_delayer", "forward_stream", "schedule_stream",
+                       "tp_group", "tp_cpu_group", "attn_tp_group", "attn_tp_cpu_group",
+                       "attn_cp_group", "attn_cp_cpu_group", "pp_group", "world_group",
+                       "dp_tp_group", "dp_tp_cpu_group", "pad_input_ids_func",
+                       "kv_cache_allocation_time"}
+
+
+def test_every_attribute_the_tier_reads_off_the_release_is_in_the_compat_list() -> None:
+    """``sched.chunked_req``, ``req.kv.kv_committed_len``, ``batch.spec_info``...: every
+    attribute or method the adapter, hooks, session and worker use on the release's
+    scheduler, batches, requests and relay is a listed need of that class."""
+    import ast
+
+    from overlap_spec.upstream.compat import NEEDS
+
+    listed = {tuple(n.name.split(".", 1)) for n in NEEDS if "." in n.name}
+    used: set[tuple[str, str]] = set()
+    for name in ("adapter.py", "hooks.py", "session.py", "worker.py"):
+        for node in ast.walk(ast.parse((UPSTREAM_DIR / name).read_text())):
+            if isinstance(node, ast.Attribute) and ast.unparse(node.value) in RECEIVERS:
+                used.add((RECEIVERS[ast.unparse(node.value)], node.attr))
+    unlisted = {u for u in used if u not in listed
+                and not (u[0] == "Scheduler" and u[1] in WRITTEN_BY_THE_TIER)}
+    assert len(used) > 60 and unlisted == set(), sorted(unlisted)
+
+
+def test_every_name_the_tier_patches_is_in_the_compat_list() -> None:
+    """``X.name = ...`` where X is an sglang module or class the tier imported (hooks.py,
+    session.py): the wrapped and replaced names are listed (the upstream tests compare a
+    built session's modules before and after, too)."""
+    import ast
+
+    from overlap_spec.upstream.compat import NEEDS
+
+    aliases = {"sb": "ScheduleBatch", "cls": "Scheduler", "scheduler_module": "",
+               "allocation": "", "overlap_utils": "", "SchedulerMetricsReporter":
+               "SchedulerMetricsReporter", "scheduler_module.Scheduler": "Scheduler",
+               "scheduler_module.kv_cache_builder": "kv_cache_builder",
+               "overlap_utils.FutureMap": "FutureMap"}
+    listed = {n.name for n in NEEDS}
+    patched = set()
+    for name in ("hooks.py", "session.py"):
+        for node in ast.walk(ast.parse((UPSTREAM_DIR / name).read_text())):
+            if isinstance(node, ast.Assign):
+                for target in node.targets:
+                    if (isinstance(target, ast.Attribute)
+                            and ast.unparse(target.value) in aliases):
+                        owner = aliases[ast.unparse(target.value)]
+                        patched.add(f"{owner}.{target.attr}" if owner else target.attr)
+    assert {"ScheduleBatch.prepare_for_extend", "Scheduler.run_batch",
+            "kv_cache_builder.build_kv_cache", "assign_req_to_token_pool_func",
+            "FutureMap.stash", "TEST_RETRACT_INTERVAL"} <= patched
+    assert patched - listed == set(), sorted(patched - listed)
+
+
+def test_every_stand_in_names_listed_sglang_names() -> None:
+    """The stand-ins' targets (upstream/standins.py) that name a method or module global
+    are in the compat list."""
+    from overlap_spec.upstream.compat import NEEDS
+    from overlap_spec.upstream.standins import STAND_INS
+
+    listed = {n.name for n in NEEDS}
+    named = set()
+    for stand_in in STAND_INS:
+        named |= set(re.findall(r"\b((?:Scheduler|ScheduleBatch|FutureMap|"
+                                r"SchedulerMetricsReporter|SchedulerInvariantChecker)"
+                                r"\.\w+)", stand_in.target))
+    assert len(named) > 10
+    unlisted = {n for n in named if n not in listed and n != "Scheduler.chunked_prefill_size"}
+    assert unlisted == set(), unlisted
+
+
+def test_a_tree_is_labelled_by_its_own_version_and_commit(tmp_path: Path) -> None:
+    """Not the installed release's metadata: the tree's _version.py, else a literal in
+    version.py, else git describe; and the checkout's commit, modified or not."""
+    from overlap_spec.upstream.bootstrap import describe_package, read_tree_version
+
+    package = tmp_path / "python" / "sglang"
+    package.mkdir(parents=True)
+    # version.py as upstream's checkout has it: no literal, it asks the installed metadata.
+    (package / "version.py").write_text(
+        "import importlib.metadata\n__version__ = importlib.metadata.version('sglang')\n")
+    (package / "__init__.py").write_text("from sglang.version import __version__\n")
+    assert read_tree_version(package) == "unknown"
+    described = describe_package(package, release=False, installed_version="0.5.23")
+    assert described.version == "unknown" and described.commit is None
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t", "-C", str(tmp_path)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "c"], check=True)
+    subprocess.run([*git, "tag", "v0.5.30"], check=True)
+    head = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    described = describe_package(package, release=False, installed_version="0.5.23")
+    assert described.version == "0.5.30 (git describe)"
+    assert (described.commit, described.modified) == (head, False)
+    (package / "__init__.py").write_text("# edited\n")
+    described = describe_package(package, release=False, installed_version="0.5.23")
+    assert described.modified is True
+    assert described.describe() == (f"sglang 0.5.30 (git describe) at commit {head} "
+                                    f"(modified) ({package})")
+    (package / "_version.py").write_text("__version__ = version = '0.5.31.dev2'\n")
+    assert read_tree_version(package) == "0.5.31.dev2"
+    release = describe_package(package, release=True, installed_version="0.5.23")
+    assert (release.version, release.source, release.commit) == ("0.5.23", "release", None)
+
+
+def _report_with(mismatches: list[dict[str, str]]) -> dict[str, Any]:
+    from overlap_spec.harness.conformance.cli import _undrivable_cell, build_report
+
+    args = SimpleNamespace(sglang_src=Path("/src"), seed=1, profile="ci", preset="minimal",
+                           sizes=None)
+    cells = {c: _undrivable_cell(mismatches) for c in ("ov-p1-none", "nov-p1-none")}
+    return build_report(cells, {"version": "0.5.24", "source": "/src/python/sglang",
+                                "commit": "abc1234", "modified": False},
+                        args,  # type: ignore[arg-type]
+                        1.0, mismatches)
+
+
+def test_an_undrivable_sglang_is_reported_per_cell_and_exits_3() -> None:
+    from overlap_spec.harness.conformance.cli import render_report, upstream_tier_report
+    from overlap_spec.harness.verdict import CheckReport, TierReport, Verdict
+
+    mismatch = {"hook": "Scheduler.run_batch", "change": "missing: ..."}
+    report = _report_with([mismatch])
+    assert report["ok"] is False and report["cannot_drive"] == [mismatch]
+    text = render_report(report)
+    assert text.startswith("sglang 0.5.24 at commit abc1234 (/src/python/sglang), seed 1")
+    said = [x.strip() for x in text.splitlines() if "cannot drive this sglang" in x]
+    assert said == ["cannot drive this sglang: Scheduler.run_batch: missing: ..."] * 2
+    tier = upstream_tier_report(report)
+    assert tier.verdict is Verdict.CANNOT_DRIVE and tier.verdict.fails_run
+    run = CheckReport(seed=1, profile="ci")
+    run.add(TierReport("hypothesis", Verdict.PASS, "2/2 cells clean"))
+    run.add(tier)
+    assert not run.ok and run.exit_code == 3
+    assert run.closing_line().startswith("CANNOT DRIVE SGLANG: 2/2 cells clean, UPSTREAM")
+    # A violation elsewhere outranks it: exit 1.
+    run.add(TierReport("mutants", Verdict.FAIL, "MUTANTS FAILED"))
+    assert run.exit_code == 1
+    run.interrupt("mutants")
+    assert run.exit_code == 130
+
+
+def test_exit_codes_of_a_check_report() -> None:
+    from overlap_spec.harness.verdict import CheckReport, TierReport, Verdict
+
+    def code(*verdicts: Verdict) -> int:
+        run = CheckReport(seed=1, profile="ci")
+        for i, v in enumerate(verdicts):
+            run.add(TierReport(f"t{i}", v, "x"))
+        return run.exit_code
+
+    assert code(Verdict.PASS, Verdict.SKIPPED, Verdict.NOT_APPLICABLE) == 0
+    assert code(Verdict.PASS, Verdict.VACUOUS) == 1
+    assert code(Verdict.INCONCLUSIVE, Verdict.CANNOT_DRIVE) == 1
+    assert code(Verdict.CANNOT_DRIVE) == 3
+    assert code() == 0

@@ -178,6 +178,10 @@ def test_release_passes_with_listed_findings(tmp_path: Path) -> None:
     assert "U6" in listed  # RP5: an abort's last verify shows tokens past the cap
     # Every finding carries a minimised script that reproduces it on the release.
     spec_finding = next(f for f in report["findings"] if f["id"] == "U3")
+    # ... and says which sglang it was seen on (the release: no commit).
+    seen_on = json.loads(Path(spec_finding["script"]).read_text())["seen_on"]
+    assert seen_on["version"] == "0.5.23" and seen_on["source"] == "release"
+    assert report["sglang"]["commit"] is None and report["cannot_drive"] == []
     replay = run_cli("replay", spec_finding["script"])
     assert replay.returncode == 0, replay.stdout + replay.stderr
     assert "listed finding U3" in replay.stdout
@@ -283,7 +287,7 @@ def test_copy_first_on_pythonpath_is_the_one_driven(tmp_path: Path) -> None:
 
 
 @needs_sglang
-@pytest.mark.parametrize("case", ["missing", "not-a-tree", "wrong-version", "import-fails"])
+@pytest.mark.parametrize("case", ["missing", "not-a-tree"])
 def test_bad_sglang_input_exits_2_with_one_line(tmp_path: Path, case: str) -> None:
     env = dict(os.environ)
     args = ["check", "--cells", "ov-p1-none", "-q"]
@@ -291,28 +295,202 @@ def test_bad_sglang_input_exits_2_with_one_line(tmp_path: Path, case: str) -> No
         args += ["--sglang-src", str(tmp_path / "nowhere")]
     elif case == "not-a-tree":
         args += ["--sglang-src", str(tmp_path)]
-    else:
-        fake = tmp_path / "fake" / "sglang"
-        (fake / "srt" / "managers").mkdir(parents=True)
-        (fake / "srt" / "__init__.py").write_text("")
-        (fake / "srt" / "managers" / "__init__.py").write_text("")
-        if case == "wrong-version":
-            (fake / "__init__.py").write_text("__version__ = '0.4.0'\n")
-            (fake / "srt" / "managers" / "scheduler.py").write_text("")
-            env["PYTHONPATH"] = str(fake.parent)
-        else:
-            (fake / "__init__.py").write_text("__version__ = '0.5.23'\n")
-            (fake / "srt" / "managers" / "scheduler.py").write_text(
-                "import sglang_missing_dependency\n")
-            args += ["--sglang-src", str(fake.parent)]
     done = run_cli(*args, env=env)
     assert done.returncode == 2, done.stdout + done.stderr
     lines = [x for x in done.stderr.splitlines() if x.strip() and not x.startswith("[20")]
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr
-    expected = {"missing": "no such directory", "not-a-tree": "not an SGLang tree",
-                "wrong-version": "sglang 0.4.0 is installed",
-                "import-fails": "sglang does not import"}[case]
+    expected = {"missing": "no such directory", "not-a-tree": "not an SGLang tree"}[case]
     assert expected in lines[0]
+
+
+def make_fake_sglang(root: Path, version: str, scheduler: str) -> Path:
+    """A package called sglang with a scheduler module of the given text."""
+    fake = root / "fake" / "sglang"
+    (fake / "srt" / "managers").mkdir(parents=True)
+    (fake / "srt" / "__init__.py").write_text("")
+    (fake / "srt" / "managers" / "__init__.py").write_text("")
+    (fake / "__init__.py").write_text(f"__version__ = {version!r}\n")
+    (fake / "srt" / "managers" / "scheduler.py").write_text(scheduler)
+    return fake.parent
+
+
+def assert_cannot_drive(done: subprocess.CompletedProcess[str], report_path: Path,
+                        cells: list[str], hook: str, change: str) -> dict[str, Any]:
+    """Exit 3, every cell saying it cannot drive this sglang at ``hook``, no traceback,
+    and the JSON report saying the same."""
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "Traceback" not in done.stdout + done.stderr
+    said = [x.strip() for x in done.stdout.splitlines()
+            if x.strip().startswith("cannot drive this sglang:")]
+    assert len(said) == len(cells), done.stdout
+    assert all(x.startswith(f"cannot drive this sglang: {hook}: ") and change in x
+               for x in said), done.stdout
+    report = json.loads(report_path.read_text())
+    assert report["ok"] is False
+    assert [m["hook"] for m in report["cannot_drive"]] == [hook]
+    assert {report["cells"][c]["verdict"] for c in cells} == {"cannot-drive"}
+    assert "CANNOT DRIVE" in done.stdout
+    return report
+
+
+@needs_sglang
+@pytest.mark.parametrize("case", ["wrong-version", "import-fails"])
+def test_an_sglang_that_does_not_import_or_is_another_release_exits_3(
+        tmp_path: Path, case: str) -> None:
+    env = dict(os.environ)
+    report_path = tmp_path / "r.json"
+    args = ["check", "--cells", "ov-p1-none,nov-p1-none", "-q", "--json", str(report_path),
+            "--out", str(tmp_path / "out")]
+    if case == "wrong-version":
+        env["PYTHONPATH"] = str(make_fake_sglang(tmp_path, "0.4.0", ""))
+        hook, change = "sglang version", "sglang 0.4.0 is installed"
+    else:
+        tree = make_fake_sglang(tmp_path, "0.5.23", "import sglang_missing_dependency\n")
+        args += ["--sglang-src", str(tree)]
+        hook, change = "import sglang", "sglang does not import: ModuleNotFoundError"
+    done = run_cli(*args, env=env)
+    report = assert_cannot_drive(done, report_path, ["ov-p1-none", "nov-p1-none"], hook,
+                                 change)
+    if case == "import-fails":  # the version is the tree's own, read without importing it
+        assert report["sglang"]["version"] == "0.5.23"
+        assert report["sglang"]["source"] == str(tree / "sglang")
+
+
+@needs_sglang
+def test_a_renamed_private_method_is_named_and_exits_3(tmp_path: Path) -> None:
+    """A copy of the release with ``Scheduler._add_request_to_queue`` renamed: no cell runs,
+    each says which name is gone (until the compat check, an AttributeError and exit 1);
+    ``upstream compat`` lists it as missing. The copy sits in a git checkout with its own
+    version: the report names that version and the commit, not the installed release."""
+    tree = make_broken_copy(tmp_path, "srt/managers/scheduler.py",
+                            "    def _add_request_to_queue(self, req: Req, ",
+                            "    def _add_request_to_queue_renamed(self, req: Req, ")
+    version_file = tree / "sglang" / "_version.py"
+    text = version_file.read_text()
+    version_file.unlink()
+    version_file.write_text(text.replace("'0.5.23'", "'0.5.24.dev7'"))
+    git = ["git", "-c", "user.email=t@t", "-c", "user.name=t", "-C", str(tree)]
+    subprocess.run([*git, "init", "-q"], check=True)
+    subprocess.run([*git, "add", "-A"], check=True)
+    subprocess.run([*git, "commit", "-qm", "copy"], check=True)
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True,
+                            text=True, check=True).stdout.strip()
+    report_path = tmp_path / "r.json"
+    cells = ["ov-p1-none", "ov-p4-v2chain-cpu-honest"]
+    done = run_cli("check", "--cells", ",".join(cells), "--sglang-src", str(tree), "-q",
+                   "--json", str(report_path), "--out", str(tmp_path / "out"))
+    report = assert_cannot_drive(done, report_path, cells, "Scheduler._add_request_to_queue",
+                                 "missing")
+    assert report["sglang"]["version"] == "0.5.24.dev7"
+    assert report["sglang"]["commit"] == commit and report["sglang"]["modified"] is False
+    assert f"sglang 0.5.24.dev7 at commit {commit}" in done.stdout
+    compat = run_cli("compat", "--sglang-src", str(tree))
+    assert compat.returncode == 3, compat.stdout + compat.stderr
+    rows = {x.split()[0]: x for x in compat.stdout.splitlines() if x.strip()}
+    assert "MISSING" in rows["Scheduler._add_request_to_queue"]
+    assert rows["Scheduler.run_batch"].split()[2] == "ok"
+    assert "1 missing or changed" in compat.stdout
+
+
+@needs_sglang
+def test_a_changed_signature_exits_3(tmp_path: Path) -> None:
+    """``Scheduler.update_running_batch`` grows a parameter: the hook passes arguments by
+    position, so the tier refuses the tree rather than guess."""
+    tree = make_broken_copy(
+        tmp_path, "srt/managers/scheduler.py",
+        "    def update_running_batch(self, batch: ScheduleBatch) -> Optional[ScheduleBatch]:",
+        "    def update_running_batch(self, batch: ScheduleBatch, budget: int = 0)"
+        " -> Optional[ScheduleBatch]:")
+    report_path = tmp_path / "r.json"
+    done = run_cli("check", "--cells", "ov-p1-none", "--sglang-src", str(tree), "-q",
+                   "--json", str(report_path), "--out", str(tmp_path / "out"))
+    assert_cannot_drive(done, report_path, ["ov-p1-none"], "Scheduler.update_running_batch",
+                        "signature changed: now (self, batch, budget=)")
+
+
+@needs_sglang
+def test_the_release_has_every_name_the_tier_relies_on() -> None:
+    done = run_cli("compat")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "sglang 0.5.23 (release)" in done.stdout
+    assert "names present as the tier expects" in done.stdout
+    assert "MISSING" not in done.stdout and "CHANGED" not in done.stdout
+
+
+PATCH_PROBE = """
+import importlib, json, sys, types
+from overlap_spec.upstream.bootstrap import load_sglang
+load_sglang()
+from overlap_spec.spec.config import MINIMAL, ModelConfig, get_cell
+from overlap_spec.upstream.compat import NEEDS
+def snapshot():
+    seen = {}
+    for name, module in list(sys.modules.items()):
+        if not name.startswith("sglang") or not isinstance(module, types.ModuleType):
+            continue
+        for key, value in list(vars(module).items()):
+            seen[(id(module), key)] = (value, name + ":" + key)
+            if isinstance(value, type) and value.__module__ == name:
+                for attr, item in list(vars(value).items()):
+                    seen[(id(value), attr)] = (item, name + ":" + key + "." + attr)
+    return seen
+listed = set()
+for need in NEEDS:
+    if not need.name:
+        continue
+    parent = importlib.import_module(need.module)
+    *path, last = need.name.split(".")
+    for part in path:
+        parent = getattr(parent, part)
+    listed.add((id(parent), last))
+from overlap_spec.upstream.session import get_session
+before = snapshot()
+get_session(ModelConfig(get_cell(sys.argv[1]), MINIMAL))
+after = snapshot()
+changed = [(key, label) for key, (value, label) in before.items()
+           if key in after and after[key][0] is not value]
+print(json.dumps({"changed": sorted(label for _, label in changed),
+                  "unlisted": sorted(label for key, label in changed if key not in listed)}))
+"""
+
+
+@needs_sglang
+@pytest.mark.parametrize("cell", ["ov-p1-none", "ov-p4-v2tree-cpu-honest"])
+def test_every_name_a_session_patches_is_in_the_compat_list(cell: str) -> None:
+    """What building a session replaced or wrapped in sglang's modules and classes (found
+    by comparing them before and after) is in upstream/compat.py's list: a new patch
+    cannot go unlisted."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([p for p in [env.get("PYTHONPATH", ""), str(REPO)] if p])
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", PATCH_PROBE, cell],
+                          capture_output=True, text=True, env=env, timeout=600, check=False,
+                          cwd=REPO)
+    assert done.returncode == 0, done.stderr[-3000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    # The probe sees the patches (it cannot come back empty by mistake).
+    assert "sglang.srt.managers.scheduler:Scheduler.process_batch_result" in found["changed"]
+    assert "sglang.srt.mem_cache.kv_cache_builder:build_kv_cache" in found["changed"]
+    unlisted = [x for x in found["unlisted"] if x not in RELEASE_OWN_STATE]
+    assert unlisted == [], unlisted
+
+
+# What 0.5.23 changes itself while a scheduler is built (its process groups, backend
+# choices, counters; read off the probe): not patches of the tier.
+RELEASE_OWN_STATE: frozenset[str] = frozenset({
+    "sglang.kernels.ops.mamba.triton_ops.ssu_dispatch:_mamba_ssu_backend",
+    "sglang.srt.distributed.bootstrap:_PARALLEL_INITIALISED",
+    "sglang.srt.distributed.device_communicators.custom_all_reduce_utils:"
+    "gpu_p2p_access_check",
+    *(f"sglang.srt.distributed.parallel_state:{name}" for name in (
+        "_ATTN_CP", "_ATTN_TP", "_MOE_DP", "_MOE_EP", "_MOE_TP", "_PP", "_SELF_PP", "_TP",
+        "_WORLD")),
+    "sglang.srt.layers.quantization.fp4_utils:FP4_GEMM_RUNNER_BACKEND",
+    "sglang.srt.layers.quantization.fp8_utils:FP8_GEMM_RUNNER_BACKEND",
+    "sglang.srt.layers.quantization.unquant:_BF16_GEMM_BACKEND",
+    "sglang.srt.mem_cache.radix_cache:TreeNode.counter",
+    "sglang.srt.utils.common:_allowed_media_domains",
+    "sglang.srt.utils.common:_media_url_max_file_size_bytes",
+})
 
 
 UPSTREAM_CHECKER_PROBE = """
@@ -1010,3 +1188,24 @@ def test_a_page_tree_decode_reports_its_holey_width() -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["faults"] == 0 and result["rows"] == [59]
     assert result["widths"] == {"0": [6], "1": [6], "2": [6], "3": [10]}, result
+
+
+@needs_sglang
+def test_the_release_passes_at_quick_whatever_the_seed(tmp_path: Path) -> None:
+    """The tier replays the witnesses the release can be driven through before its search
+    (harness.drive.witness): at the quick budget and seed 2, RP8 used to be vacuous in
+    every non-speculative cell of the untouched release."""
+    cells = "ov-p1-none,nov-p1-none,ov-p4-none,nov-p4-none"
+    report_path = tmp_path / "r.json"
+    done = run_cli("check", "--cells", cells, "--profile", "quick", "--seed", "2",
+                   "--json", str(report_path), "--out", str(tmp_path), "-q")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(report_path.read_text())
+    for cell in cells.split(","):
+        entry = report["cells"][cell]
+        assert entry["verdict"] == "pass"
+        assert entry["invariants"]["RP8"] == "pass"
+        assert entry["exercised"]["RP8"] > 0
+        witnesses = entry["witnesses"]
+        assert witnesses["source"] == "corpus minimal/default.json"
+        assert witnesses["ran"] >= 1 and witnesses["not_applicable"] == {}

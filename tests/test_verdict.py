@@ -15,9 +15,10 @@ from overlap_spec.harness.verdict import (
 )
 
 
-def test_only_fail_vacuous_and_inconclusive_fail_a_run() -> None:
+def test_only_fail_vacuous_inconclusive_and_cannot_drive_fail_a_run() -> None:
     failing = {v for v in Verdict if v.fails_run}
-    assert failing == {Verdict.FAIL, Verdict.VACUOUS, Verdict.INCONCLUSIVE}
+    assert failing == {Verdict.FAIL, Verdict.VACUOUS, Verdict.INCONCLUSIVE,
+                       Verdict.CANNOT_DRIVE}
 
 
 @pytest.mark.parametrize("word,verdict", [

@@ -11,15 +11,23 @@ Which sglang is driven, in order:
    one driven;
 3. otherwise the release installed in the upstream environment (``./dev upstream``).
 
-Every failure is an :class:`UpstreamUnavailable` with one line a user can act on.
+Every failure is an :class:`UpstreamUnavailable` with one line a user can act on; a
+:class:`CannotDrive` (exit 3) when the sglang chosen is there but is not one the tier can
+drive (it does not import, it is another release than the one installed for the tier);
+the names it must have are checked by :mod:`upstream.compat`.
+
+The version reported is the driven tree's own (:func:`read_tree_version`), never the
+installed release's metadata, and a tree inside a git checkout is named by its commit.
 """
 
 from __future__ import annotations
 
+import ast
 import importlib
 import importlib.abc
 import importlib.machinery
 import os
+import subprocess
 import sys
 import types
 from dataclasses import dataclass
@@ -29,7 +37,16 @@ SUPPORTED_VERSION = "0.5.23"
 
 
 class UpstreamUnavailable(Exception):
-    """sglang cannot be driven here (missing, wrong version, not a tree, import failure)."""
+    """sglang cannot be driven here (missing, not a tree): a usage error."""
+
+
+class CannotDrive(UpstreamUnavailable):
+    """The sglang given is there but the tier cannot drive it (it does not import, another
+    release is installed, a name the tier relies on is gone): exit 3, not a usage error."""
+
+    def __init__(self, message: str, hook: str = "import sglang") -> None:
+        super().__init__(message)
+        self.hook = hook
 
 
 @dataclass(frozen=True)
@@ -37,6 +54,86 @@ class SglangSource:
     version: str
     source: str  # "release" (site-packages) or the directory the package came from
     package_dir: str
+    commit: str | None = None  # the git commit of a tree inside a checkout (short)
+    modified: bool = False  # that checkout has uncommitted changes
+
+    def describe(self) -> str:
+        """``sglang 0.5.23`` / ``sglang 0.5.24.dev3 at commit abc1234 (modified), /src``."""
+        commit = "" if self.commit is None else f" at commit {self.commit}" + (
+            " (modified)" if self.modified else "")
+        return f"sglang {self.version}{commit} ({self.source})"
+
+    def to_json(self) -> dict[str, str | bool | None]:
+        return {"version": self.version, "source": self.source, "commit": self.commit,
+                "modified": self.modified}
+
+
+def _read_assigned_string(path: Path, name: str) -> str | None:
+    """The string literal assigned to ``name`` at the top of ``path`` (not executed)."""
+    try:
+        tree = ast.parse(path.read_text())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in tree.body:
+        value: ast.expr | None
+        if isinstance(node, ast.Assign):
+            targets, value = node.targets, node.value
+        elif isinstance(node, ast.AnnAssign):
+            targets, value = [node.target], node.value
+        else:
+            continue
+        if (any(isinstance(t, ast.Name) and t.id == name for t in targets)
+                and isinstance(value, ast.Constant) and isinstance(value.value, str)):
+            return value.value
+    return None
+
+
+def read_git_commit(directory: Path) -> tuple[str | None, bool]:
+    """The short commit of the git checkout holding ``directory`` and whether it has
+    uncommitted changes; (None, False) outside a checkout or without git."""
+    try:
+        head = subprocess.run(["git", "-C", str(directory), "rev-parse", "--short", "HEAD"],
+                              capture_output=True, text=True, timeout=10, check=False)
+        if head.returncode != 0 or not head.stdout.strip():
+            return None, False
+        status = subprocess.run(["git", "-C", str(directory), "status", "--porcelain",
+                                 "--untracked-files=no", "--", "."], capture_output=True,
+                                text=True, timeout=30, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return None, False
+    return head.stdout.strip(), bool(status.stdout.strip())
+
+
+def read_tree_version(package_dir: Path) -> str:
+    """The version of the sglang package in ``package_dir`` (the ``sglang`` folder) as the
+    tree itself says it, without importing it: ``_version.py`` (written when the package
+    was built), or a literal ``__version__`` in ``version.py`` or ``__init__.py``; in a
+    git checkout with
+    neither, ``git describe --tags``; else ``unknown``. Never the installed release's
+    metadata, which ``version.py`` falls back to in a checkout."""
+    for name in ("_version.py", "version.py", "__init__.py"):
+        version = _read_assigned_string(package_dir / name, "__version__")
+        if version:
+            return version
+    try:
+        described = subprocess.run(["git", "-C", str(package_dir), "describe", "--tags",
+                                    "--always"], capture_output=True, text=True, timeout=10,
+                                   check=False)
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    text = described.stdout.strip()
+    return f"{text.removeprefix('v')} (git describe)" if described.returncode == 0 and text \
+        else "unknown"
+
+
+def describe_package(package_dir: Path, release: bool, installed_version: str
+                     ) -> SglangSource:
+    """What is driven: the release by its installed version, a tree by its own."""
+    if release:
+        return SglangSource(installed_version, "release", str(package_dir))
+    commit, modified = read_git_commit(package_dir)
+    return SglangSource(read_tree_version(package_dir), str(package_dir), str(package_dir),
+                        commit, modified)
 
 
 def find_package_dir(src: Path) -> Path:
@@ -130,7 +227,8 @@ def load_sglang(src: Path | None = None, expected_version: str | None = SUPPORTE
         import torch  # noqa: F401
     except Exception as error:  # noqa: BLE001
         raise UpstreamUnavailable(f"torch does not import: {error}") from None
-    if importlib.util.find_spec("sglang") is None:
+    spec = importlib.util.find_spec("sglang")
+    if spec is None:
         raise UpstreamUnavailable(
             "sglang is not installed in this environment; build the upstream environment with "
             "'./dev upstream' or pass --sglang-src DIR")
@@ -139,14 +237,34 @@ def load_sglang(src: Path | None = None, expected_version: str | None = SUPPORTE
         sglang = importlib.import_module("sglang")
         importlib.import_module("sglang.srt.managers.scheduler")
     except Exception as error:  # noqa: BLE001
-        raise UpstreamUnavailable(
+        raise CannotDrive(
             f"sglang does not import: {type(error).__name__}: {str(error)[:300]}") from None
-    version = str(getattr(sglang, "__version__", "unknown"))
-    package_dir = str(Path(sglang.__file__ or "").resolve().parent)
-    if expected_version is not None and src is None and version != expected_version:
-        raise UpstreamUnavailable(
+    package_dir = Path(sglang.__file__ or "").resolve().parent
+    release = "site-packages" in str(package_dir)
+    _LOADED = describe_package(package_dir, release,
+                               str(getattr(sglang, "__version__", "unknown")))
+    if expected_version is not None and src is None and _LOADED.version != expected_version:
+        version, _LOADED = _LOADED.version, None
+        raise CannotDrive(
             f"sglang {version} is installed; this adapter drives {expected_version} "
-            "(rebuild with './dev upstream', or pass --sglang-src for a tree)")
-    source = "release" if "site-packages" in package_dir else package_dir
-    _LOADED = SglangSource(version, source, package_dir)
+            "(rebuild with './dev upstream', or pass --sglang-src for a tree)", "sglang version")
     return _LOADED
+
+
+def find_sglang_source(src: Path | None) -> SglangSource | None:
+    """The sglang that :func:`load_sglang` would drive, described without importing it
+    (for a report when it does not import); None when there is none."""
+    if src is None and os.environ.get("OVERLAP_SPEC_SGLANG_SRC"):
+        src = Path(os.environ["OVERLAP_SPEC_SGLANG_SRC"])
+    if src is not None:
+        try:
+            package = find_package_dir(src.resolve()) / "sglang"
+        except UpstreamUnavailable:
+            return None
+        return describe_package(package, False, "unknown")
+    spec = importlib.util.find_spec("sglang")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    package = Path(next(iter(spec.submodule_search_locations))).resolve()
+    release = "site-packages" in str(package)
+    return describe_package(package, release, read_tree_version(package))

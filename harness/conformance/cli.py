@@ -6,9 +6,11 @@ forked from one cell server that imported sglang once
 (:mod:`overlap_spec.harness.conformance.server`), merges the cells into one report (text,
 and JSON with ``--json``) and exits 0 only if every drivable cell passed: no violation
 outside the listed findings, no divergence outside the allow-list, no vacuous invariant,
-no crash. ``upstream replay FILE`` re-runs a
-saved upstream script. ``upstream stand-ins`` and ``upstream findings`` print what the
-tier replaces and knows.
+no crash; it exits 3 and runs no cell when the tier cannot drive the sglang given (it does
+not import, or a name :mod:`upstream.compat` lists is missing or has another signature).
+``upstream replay FILE`` re-runs a saved upstream script. ``upstream compat`` prints every
+name the tier relies on and whether this sglang has it. ``upstream stand-ins`` and
+``upstream findings`` print what the tier replaces and knows.
 
 Which Python runs the cells: ``$OVERLAP_SPEC_UPSTREAM_PYTHON``; else this interpreter if
 it can import sglang; else ``.venv-upstream/bin/python`` at the checkout's root (what
@@ -47,7 +49,7 @@ from overlap_spec.harness.drive.cells import (
 )
 from overlap_spec.harness.drive.cells import UsageError as CommandUsageError
 from overlap_spec.harness.drive.cells import select_cells as select_cell_records
-from overlap_spec.harness.verdict import TierReport, Verdict
+from overlap_spec.harness.verdict import EXIT_CANNOT_DRIVE, CheckReport, TierReport, Verdict
 from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells
 from overlap_spec.upstream.standins import STAND_INS
 
@@ -101,6 +103,30 @@ def _failed_cell(reason: str) -> dict[str, Any]:
             "differential": {"verdict": "n/a", "divergences": []}}
 
 
+CANNOT_DRIVE = "cannot-drive"  # a cell's verdict when the tier cannot drive this sglang
+
+
+def _undrivable_cell(mismatches: list[dict[str, str]]) -> dict[str, Any]:
+    reason = "; ".join(f"cannot drive this sglang: {m['hook']}: {m['change']}"
+                       for m in mismatches)
+    return {"verdict": CANNOT_DRIVE, "reason": reason, "invariants": {}, "findings": [],
+            "differential": {"verdict": "n/a", "divergences": []}}
+
+
+def stamp_scripts(result: dict[str, Any], sglang: dict[str, Any]) -> None:
+    """Write into each finding and divergence script of a cell's result which sglang it
+    was seen on (a field ``seen_on`` the script loader ignores)."""
+    paths = [f.get("script") for f in result.get("findings", [])]
+    paths += [d.get("script") for d in result.get("differential", {}).get("divergences", [])]
+    for path in {p for p in paths if p}:
+        try:
+            raw = json.loads(Path(path).read_text())
+            raw["seen_on"] = sglang
+            Path(path).write_text(json.dumps(raw, indent=1) + "\n")
+        except (OSError, ValueError):
+            pass  # a script that cannot be stamped is still the script
+
+
 def _last_line(text: str) -> str:
     lines = [x for x in text.splitlines() if x.strip() and not x.startswith("[20")]
     return lines[-1] if lines else "no output"
@@ -151,13 +177,18 @@ def start_cell_server(python: str, cells: list[str], args: argparse.Namespace, o
 
 
 def collect_cell_server(server: CellServer, python: str, cells: list[str], out: Path,
-                        progress: bool) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
-    """sglang's version and source, and each cell's result, from a started server (told
-    to go on if it waits). sglang failing to import is a usage error (exit 2) before any
-    cell runs; a cell that crashes, times out or is lost with the server is a failing
-    cell, never a pass."""
+                        progress: bool
+                        ) -> tuple[dict[str, Any], dict[str, dict[str, Any]],
+                                   list[dict[str, str]]]:
+    """sglang's version, source and commit, each cell's result, and what the tier cannot
+    drive in this sglang (empty when nothing), from a started server (told to go on if it
+    waits). An sglang that does not import, or lacks a name the tier relies on
+    (:mod:`upstream.compat`), runs no cell: each is ``cannot-drive`` (exit 3); a bad tree
+    is a usage error (exit 2); a cell that crashes, times out or is lost with the server
+    is a failing cell, never a pass."""
     results: dict[str, dict[str, Any]] = {}
-    sglang: dict[str, str] | None = None
+    sglang: dict[str, Any] | None = None
+    mismatches: list[dict[str, str]] = []
     process = server.process
     try:
         if server.waiting:
@@ -173,8 +204,11 @@ def collect_cell_server(server: CellServer, python: str, cells: list[str], out: 
             kind = event["event"]
             if kind == "error":
                 raise UsageError(event["message"])
-            if kind == "sglang":
-                sglang = {"version": event["version"], "source": event["source"]}
+            if kind == "cannot-drive":
+                mismatches = event["mismatches"]
+                sglang = event["sglang"] or {"version": "unknown", "source": "unknown"}
+            elif kind == "sglang":
+                sglang = {k: v for k, v in event.items() if k != "event"}
             elif kind == "start" and progress:
                 print(f"  upstream {event['cell']} ...", file=sys.stderr, flush=True)
             elif kind == "done":
@@ -186,6 +220,8 @@ def collect_cell_server(server: CellServer, python: str, cells: list[str], out: 
                         f"{event.get('reason') or 'no result written'}")
                 else:
                     result = json.loads(result_path.read_text())
+                    if sglang is not None:
+                        stamp_scripts(result, sglang)
                 result["wall_s"] = event["wall_s"]
                 results[cell] = result
                 if progress:
@@ -201,13 +237,15 @@ def collect_cell_server(server: CellServer, python: str, cells: list[str], out: 
                          f"{_last_line(stderr)}")
     for cell in cells:
         if cell not in results:
-            results[cell] = _failed_cell(f"the cell server exited ({code}) before this cell "
-                                         f"finished: {_last_line(stderr)}")
-    return sglang, results
+            results[cell] = (_undrivable_cell(mismatches) if mismatches else _failed_cell(
+                f"the cell server exited ({code}) before this cell finished: "
+                f"{_last_line(stderr)}"))
+    return sglang, results, mismatches
 
 
-def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, str],
-                 args: argparse.Namespace, elapsed: float) -> dict[str, Any]:
+def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, Any],
+                 args: argparse.Namespace, elapsed: float,
+                 mismatches: list[dict[str, str]] | None = None) -> dict[str, Any]:
     from overlap_spec.harness.conformance.findings import (
         ALLOWED_DIVERGENCES,
         UPSTREAM_NOT_APPLICABLE,
@@ -220,6 +258,8 @@ def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, str],
         "version": 1,
         "ok": ok,
         "sglang": {**sglang, "tree": None if args.sglang_src is None else str(args.sglang_src)},
+        # What the tier cannot drive in this sglang (upstream/compat.py): no cell ran.
+        "cannot_drive": list(mismatches or []),
         "seed": args.seed,
         "profile": args.profile,
         "preset": args.preset,
@@ -228,6 +268,7 @@ def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, str],
         "cells": {c: {"verdict": r["verdict"], "reason": r.get("reason"),
                       "invariants": r.get("invariants", {}),
                       "exercised": r.get("exercised", {}), "runs": r.get("runs", 0),
+                      **({"witnesses": r["witnesses"]} if "witnesses" in r else {}),
                       "seconds": r.get("seconds"), "wall_s": r.get("wall_s")}
                   for c, r in results.items()},
         "differential": {
@@ -242,14 +283,23 @@ def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, str],
     }
 
 
+def describe_sglang(sglang: dict[str, Any]) -> str:
+    """``sglang 0.5.23 (release)``, ``sglang 0.5.24 at commit abc1234 (modified) (/src)``."""
+    commit = "" if not sglang.get("commit") else f" at commit {sglang['commit']}" + (
+        " (modified)" if sglang.get("modified") else "")
+    return f"sglang {sglang['version']}{commit} ({sglang['source']})"
+
+
 def render_report(report: dict[str, Any]) -> str:
     tree = report["sglang"].get("tree")
     replay = "overlap-spec upstream replay {}" + (f" --sglang-src {tree}" if tree else "")
-    lines = [f"sglang {report['sglang']['version']} ({report['sglang']['source']}), "
+    lines = [f"{describe_sglang(report['sglang'])}, "
              f"seed {report['seed']}, profile {report['profile']}, preset {report['preset']}"
              + (f", sizes {format_sizes(report['sizes'])}" if report.get("sizes") else "")]
     width = max(len(c) for c in report["cells"])
-    lines.append(f"{'cell':<{width}}  verdict  invariants                 differential")
+    wide = max(7, *(len(r["verdict"]) for r in report["cells"].values()))
+    lines.append(f"{'cell':<{width}}  {'verdict':<{wide}}  invariants                 "
+                 "differential")
     for cell, r in report["cells"].items():
         inv = r["invariants"]
         counts: dict[str, int] = {}
@@ -261,9 +311,21 @@ def render_report(report: dict[str, Any]) -> str:
         if "operations_agreed" in diff:
             aborts = diff.get("operations_by_kind", {}).get("abort", 0)
             diff_text += f" ({diff['operations_agreed']} ops agreed, {aborts} aborts)"
-        lines.append(f"{cell:<{width}}  {r['verdict']:<7}  {summary:<25}  {diff_text}")
-        if r["verdict"] != "pass" and r.get("reason"):
+        lines.append(f"{cell:<{width}}  {r['verdict']:<{wide}}  {summary:<25}  {diff_text}")
+        if r["verdict"] == CANNOT_DRIVE:
+            lines += [f"{'':<{width}}    cannot drive this sglang: {m['hook']}: {m['change']}"
+                      for m in report.get("cannot_drive", [])]
+        elif r["verdict"] != "pass" and r.get("reason"):
             lines.append(f"{'':<{width}}    {r['reason']}")
+    na: dict[tuple[str, str], list[str]] = {}
+    for cell, r in report["cells"].items():
+        for inv, why in r.get("witnesses", {}).get("not_applicable", {}).items():
+            na.setdefault((inv, why), []).append(cell)
+    if na:
+        lines.append("\nn/a for want of a witness the release can be driven through (not a "
+                     "pass):")
+        lines += [f"  {inv} in {', '.join(cells)}: {why}" for (inv, why), cells in
+                  sorted(na.items())]
     listed: dict[str, list[dict[str, Any]]] = {}
     new = []
     for f in report["findings"]:
@@ -298,6 +360,12 @@ def render_report(report: dict[str, Any]) -> str:
             lines.append(f"\ndifferential crashed in {cell}: {diff['error']}")
     driven = [c for c, r in report["cells"].items() if r["verdict"] != "n/a"]
     passed = sum(report["cells"][c]["verdict"] == "pass" for c in driven)
+    if report.get("cannot_drive"):
+        lines.append(f"\nCANNOT DRIVE {describe_sglang(report['sglang'])}: "
+                     f"{len(report['cannot_drive'])} name(s) the tier relies on are missing "
+                     "or changed ('overlap-spec upstream compat' lists them); no cell ran, "
+                     f"{report['elapsed_s']:.1f}s")
+        return "\n".join(lines)
     lines.append(f"\n{'OK' if report['ok'] else 'FAILED'}: {passed}/{len(driven)} driven cells "
                  f"pass ({len(report['cells']) - len(driven)} n/a), {len(new)} new finding(s), "
                  f"{report['elapsed_s']:.1f}s")
@@ -320,18 +388,11 @@ class UpstreamPlan:
 def plan_upstream_check(args: argparse.Namespace) -> UpstreamPlan:
     """Validate the arguments and find the drivable cells; a :class:`UsageError` on bad
     input, before anything runs."""
-    from overlap_spec.upstream.bootstrap import UpstreamUnavailable, find_package_dir
     from overlap_spec.upstream.session import is_drivable
 
+    _checked_sglang_src(args)
     if args.sglang_src is not None:
-        src = Path(args.sglang_src)
-        if not src.is_dir():
-            raise UsageError(f"--sglang-src {src}: no such directory")
-        try:
-            find_package_dir(src.resolve())
-        except UpstreamUnavailable as error:
-            raise UsageError(str(error.args[0])) from None
-        args.sglang_src = src.resolve()
+        args.sglang_src = Path(args.sglang_src).resolve()
     if args.preset not in PRESETS:
         raise UsageError(f"unknown preset {args.preset!r}; choose {', '.join(PRESETS)}")
     if args.profile not in PROFILE_NAMES:
@@ -376,15 +437,17 @@ def run_upstream_check(args: argparse.Namespace, progress: bool = True,
     plan = plan or plan_upstream_check(args)
     started = time.perf_counter()
     server = server or start_cell_server(plan.python, plan.runnable, plan.args, plan.out)
-    sglang, ran = collect_cell_server(server, plan.python, plan.runnable, plan.out, progress)
+    sglang, ran, mismatches = collect_cell_server(server, plan.python, plan.runnable, plan.out,
+                                                  progress)
     results = {**plan.results, **ran}
     ordered = {c: results[c] for c in plan.cells}
-    return build_report(ordered, sglang, plan.args, time.perf_counter() - started)
+    return build_report(ordered, sglang, plan.args, time.perf_counter() - started, mismatches)
 
 
 def cmd_upstream(args: argparse.Namespace) -> int:
-    """Exit codes: 0 every drivable cell passed, 1 otherwise; bad input raises a
-    :class:`UsageError` (exit 2, one line) before any cell runs."""
+    """Exit codes: 0 every drivable cell passed; 1 a violation, divergence, crash or
+    vacuous invariant; 3 the tier cannot drive this sglang (no cell ran); bad input raises
+    a :class:`UsageError` (exit 2, one line) before any cell runs."""
     if args.action == "stand-ins":
         from overlap_spec.upstream.standins import describe_stand_ins
 
@@ -405,11 +468,64 @@ def cmd_upstream(args: argparse.Namespace) -> int:
         return 0
     if args.action == "replay":
         return cmd_upstream_replay(args)
+    if args.action == "compat":
+        return cmd_upstream_compat(args)
     report = run_upstream_check(args, progress=not args.quiet)
     print(render_report(report))
     if args.json is not None:
         Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
-    return 0 if report["ok"] else 1
+    verdict = CheckReport(args.seed, args.profile)
+    verdict.add(upstream_tier_report(report))
+    return verdict.exit_code
+
+
+def _checked_sglang_src(args: argparse.Namespace) -> None:
+    """``--sglang-src`` must be an SGLang tree (a usage error otherwise)."""
+    from overlap_spec.upstream.bootstrap import UpstreamUnavailable, find_package_dir
+
+    if args.sglang_src is None:
+        return
+    src = Path(args.sglang_src)
+    if not src.is_dir():
+        raise UsageError(f"--sglang-src {src}: no such directory")
+    try:
+        find_package_dir(src.resolve())
+    except UpstreamUnavailable as error:
+        raise UsageError(str(error.args[0])) from None
+
+
+def _reexec_upstream(args: argparse.Namespace, action: str, *extra: str) -> int:
+    """Run this action again in the upstream environment (where sglang imports)."""
+    python = _require_python()
+    command = [python, "-W", "ignore", "-m", "overlap_spec.harness.conformance.cli", action,
+               *extra]
+    if args.sglang_src:
+        command += ["--sglang-src", str(args.sglang_src)]
+    return subprocess.run(command, env=_child_env(), check=False).returncode
+
+
+def cmd_upstream_compat(args: argparse.Namespace) -> int:
+    """``upstream compat``: every sglang name the tier relies on (upstream/compat.py) and
+    whether this sglang has it as expected. Exit 0 all present, 3 otherwise (or when it
+    does not import), 2 on bad input."""
+    _checked_sglang_src(args)
+    if importlib.util.find_spec("sglang") is None:
+        return _reexec_upstream(args, "compat")
+    from overlap_spec.upstream.bootstrap import CannotDrive, UpstreamUnavailable, load_sglang
+    from overlap_spec.upstream.compat import check_compat, render_compat
+
+    src = Path(args.sglang_src) if args.sglang_src else None
+    try:
+        source = load_sglang(src, expected_version=None)
+    except CannotDrive as error:
+        print(f"cannot drive this sglang: {error.hook}: {error.args[0]}")
+        return EXIT_CANNOT_DRIVE
+    except UpstreamUnavailable as error:
+        raise UsageError(str(error.args[0] if error.args else error)) from None
+    rows = check_compat()
+    print(source.describe())
+    print(render_compat(rows))
+    return EXIT_CANNOT_DRIVE if any(change is not None for _, change in rows) else 0
 
 
 def cmd_upstream_replay(args: argparse.Namespace) -> int:
@@ -422,24 +538,27 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
     if not path.is_file():
         raise UsageError(f"no such file {path}")
     if importlib.util.find_spec("sglang") is None:
-        python = _require_python()
-        command = [python, "-W", "ignore", "-m", "overlap_spec.harness.conformance.cli", "replay",
-                   str(path)]
-        if args.sglang_src:
-            command += ["--sglang-src", str(args.sglang_src)]
-        done = subprocess.run(command, env=_child_env(), check=False)
-        return done.returncode
+        return _reexec_upstream(args, "replay", str(path))
     from overlap_spec.harness.conformance.findings import get_known_finding
     from overlap_spec.harness.conformance.tier import UpstreamChecker, replay_on_upstream
     from overlap_spec.harness.drive.script import ScriptError, load_script
-    from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
+    from overlap_spec.upstream.bootstrap import CannotDrive, UpstreamUnavailable, load_sglang
+    from overlap_spec.upstream.compat import get_mismatches
     from overlap_spec.upstream.session import UpstreamCrash
 
     try:
         script = load_script(path)
         source = load_sglang(Path(args.sglang_src) if args.sglang_src else None)
+    except CannotDrive as error:
+        print(f"cannot drive this sglang: {error.hook}: {error.args[0]}")
+        return EXIT_CANNOT_DRIVE
     except (ScriptError, UpstreamUnavailable) as error:
         raise UsageError(str(error.args[0] if error.args else error)) from None
+    mismatches = get_mismatches()
+    if mismatches:
+        print(f"replaying {path} on {source.describe()}: not run")
+        print("\n".join(m.line() for m in mismatches))
+        return EXIT_CANNOT_DRIVE
     if script.implementation == "upstream-differential":
         from overlap_spec.harness.conformance.tier import replay_differential
 
@@ -485,10 +604,13 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
 
 
 def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("action", choices=["check", "replay", "stand-ins", "findings"],
+    parser.add_argument("action", choices=["check", "replay", "compat", "stand-ins",
+                                           "findings"],
                         help="check: run the tier; replay FILE: re-run a saved upstream "
-                             "script; stand-ins: what the tier replaces in sglang; "
-                             "findings: the listed findings and allowed divergences")
+                             "script; compat: every sglang name the tier relies on and "
+                             "whether this sglang has it; stand-ins: what the tier replaces "
+                             "in sglang; findings: the listed findings and allowed "
+                             "divergences")
     parser.add_argument("file", nargs="?", help="the script, for 'replay'")
     parser.add_argument("--cells", type=cell_patterns, default=None,
                         help="comma-separated cell names or globs (default: every cell; "
@@ -514,13 +636,42 @@ def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
 
 
+UPSTREAM_EPILOG = """exit codes: 0 every drivable cell passed (compat: every name present);
+1 a violation outside the listed findings, an unexplained divergence, a crash or a vacuous
+invariant; 2 a usage error, found before any cell runs (one line on stderr); 3 the tier
+cannot drive this sglang: it does not import, or a name the tier relies on is missing or
+has another signature (each cell says 'cannot drive this sglang: <hook>: <what changed>';
+'overlap-spec upstream compat' lists every name)."""
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = ArgumentParser(prog="overlap-spec upstream")
+    parser = ArgumentParser(prog="overlap-spec upstream", epilog=UPSTREAM_EPILOG,
+                            formatter_class=argparse.RawDescriptionHelpFormatter)
     add_upstream_arguments(parser)
     try:
         return cmd_upstream(parser.parse_args(argv))
     except CommandUsageError as error:
         return report_usage_error(error)
+
+
+def upstream_tier_report(report: dict[str, Any]) -> TierReport:
+    """The upstream tier's merged report as a tier of ``check``: cannot-drive when the
+    sglang given lacks a name the tier relies on (or does not import), never a pass."""
+    if report.get("cannot_drive"):
+        first = report["cannot_drive"][0]
+        reason = f"cannot drive this sglang: {first['hook']}: {first['change']}"
+        return TierReport("upstream", Verdict.CANNOT_DRIVE, "UPSTREAM CANNOT DRIVE SGLANG",
+                          {"upstream": report}, reason)
+    verdict = Verdict.PASS if report.get("ok") else Verdict.FAIL
+    return TierReport("upstream", verdict,
+                      "upstream ok" if verdict is Verdict.PASS else "UPSTREAM FAILED",
+                      {"upstream": report})
+
+
+def upstream_tier_error(reason: str) -> TierReport:
+    """The tier could not run (a usage error inside ``check``): inconclusive, not a pass."""
+    return TierReport("upstream", Verdict.INCONCLUSIVE, "UPSTREAM FAILED",
+                      {"upstream": {"status": "error", "ok": False, "reason": reason}}, reason)
 
 
 if __name__ == "__main__":
@@ -532,17 +683,3 @@ if __name__ == "__main__":
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(exit_code)
-
-
-def upstream_tier_report(report: dict[str, Any]) -> TierReport:
-    """The upstream tier's merged report as a tier of ``check``."""
-    verdict = Verdict.PASS if report.get("ok") else Verdict.FAIL
-    return TierReport("upstream", verdict,
-                      "upstream ok" if verdict is Verdict.PASS else "UPSTREAM FAILED",
-                      {"upstream": report})
-
-
-def upstream_tier_error(reason: str) -> TierReport:
-    """The tier could not run (a usage error inside ``check``): inconclusive, not a pass."""
-    return TierReport("upstream", Verdict.INCONCLUSIVE, "UPSTREAM FAILED",
-                      {"upstream": {"status": "error", "ok": False, "reason": reason}}, reason)

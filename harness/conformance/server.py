@@ -17,8 +17,12 @@ a child probing the first cell's scheduler build, and the cells run only when a 
 
 Protocol: one JSON object per line on standard output, nothing else there:
 
-- ``{"event": "sglang", "version", "source"}`` once sglang imported (the preflight);
-- ``{"event": "error", "message"}`` and exit 2 when it does not import;
+- ``{"event": "sglang", "version", "source", "commit", "modified"}`` once sglang imported
+  and has every name the tier relies on (the preflight, :mod:`upstream.compat`);
+- ``{"event": "cannot-drive", "sglang": {...} | null, "mismatches": [{"hook",
+  "change"}]}`` and exit 3 when it does not import, is another release than the tier's,
+  or lacks a name the tier relies on (or has it with another signature); nothing runs;
+- ``{"event": "error", "message"}`` and exit 2 on a usage error (no such tree);
 - ``{"event": "start", "cell"}`` and ``{"event": "done", "cell", "exit", "wall_s",
   "reason"}`` per cell; ``exit`` is the child's exit status (negative: killed by that
   signal), ``reason`` the last line of its standard error when it did not exit 0 (or
@@ -244,23 +248,43 @@ def main(argv: list[str] | None = None) -> int:
                         "only once a line 'go' arrives on standard input")
     args = parser.parse_args(argv)
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
+    from overlap_spec.upstream.bootstrap import (
+        CannotDrive,
+        UpstreamUnavailable,
+        find_sglang_source,
+        load_sglang,
+    )
 
     try:
         source = load_sglang(args.sglang_src)
-        preload()
+        # Before anything patches it: every name the tier relies on (upstream/compat.py).
+        from overlap_spec.upstream.compat import get_mismatches
+
+        mismatches = [m.to_json() for m in get_mismatches()]
+        if not mismatches:
+            preload()
+    except CannotDrive as error:
+        found = find_sglang_source(args.sglang_src)
+        emit(event="cannot-drive", sglang=None if found is None else found.to_json(),
+             mismatches=[{"hook": error.hook, "change": str(error.args[0])}])
+        return 3
     except UpstreamUnavailable as error:
         emit(event="error", message=str(error.args[0] if error.args else error))
         return 2
     except Exception as error:  # noqa: BLE001 - a tree that does not import: one line
-        emit(event="error", message=f"sglang does not import: {type(error).__name__}: "
-             f"{str(error)[:300]}")
-        return 2
+        found = find_sglang_source(args.sglang_src)
+        emit(event="cannot-drive", sglang=None if found is None else found.to_json(),
+             mismatches=[{"hook": "import sglang", "change": "sglang does not import: "
+                          f"{type(error).__name__}: {str(error)[:300]}"}])
+        return 3
+    if mismatches:
+        emit(event="cannot-drive", sglang=source.to_json(), mismatches=mismatches)
+        return 3
     if threading.active_count() != 1:
         emit(event="error", message="importing sglang started threads "
              f"({', '.join(t.name for t in threading.enumerate())}); cannot fork cells safely")
         return 2
-    emit(event="sglang", version=source.version, source=source.source)
+    emit(event="sglang", **source.to_json())
     args.out.mkdir(parents=True, exist_ok=True)
     cells = [c for c in args.cells.split(",") if c]
     if not cells:

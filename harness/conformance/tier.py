@@ -58,6 +58,7 @@ from overlap_spec.harness.drive.stateful import (
     get_profile,
     make_machine,
 )
+from overlap_spec.harness.drive.witness import get_plan, replay_witnesses
 from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, get_cell
 from overlap_spec.spec.interface import ObservableState
 from overlap_spec.spec.invariants import INVARIANTS, InvariantViolation
@@ -476,10 +477,16 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
                 diff.processed_early += self.pair.upstream.processed_early
 
     test = get_machine_test(CellMachine, profile.max_examples, profile.step_count, seed, True)
+    # The cell's deterministic witnesses first (those the release can be driven through),
+    # so a witness never depends on the seed (harness.drive.witness).
+    plan = get_plan(config)
+    claimed = frozenset(i for w in plan.witnesses if w.upstream for i in w.claims)
+    witnesses_ran = 0
     violation: InvariantViolation | None = None
     crash: str | None = None
     failure_script: Path | None = None
     try:
+        witnesses_ran = replay_witnesses(CellMachine, plan, upstream=True)
         test()
     except InvariantViolation as error:
         violation = error
@@ -536,6 +543,7 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
                          "actual": str(violation), "listed": False, "occurrences": 1})
 
     invariants: dict[str, str] = {}
+    na_reasons: dict[str, str] = {}
     for inv in INVARIANTS:
         if not inv.applies(config.cell):
             invariants[inv.id] = "n/a"
@@ -545,8 +553,13 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
             invariants[inv.id] = "fail"
         elif any(f["invariant"] == inv.id and f["listed"] for f in findings):
             invariants[inv.id] = "finding"
-        elif log.exercised[inv.id] == 0:
+        elif log.exercised[inv.id] == 0 and inv.id in claimed:
             invariants[inv.id] = "vacuous"
+        elif log.exercised[inv.id] == 0:
+            invariants[inv.id] = "n/a"
+            na_reasons[inv.id] = plan.na.get(inv.id) or (
+                "no witness the release can be driven through claims it (the corpus's need "
+                "a PD-prebuilt arrival or a rung switch) and the search reached none")
         else:
             invariants[inv.id] = "pass"
     if violation is not None and UPSTREAM_CHECKER_ID in violation.all_ids:
@@ -587,6 +600,8 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
         "reason": crash or (f"vacuous: {', '.join(vacuous)}" if vacuous else None),
         "invariants": invariants,
         "exercised": dict(log.exercised),
+        "witnesses": {"source": plan.source, "ran": witnesses_ran,
+                      "not_applicable": na_reasons},
         "runs": log.runs,
         "findings": findings,
         "differential": differential,

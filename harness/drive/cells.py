@@ -14,6 +14,7 @@ import dataclasses
 import fnmatch
 import os
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any, Final, NoReturn
@@ -279,9 +280,26 @@ def input_dir(text: str) -> str:
     return text
 
 
+def _probe_write(directory: Path) -> str | None:
+    """Create and remove a file in ``directory``: None when that works, else why not.
+    ``os.access`` is not enough: root passes it on a read-only mount (``/sys``) or a
+    ``/proc`` directory where no file can be created."""
+    try:
+        handle, name = tempfile.mkstemp(prefix=".overlap-spec-probe-", dir=directory)
+    except OSError as error:
+        return error.strerror or str(error)
+    os.close(handle)
+    try:
+        os.unlink(name)
+    except OSError:
+        pass
+    return None
+
+
 def output_file(text: str) -> str:
-    """An argparse ``type``: a file path the run will be able to write (checked now, so a
-    long run does not end in a traceback)."""
+    """An argparse ``type``: a file path the run will be able to write (checked now, by
+    creating a file beside it, so a long run does not end in an error that loses its
+    verdict)."""
     path = Path(text)
     if path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a directory; give a file path")
@@ -290,16 +308,18 @@ def output_file(text: str) -> str:
         raise argparse.ArgumentTypeError(f"directory {parent} does not exist")
     if not parent.is_dir():
         raise argparse.ArgumentTypeError(f"{parent} is not a directory")
-    writable = os.access(path, os.W_OK) if path.exists() else os.access(parent,
-                                                                         os.W_OK | os.X_OK)
-    if not writable:
+    if path.exists() and not os.access(path, os.W_OK):
         raise argparse.ArgumentTypeError(f"cannot write {text} (permission denied)")
+    problem = _probe_write(parent)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"cannot write {text} ({problem.lower()})")
     return text
 
 
 def output_dir(text: str) -> str:
     """An argparse ``type``: a directory the run can write into, or create with its parents
-    (checked now; it is created when the run writes)."""
+    (checked now by creating a file in it, or in the nearest folder that exists; it is
+    created when the run writes)."""
     path = Path(text)
     if path.exists() and not path.is_dir():
         raise argparse.ArgumentTypeError(f"{text} is a file, not a directory")
@@ -308,8 +328,9 @@ def output_dir(text: str) -> str:
         existing = existing.parent
     if not existing.is_dir():
         raise argparse.ArgumentTypeError(f"cannot create {text}: {existing} is a file")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        raise argparse.ArgumentTypeError(f"cannot write in {existing} (permission denied)")
+    problem = _probe_write(existing)
+    if problem is not None:
+        raise argparse.ArgumentTypeError(f"cannot write in {existing} ({problem.lower()})")
     return text
 
 

@@ -44,6 +44,7 @@ from overlap_spec.harness.drive.script import (
     run_script,
     save_script,
 )
+from overlap_spec.harness.drive.witness import Witness, WitnessPlan, get_plan, replay_witnesses
 from overlap_spec.harness.trace.check import TraceVerdict, record_script_trace
 from overlap_spec.harness.trace.format import get_trace_path
 from overlap_spec.spec.config import ModelConfig
@@ -187,6 +188,12 @@ class CellResult:
     error: BaseException | None = None
     # The trace checker's verdict on the saved counterexample's trace (None: nothing saved).
     trace_verdict: TraceVerdict | None = None
+    # The deterministic witnesses replayed before the search (harness.drive.witness): where
+    # they came from, how many ran, and the applicable invariants that have none at these
+    # sizes with the reason (n/a, not vacuous). None: the run replayed no witnesses.
+    witness_source: str | None = None
+    witnesses_ran: int = 0
+    na_reasons: dict[str, str] = field(default_factory=dict)
 
     @property
     def ok(self) -> bool:
@@ -260,27 +267,44 @@ def get_machine_test(machine: type[RuleBasedStateMachine], max_examples: int, st
 def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
                faults: frozenset[str] = frozenset(), implementation: str = "reference",
                save_dir: Path | None = None, shrink: bool = True,
-               max_examples: int | None = None, minimize: bool = False) -> CellResult:
+               max_examples: int | None = None, minimize: bool = False,
+               witnesses: bool = False) -> CellResult:
     """Run the stateful check in one cell; never raises for a violation, returns it.
 
     ``shrink=False`` skips Hypothesis's shrinker; ``minimize`` then shrinks the failing
     script with :func:`~overlap_spec.harness.drive.minimize.minimize_script` (same first
     invariant), which is much cheaper for these short operation scripts (the mutant
     runner minimises for the catalogue's invariant itself). ``max_examples`` overrides
-    the profile's (the mutant runner's budget).
+    the profile's (the mutant runner's budget). ``witnesses``: replay the cell's
+    deterministic witnesses (:func:`~overlap_spec.harness.drive.witness.get_plan`) before
+    the search, so that every applicable invariant is exercised by construction or
+    reported n/a with its reason (``check`` and ``review``; the mutant matrix, which asks
+    for a kill and not a witness, leaves them out).
     """
+    plan = get_plan(config) if witnesses else None
     log = RunLog()
     machine = make_machine(config, faults, implementation, log)
     examples = max_examples or profile.max_examples
     test = get_machine_test(machine, examples, profile.step_count, run_seed, shrink)
     started = time.perf_counter()
     result = CellResult(config, faults, run_seed, profile.name, 0.0)
+    if plan is not None:
+        result.witness_source, result.na_reasons = plan.source, dict(plan.na)
+    in_witnesses = plan is not None
     try:
+        if plan is not None:
+            if plan.failure is not None:  # the seeded search failed on the clean reference
+                replay_witnesses(machine, WitnessPlan([Witness(tuple(plan.failure.ops), ())],
+                                                      {}, plan.source))
+            result.witnesses_ran = replay_witnesses(machine, plan)
+        in_witnesses = False
         test()
     except InvariantViolation as violation:
         result.violation = violation
         script = log.last_script
-        if script is not None and minimize and not shrink:
+        # A witness that trips an invariant is minimised like a review's find (Hypothesis
+        # never saw it, so its shrinker did not run).
+        if script is not None and ((minimize and not shrink) or in_witnesses):
             script = minimize_script(script, violation.invariant_id)
             # The report describes the script that is saved.
             result.violation = run_script(script).violation or violation
@@ -325,7 +349,7 @@ class CellTask:
 
 def run_cell_task(task: CellTask) -> CellResult:
     return check_cell(task.config, task.profile, task.seed, task.faults, save_dir=task.save_dir,
-                      shrink=task.shrink, minimize=not task.shrink)
+                      shrink=task.shrink, minimize=not task.shrink, witnesses=True)
 
 
 def _count(number: int, noun: str) -> str:

@@ -9,7 +9,10 @@ operation           values
 ==================  =====================================================================
 admit               prompt_len 1; max_new_tokens 2 (finishes by length at its first
                     decode, or earlier by EOS) and the preset's maximum, 8 (still
-                    running at the depth bound unless EOS or an abort ends it)
+                    running at the depth bound unless EOS or an abort ends it); in
+                    non-speculative cells (and with ``mixed_chunk``) also the longest
+                    prompt, which the pool caps to 0 new tokens or admission refuses:
+                    a request with nothing to generate, RP8's witness
 admit_prebuilt      prompt_len 1 and page_size - 1 where that differs (3 at page size
                     4: the prompt ends one slot short of a page; B16 at page size 4
                     with the pre-claim dies within four operations from it, and needs
@@ -153,8 +156,9 @@ def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
     for a third request and a sixth operation, which a row reused under an in-flight
     forward needs (B9 with the release's fence). With ``chunked_prefill_size`` the full
     alphabet admits no prebuilt request (a PD decode instance does not chunk) and a
-    prompt of three chunks, and with ``mixed_chunk`` the longest
-    prompt, which a small pool caps to 0 new tokens (a prefill-only prefill)."""
+    prompt of three chunks, and in non-speculative cells or with ``mixed_chunk`` the
+    longest prompt, which a small pool caps to 0 new tokens or admission refuses (a
+    prefill-only prefill: RP8's witness)."""
     if scope not in MAX_REQUESTS_BY_SCOPE:
         raise ValueError(f"alphabet {scope!r}: not one of {', '.join(MAX_REQUESTS_BY_SCOPE)}")
     most = MAX_REQUESTS_BY_SCOPE[scope]
@@ -171,7 +175,10 @@ def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
                                                *([] if chunk else prebuilt)]
     if chunk:  # a prompt of three chunks: a middle chunk continued, then the last (B18)
         admissions.append(Admit(min(2 * chunk + 1, preset.max_context_len - 1), 2))
-    if preset.mixed_chunk:  # the longest prompt, which the pool caps to 0 new tokens (B19)
+    if preset.mixed_chunk or not cell.is_spec:
+        # The longest prompt, which the pool caps to 0 new tokens or admission refuses (a
+        # one-token stand-in with nothing to generate): RP8's witness, a prefill-only
+        # batch, and B19's trigger with mixed chunks.
         admissions.append(Admit(preset.max_context_len - 1, 2))
     rows = preset.max_running_requests
     domains: dict[str, tuple[Hashable, ...]] = {

@@ -30,6 +30,7 @@ from overlap_spec.harness.drive.cells import (
     UsageError,
     get_fault_sizes,
     select_configs,
+    split_preset,
 )
 from overlap_spec.harness.drive.script import save_script
 from overlap_spec.harness.exhaust import (
@@ -117,13 +118,28 @@ class CellReport:
     wall_seconds: float = 0.0
     cpu_seconds: float = 0.0
     error: str | None = None  # this tier's own failure (a counterexample that did not replay)
+    # The tier's default bounds (depth, requests, the full alphabet, the preset's sizes), at
+    # which every applicable invariant has a witness in every cell (tests/test_exhaust.py).
+    default_bounds: bool = True
 
     @property
-    def vacuous(self) -> tuple[str, ...]:
+    def unreached(self) -> tuple[str, ...]:
         """Applicable invariants with no witness; judged only when every sequence ran."""
         if not self.complete:
             return ()
         return tuple(i for i in self.applicable if not self.exercised.get(i))
+
+    @property
+    def vacuous(self) -> tuple[str, ...]:
+        """Unreached at the default bounds, where each used to be exercised: a failure."""
+        return self.unreached if self.default_bounds else ()
+
+    @property
+    def not_applicable(self) -> tuple[str, ...]:
+        """Unreached at other bounds: no sequence within them exercises it (every one
+        ran), which says what the bounds reach, not that the model lost a witness: n/a,
+        with that reason, never a pass."""
+        return () if self.default_bounds else self.unreached
 
     @property
     def kill(self) -> str | None:
@@ -185,6 +201,9 @@ def run_exhaust_task(task: ExhaustTask) -> CellReport:
     wanted = get_wanted_ids(faults)
     report = CellReport(config.name, task.depth, tuple(sorted(faults)), alphabet.describe(),
                         tuple(i.id for i in _applicable(config)))
+    report.default_bounds = (task.depth == get_default_depth(config.cell)
+                             and task.max_requests == MAX_REQUESTS and task.scope == FULL
+                             and not split_preset(config.preset)[1])
     if faults:
         def stop(violation: InvariantViolation) -> bool:
             return bool(set(violation.all_ids) & wanted)
@@ -276,7 +295,12 @@ def render_findings(reports: list[CellReport]) -> str:
         if report.vacuous:
             lines.append(f"[vacuous] {report.cell}: no witness for "
                          f"{', '.join(report.vacuous)} (every sequence up to depth "
-                         f"{report.depth} ran)")
+                         f"{report.depth} ran; the default bounds used to witness it)")
+        if report.not_applicable:
+            lines.append(f"[n/a] {report.cell}: {', '.join(report.not_applicable)}: no "
+                         f"sequence of up to {report.depth} operations over this alphabet "
+                         "exercises it (every one ran); not a pass: the default bounds "
+                         "witness it")
     return "\n".join(lines)
 
 
@@ -304,7 +328,8 @@ def build_exhaust_json(reports: list[CellReport], elapsed: float) -> dict[str, A
                 "states": r.states, "transitions": r.transitions,
                 "observations": r.observations, "levels": r.levels,
                 "witnesses": {i: r.exercised.get(i, 0) for i in r.applicable},
-                "vacuous": list(r.vacuous), "stopped": finding(r.stopped),
+                "vacuous": list(r.vacuous), "not_applicable": list(r.not_applicable),
+                "default_bounds": r.default_bounds, "stopped": finding(r.stopped),
                 "others": [finding(f) for f in r.others], "error": r.error,
                 "wall_s": round(r.wall_seconds, 3), "cpu_s": round(r.cpu_seconds, 3),
             }
