@@ -566,7 +566,11 @@ def build_parser() -> argparse.ArgumentParser:
                     "--write regenerates the corpus from a seeded search, minimised "
                     "(after a change of behaviour; about five minutes on 2 cores).")
     witnesses.add_argument("--write", action="store_true",
-                           help="regenerate the corpus in place")
+                           help="regenerate the corpus in place; refused (exit 1, nothing "
+                                "written) where an invariant the corpus witnessed would "
+                                "become n/a")
+    witnesses.add_argument("--accept-lost", action="store_true",
+                           help="with --write: write even so (the loss is intended)")
     witnesses.add_argument("-j", "--jobs", type=positive_int, default=jobs,
                            help=f"worker processes (default {jobs})")
     witnesses.set_defaults(func=cmd_witnesses)

@@ -11,6 +11,7 @@ from typing import Any
 
 from overlap_spec.harness.drive.cells import CONFIG_WIDTH
 from overlap_spec.harness.drive.stateful import CellResult, describe_failure
+from overlap_spec.harness.drive.witness import group_reasons
 from overlap_spec.harness.verdict import TierReport, Verdict
 from overlap_spec.spec.invariants import INVARIANTS
 
@@ -149,18 +150,18 @@ def get_na_reasons(result: CellResult) -> dict[str, str]:
 
 def render_na_reasons(results: list[CellResult]) -> str:
     """One line per (invariant, reason) with its cells: what has no witness at these sizes
-    and why (n/a, not a pass)."""
-    grouped: dict[tuple[str, str], list[str]] = {}
-    for result in results:
-        for inv, reason in get_na_reasons(result).items():
-            grouped.setdefault((inv, reason), []).append(result.config.name)
-    if not grouped:
-        return ""
-    lines = ["n/a for want of a witness at these sizes (not a pass):"]
-    for (inv, reason), cells in sorted(grouped.items()):
+    and why (n/a, not a pass); then any witness that no longer exercised what it claims."""
+    grouped = group_reasons({r.config.name: get_na_reasons(r) for r in results})
+    lines = ["n/a for want of a witness at these sizes (not a pass):"] if grouped else []
+    for inv, reason, cells in grouped:
         where = cells[0] if len(cells) == 1 else f"{len(cells)} cells: {', '.join(cells)}"
         lines += textwrap.wrap(f"  {inv} in {where}: {reason}", width=100,
                                subsequent_indent="      ", break_on_hyphens=False)
+    for result in results:
+        for index, claims in sorted(result.witnesses_lost.items()):
+            lines.append(f"witness {index} of {result.config.name} ({result.witness_source}) "
+                         f"no longer exercises {', '.join(claims)} (vacuous unless the "
+                         "search reached it: 'overlap-spec witnesses' says more)")
     return "\n".join(lines)
 
 
@@ -188,6 +189,9 @@ def build_section(results: list[CellResult]) -> dict[str, Any]:
         if result.witness_source is not None:
             entry["witnesses"] = {"source": result.witness_source,
                                   "ran": result.witnesses_ran,
+                                  # witness index -> the claims it no longer exercised
+                                  "lost": {str(k): v for k, v in
+                                           result.witnesses_lost.items()},
                                   "not_applicable": get_na_reasons(result)}
         if result.violation is not None:
             entry["violation"] = str(result.violation)

@@ -338,10 +338,11 @@ def test_clean_reference_has_no_violation_and_has_witnesses(cell: str) -> None:
     assert result.observations > result.transitions
 
 
-def test_a_depth_too_small_is_n_a_with_its_reason_not_a_pass(
+def test_a_depth_too_small_leaves_n_a_with_its_reason(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """Below the default bounds an unreached invariant says what the bounds reach: n/a with
-    the reason, never vacuous (which would fail a clean tree) and never counted a pass."""
+    the reason, never vacuous (which would fail a clean tree); the cell passes on what it
+    reached and says how many are n/a."""
     report = run_exhaust_task(ExhaustTask(_config("ov-p1-none"), 1, frozenset(), tmp_path))
     assert report.complete and not report.default_bounds
     assert report.not_applicable and not report.vacuous
@@ -352,6 +353,8 @@ def test_a_depth_too_small_is_n_a_with_its_reason_not_a_pass(
     out = capsys.readouterr().out
     assert (f"[n/a] ov-p1-none@minimal: {', '.join(report.not_applicable)}: no sequence of "
             "up to 1 operations over this alphabet exercises it") in out
+    assert f"pass (n/a {len(report.not_applicable)})" in out
+    assert f"{len(report.not_applicable)} invariant x cell n/a (unreached within" in out
     assert f"{report.not_applicable[0]} 0" in out.split("witnesses:")[1]
 
 
@@ -367,6 +370,8 @@ def test_an_unreached_invariant_at_the_default_bounds_is_vacuous() -> None:
     assert "[vacuous] ov-p1-none@minimal: no witness for" in render_findings([report])
     report.default_bounds = False
     assert report.verdict is Verdict.PASS and report.not_applicable == applicable[:1]
+    fewer = run_exhaust_task(ExhaustTask(config, 5, frozenset(), Path("."), max_requests=1))
+    assert not fewer.default_bounds  # fewer requests than the default: not its superset
 
 
 # -- deterministic counts -------------------------------------------------------------------

@@ -654,6 +654,12 @@ def test_a_tree_is_labelled_by_its_own_version_and_commit(tmp_path: Path) -> Non
     assert described.modified is True
     assert described.describe() == (f"sglang 0.5.30 (git describe) at commit {head} "
                                     f"(modified) ({package})")
+    # A copy lying untracked inside that checkout is not the checkout's commit or tag.
+    copy = tmp_path / "untracked" / "sglang"
+    copy.mkdir(parents=True)
+    (copy / "version.py").write_text((package / "version.py").read_text())
+    stray = describe_package(copy, release=False, installed_version="0.5.23")
+    assert (stray.version, stray.commit, stray.modified) == ("unknown", None, False)
     (package / "_version.py").write_text("__version__ = version = '0.5.31.dev2'\n")
     assert read_tree_version(package) == "0.5.31.dev2"
     release = describe_package(package, release=True, installed_version="0.5.23")

@@ -9,6 +9,7 @@ import json
 import re
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,6 +22,7 @@ from overlap_spec.harness.drive.witness import (
     WitnessPlan,
     check_cell_corpus,
     check_plan,
+    generate_cell,
     get_corpus_sizes,
     get_plan,
     get_stale_files,
@@ -30,9 +32,11 @@ from overlap_spec.harness.drive.witness import (
 )
 from overlap_spec.harness.report import get_verdicts, render_na_reasons
 from overlap_spec.harness.verdict import Verdict
+from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.invariants import INVARIANTS
 
 ROOT = Path(__file__).resolve().parent.parent
+_REAL_GENERATE = generate_cell
 SIZE_SETS = iter_corpus_configs()
 
 
@@ -58,7 +62,7 @@ def _documented_sizes() -> set[str]:
     texts += [p.read_text() for p in (ROOT / "harness").rglob("cli.py")]
     found = set()
     for text in texts:
-        for match in re.finditer(r"(?:--sizes[ =]|e\.g\. )([a-z_]+=\d+(?:,[a-z_]+=\d+)*)",
+        for match in re.finditer(r"(?:--sizes\s+|--sizes=|e\.g\. )([a-z_]+=\d+(?:,[a-z_]+=\d+)*)",
                                  text):
             found.add(format_sizes(parse_sizes(match.group(1))))
     return found
@@ -215,3 +219,25 @@ def test_the_command_writes_then_checks_a_corpus(tmp_path: Path,
     out = capsys.readouterr().out
     assert f"ov-p1-none@minimal[kv_tokens=16] witness 0: no longer exercises {lost}" in out
     assert "stale.json: stale" in out and out.splitlines()[-1].startswith("FAILED")
+    # Regenerating would turn that claim into an n/a: refused unless accepted.
+    entry["na"] = {}
+    claims_before = {i for w in entry["witnesses"] for i in w["claims"]}
+    entry["witnesses"][0]["claims"] = sorted(claims_before | {"SL1", "KV1"})
+    path.write_text(json.dumps(document))
+    monkeypatch.setattr(witness, "generate_cell", _generate_with_kv1_lost)
+    assert main(["witnesses", "--write", "-j", "1"]) == 1
+    out = capsys.readouterr().out
+    assert "ov-p1-none@minimal[kv_tokens=16]: KV1 witnessed before, n/a now" in out
+    assert json.loads(path.read_text()) == document  # nothing written
+    assert main(["witnesses", "--write", "--accept-lost", "-j", "1"]) == 0
+    assert "KV1" in json.loads(path.read_text())["cells"]["ov-p1-none"]["na"]
+
+
+def _generate_with_kv1_lost(config: ModelConfig) -> dict[str, Any]:
+    """generate_cell as if a change had made KV1 unreachable in ov-p1-none."""
+    real = _REAL_GENERATE(config)
+    if config.cell.name == "ov-p1-none":
+        for entry in real["witnesses"]:
+            entry["claims"] = [i for i in entry["claims"] if i != "KV1"]
+        real["na"]["KV1"] = "made up by the test"
+    return real

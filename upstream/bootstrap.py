@@ -90,17 +90,25 @@ def _read_assigned_string(path: Path, name: str) -> str | None:
 
 def read_git_commit(directory: Path) -> tuple[str | None, bool]:
     """The short commit of the git checkout holding ``directory`` and whether it has
-    uncommitted changes; (None, False) outside a checkout or without git."""
+    uncommitted changes; (None, False) outside a checkout, without git, or when the tree
+    is not tracked there (a copy lying untracked inside another repository is not that
+    repository's commit). A status that cannot be read keeps the commit, unmodified."""
+    def git(*args: str, timeout: int = 10) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(["git", "-C", str(directory), *args], capture_output=True,
+                              text=True, timeout=timeout, check=False)
+
     try:
-        head = subprocess.run(["git", "-C", str(directory), "rev-parse", "--short", "HEAD"],
-                              capture_output=True, text=True, timeout=10, check=False)
+        head = git("rev-parse", "--short", "HEAD")
         if head.returncode != 0 or not head.stdout.strip():
             return None, False
-        status = subprocess.run(["git", "-C", str(directory), "status", "--porcelain",
-                                 "--untracked-files=no", "--", "."], capture_output=True,
-                                text=True, timeout=30, check=False)
+        if not git("ls-files", "--").stdout.strip():
+            return None, False  # nothing here is tracked by the enclosing checkout
     except (OSError, subprocess.SubprocessError):
         return None, False
+    try:
+        status = git("status", "--porcelain", "--untracked-files=no", "--", ".", timeout=30)
+    except (OSError, subprocess.SubprocessError):
+        return head.stdout.strip(), False
     return head.stdout.strip(), bool(status.stdout.strip())
 
 
@@ -108,13 +116,15 @@ def read_tree_version(package_dir: Path) -> str:
     """The version of the sglang package in ``package_dir`` (the ``sglang`` folder) as the
     tree itself says it, without importing it: ``_version.py`` (written when the package
     was built), or a literal ``__version__`` in ``version.py`` or ``__init__.py``; in a
-    git checkout with
-    neither, ``git describe --tags``; else ``unknown``. Never the installed release's
-    metadata, which ``version.py`` falls back to in a checkout."""
+    git checkout that tracks it with neither, ``git describe --tags``; else ``unknown``.
+    Never the installed release's metadata, which ``version.py`` falls back to in a
+    checkout."""
     for name in ("_version.py", "version.py", "__init__.py"):
         version = _read_assigned_string(package_dir / name, "__version__")
         if version:
             return version
+    if read_git_commit(package_dir)[0] is None:
+        return "unknown"  # not a checkout, or a copy the enclosing checkout does not track
     try:
         described = subprocess.run(["git", "-C", str(package_dir), "describe", "--tags",
                                     "--always"], capture_output=True, text=True, timeout=10,

@@ -284,10 +284,12 @@ def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, Any],
 
 
 def describe_sglang(sglang: dict[str, Any]) -> str:
-    """``sglang 0.5.23 (release)``, ``sglang 0.5.24 at commit abc1234 (modified) (/src)``."""
-    commit = "" if not sglang.get("commit") else f" at commit {sglang['commit']}" + (
-        " (modified)" if sglang.get("modified") else "")
-    return f"sglang {sglang['version']}{commit} ({sglang['source']})"
+    """``sglang 0.5.23 (release)``, ``sglang 0.5.24 at commit abc1234 (modified) (/src)``:
+    :meth:`SglangSource.describe` of a report's ``sglang`` entry."""
+    from overlap_spec.upstream.bootstrap import SglangSource
+
+    return SglangSource(sglang["version"], sglang["source"], "", sglang.get("commit") or None,
+                        bool(sglang.get("modified"))).describe()
 
 
 def render_report(report: dict[str, Any]) -> str:
@@ -317,15 +319,19 @@ def render_report(report: dict[str, Any]) -> str:
                       for m in report.get("cannot_drive", [])]
         elif r["verdict"] != "pass" and r.get("reason"):
             lines.append(f"{'':<{width}}    {r['reason']}")
-    na: dict[tuple[str, str], list[str]] = {}
-    for cell, r in report["cells"].items():
-        for inv, why in r.get("witnesses", {}).get("not_applicable", {}).items():
-            na.setdefault((inv, why), []).append(cell)
+    from overlap_spec.harness.drive.witness import group_reasons
+
+    na = group_reasons({cell: r.get("witnesses", {}).get("not_applicable", {})
+                        for cell, r in report["cells"].items()})
     if na:
         lines.append("\nn/a for want of a witness the release can be driven through (not a "
                      "pass):")
-        lines += [f"  {inv} in {', '.join(cells)}: {why}" for (inv, why), cells in
-                  sorted(na.items())]
+        lines += [f"  {inv} in {', '.join(cells)}: {why}" for inv, why, cells in na]
+    for cell, r in report["cells"].items():
+        for index, claims in r.get("witnesses", {}).get("lost", {}).items():
+            lines.append(f"\nwitness {index} of {cell} no longer exercises "
+                         f"{', '.join(claims)} on this sglang (the reference's run of it "
+                         "does; vacuous unless the search reached it)")
     listed: dict[str, list[dict[str, Any]]] = {}
     new = []
     for f in report["findings"]:

@@ -48,7 +48,7 @@ from overlap_spec.harness.conformance.findings import (
     get_allowed,
     match_finding,
 )
-from overlap_spec.harness.drive.cells import make_preset, parse_sizes
+from overlap_spec.harness.drive.cells import format_sizes, make_preset, parse_sizes, split_preset
 from overlap_spec.harness.drive.checker import InvariantChecker
 from overlap_spec.harness.drive.script import Iterate, Op, Script, apply_op, save_script
 from overlap_spec.harness.drive.stateful import (
@@ -481,12 +481,19 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
     # so a witness never depends on the seed (harness.drive.witness).
     plan = get_plan(config)
     claimed = frozenset(i for w in plan.witnesses if w.upstream for i in w.claims)
-    witnesses_ran = 0
+    # The reference itself failing the seeded search (sizes outside the corpus) leaves no
+    # ground for an n/a: the cell fails, saying so.
+    witness_failure = None if plan.failure is None else (
+        "the reference fails the seeded witness search at these sizes: overlap-spec review "
+        f"--cells {config.cell.name} --sizes {format_sizes(split_preset(config.preset)[1])} "
+        "shows it")
+    witnesses_ran, witnesses_lost = 0, dict[int, list[str]]()
     violation: InvariantViolation | None = None
     crash: str | None = None
     failure_script: Path | None = None
     try:
-        witnesses_ran = replay_witnesses(CellMachine, plan, upstream=True)
+        witnesses_ran, witnesses_lost = replay_witnesses(
+            CellMachine, plan, upstream=True, ignore=frozenset(UPSTREAM_NOT_APPLICABLE))
         test()
     except InvariantViolation as error:
         violation = error
@@ -553,7 +560,7 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
             invariants[inv.id] = "fail"
         elif any(f["invariant"] == inv.id and f["listed"] for f in findings):
             invariants[inv.id] = "finding"
-        elif log.exercised[inv.id] == 0 and inv.id in claimed:
+        elif log.exercised[inv.id] == 0 and (inv.id in claimed or witness_failure):
             invariants[inv.id] = "vacuous"
         elif log.exercised[inv.id] == 0:
             invariants[inv.id] = "n/a"
@@ -594,13 +601,16 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
         differential["reason"] = reason
     vacuous = [i for i, v in invariants.items() if v == "vacuous"]
     failed = (violation is not None or crash is not None or bool(vacuous)
-              or differential["verdict"] not in ("pass",))
+              or witness_failure is not None or differential["verdict"] not in ("pass",))
     return {
         "verdict": "fail" if failed else "pass",
-        "reason": crash or (f"vacuous: {', '.join(vacuous)}" if vacuous else None),
+        "reason": crash or witness_failure or (f"vacuous: {', '.join(vacuous)}" if vacuous
+                                               else None),
         "invariants": invariants,
         "exercised": dict(log.exercised),
+        # witness index -> the claims the release no longer met with the witness's ops
         "witnesses": {"source": plan.source, "ran": witnesses_ran,
+                      "lost": {str(k): v for k, v in witnesses_lost.items()},
                       "not_applicable": na_reasons},
         "runs": log.runs,
         "findings": findings,

@@ -193,6 +193,7 @@ class CellResult:
     # sizes with the reason (n/a, not vacuous). None: the run replayed no witnesses.
     witness_source: str | None = None
     witnesses_ran: int = 0
+    witnesses_lost: dict[int, list[str]] = field(default_factory=dict)  # witness -> claims
     na_reasons: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -296,7 +297,7 @@ def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
             if plan.failure is not None:  # the seeded search failed on the clean reference
                 replay_witnesses(machine, WitnessPlan([Witness(tuple(plan.failure.ops), ())],
                                                       {}, plan.source))
-            result.witnesses_ran = replay_witnesses(machine, plan)
+            result.witnesses_ran, result.witnesses_lost = replay_witnesses(machine, plan)
         in_witnesses = False
         test()
     except InvariantViolation as violation:

@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from overlap_spec.harness.drive.cells import (
+    UsageError,
     check_sizes,
     format_sizes,
     make_preset,
@@ -127,7 +128,21 @@ class WitnessPlan:
 
 def get_corpus_path(config: ModelConfig) -> Path:
     base, sizes = split_preset(config.preset)
-    return CORPUS_DIR / base / f"{format_sizes(sizes) or 'default'}.json"
+    return _corpus_file(base, sizes)
+
+
+def _corpus_file(preset: str, sizes: dict[str, int]) -> Path:
+    return CORPUS_DIR / preset / f"{format_sizes(sizes) or 'default'}.json"
+
+
+def group_reasons(per_cell: dict[str, dict[str, str]]) -> list[tuple[str, str, list[str]]]:
+    """(invariant, reason, its cells) for each invariant and reason, sorted: how every
+    report prints what is n/a for want of a witness (cell -> invariant -> reason in)."""
+    grouped: dict[tuple[str, str], list[str]] = {}
+    for cell, reasons in per_cell.items():
+        for inv, reason in reasons.items():
+            grouped.setdefault((inv, reason), []).append(cell)
+    return [(inv, reason, cells) for (inv, reason), cells in sorted(grouped.items())]
 
 
 def _applicable(config: ModelConfig) -> list[str]:
@@ -158,8 +173,17 @@ def get_na_reason(config: ModelConfig, invariant_id: str, searched: int) -> str:
         return ("a running decode takes one token of the chunk budget and a chunk is whole "
                 "pages, so a request is admitted only while none runs: one runs at a time, "
                 "and a retraction keeps the last one")
-    return (f"no witness at these sizes: the seeded witness search ({searched} scripts of "
-            f"{SEARCH_OPS} operations) reached no observation that exercises it")
+    reason = (f"no witness at these sizes: the seeded witness search on this tree "
+              f"({searched} scripts of {SEARCH_OPS} operations) reached no observation that "
+              "exercises it")
+    base, sizes = split_preset(config.preset)
+    if sizes:
+        own = ModelConfig(config.cell, make_preset(base, {}))
+        plan = load_plan(own) if check_sizes(own) is None else None
+        if plan is not None and invariant_id in plan.claimed:
+            reason += (f" (the corpus witnesses it at {base}'s own sizes: a change that lost "
+                       "it fails there as vacuous)")
+    return reason
 
 
 def search_witnesses(config: ModelConfig, minimize: bool = False,
@@ -264,21 +288,25 @@ def describe_witnesses(configs: list[ModelConfig]) -> str:
     held = [c for c in configs if get_corpus_path(c).exists()]
     lines = []
     if held:
-        na: dict[tuple[str, str], list[str]] = {}
+        reasons: dict[str, dict[str, str]] = {}
         for config in held:
-            plan = load_plan(config)
-            for inv, reason in (plan.na if plan is not None else {}).items():
-                na.setdefault((inv, reason), []).append(config.name)
+            try:
+                plan = load_plan(config)
+            except CorpusError as error:  # found before any cell runs: one line, exit 2
+                raise UsageError(f"the witness corpus is damaged: {error}") from None
+            reasons[config.name] = {} if plan is None else plan.na
+        grouped = group_reasons(reasons)
         lines.append(f"witnesses: the committed corpus in {len(held)} of {len(configs)} "
                      "cells, replayed before the search"
-                     + ("" if na else "; every applicable invariant has one"))
+                     + ("" if grouped else "; every applicable invariant has one"))
         lines += [f"  n/a: {inv} in {len(cells)} cell{'s' * (len(cells) != 1)}: {reason}"
-                  for (inv, reason), cells in sorted(na.items())]
+                  for inv, reason, cells in grouped]
     if len(held) < len(configs):
         lines.append(f"witnesses: a seeded search (up to {2 * SEARCH_SCRIPTS} scripts of "
                      f"{SEARCH_OPS} ops) in "
                      f"{len(configs) - len(held)} cell(s) whose sizes the corpus does not "
-                     "hold; what it does not reach is reported n/a with the reason")
+                     "hold, at each cell's start; what it does not reach is n/a, its reason "
+                     "printed with the verdict")
     return "\n".join(lines)
 
 
@@ -352,36 +380,57 @@ def get_stale_files() -> list[Path]:
     return sorted(p for p in CORPUS_DIR.rglob("*.json") if p not in wanted)
 
 
+def get_lost_claims(configs: list[ModelConfig], entries: dict[str, dict[str, Any]]
+                    ) -> list[str]:
+    """What a regenerated corpus would turn from claimed into n/a, a line per cell."""
+    lines = []
+    for config in configs:
+        try:
+            old = load_plan(config)
+        except CorpusError:
+            continue  # a damaged file is replaced whole
+        moved = sorted(set() if old is None else old.claimed & set(entries[config.name]["na"]))
+        if moved:
+            lines.append(f"{config.name}: {', '.join(moved)} witnessed before, n/a now "
+                         f"({entries[config.name]['na'][moved[0]]})")
+    return lines
+
+
 def write_corpus_file(preset: str, sizes: dict[str, int],
                       entries: dict[str, dict[str, Any]]) -> Path:
     """One size set's file: a witness a line, so a regenerated corpus diffs by witness."""
     document = {**_corpus_header(preset, sizes), "cells": entries}
-    path = CORPUS_DIR / preset / f"{format_sizes(sizes) or 'default'}.json"
+    path = _corpus_file(preset, sizes)
     path.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(document, separators=(",", ":"))
     path.write_text(text.replace('{"claims"', '\n{"claims"') + "\n")
     return path
 
 
-def replay_witnesses(machine: Any, plan: WitnessPlan, upstream: bool = False) -> int:
+def replay_witnesses(machine: Any, plan: WitnessPlan, upstream: bool = False,
+                     ignore: frozenset[str] = frozenset()) -> tuple[int, dict[int, list[str]]]:
     """Apply each witness's operations to a fresh instance of ``machine`` (a state machine
     class of :func:`overlap_spec.harness.drive.stateful.make_machine`) and tear it down,
     as Hypothesis runs one example; an invariant violation or crash propagates, as in a
     Hypothesis run. ``upstream``: only the witnesses the release can be driven through.
-    Returns how many witnesses ran."""
+    Returns how many ran, and for each witness that no longer exercised every claim (but
+    those in ``ignore``), the claims it lost: the search may still reach them, so a lost
+    claim is reported, and is vacuous only if nothing else reaches it."""
     ran = 0
-    for witness in plan.witnesses:
+    lost: dict[int, list[str]] = {}
+    for index, witness in enumerate(plan.witnesses):
         if upstream and not witness.upstream:
             continue
         instance = machine()
         for op in witness.ops:
             instance._apply(op)
+        missed = [i for i in witness.claims
+                  if i not in ignore and not instance.checker.exercised.get(i)]
         instance.teardown()
         ran += 1
-    return ran
-
-
-
+        if missed:
+            lost[index] = missed
+    return ran, lost
 
 # -- overlap-spec witnesses ---------------------------------------------------------------
 def cmd_witnesses(args: Any) -> int:
@@ -398,6 +447,14 @@ def cmd_witnesses(args: Any) -> int:
               "minimised)", flush=True)
         entries = run_tasks(generate_cell, tasks, args.jobs)
         by_config = dict(zip([c.name for c in tasks], entries, strict=True))
+        lost = get_lost_claims(tasks, by_config)
+        if lost and not args.accept_lost:
+            for line in lost:
+                print(line)
+            print(f"FAILED: {len(lost)} invariant x cell pairs the corpus witnessed would be "
+                  "n/a: nothing written. A change that lost them is what vacuity reports; "
+                  "if the loss is intended, rerun with --accept-lost")
+            return 1
         for preset, sizes, configs in size_sets:
             path = write_corpus_file(preset, sizes,
                                      {c.cell.name: by_config[c.name] for c in configs})

@@ -180,6 +180,8 @@ def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
         # one-token stand-in with nothing to generate): RP8's witness, a prefill-only
         # batch, and B19's trigger with mixed chunks.
         admissions.append(Admit(preset.max_context_len - 1, 2))
+    admissions = list(dict.fromkeys(admissions))  # the longest and the three-chunk prompt may
+    # coincide (2 * chunk + 1 >= max_context_len - 1): one op, not twice the transitions
     rows = preset.max_running_requests
     domains: dict[str, tuple[Hashable, ...]] = {
         "allow_prefill": (True, False),

@@ -604,7 +604,8 @@ def _tail(path: Path, lines: int = 5) -> str:
 def run_step_child(run: EvidenceRun, record: StepRecord, deadline: float, jobs: int,
                    python: str) -> None:
     """Start one step as a child process, wait up to its limit, read what it wrote."""
-    limit = min(run.sizes.step_limits_s.get(record.name, 60.0), deadline - time.monotonic())
+    remaining = deadline - time.monotonic()
+    limit = min(run.sizes.step_limits_s.get(record.name, 60.0), remaining)
     argv = [python, "-m", MODULE, "--step", record.name, "--out", str(run.out),
             "--jobs", str(jobs)]
     if run.dry_run:
@@ -613,7 +614,7 @@ def run_step_child(run: EvidenceRun, record: StepRecord, deadline: float, jobs: 
         argv += ["--inject-failure", record.name]
     record.command = shlex.join(argv)
     record.limit_s = round(limit, 1)
-    if limit < 5:
+    if remaining < 5:  # too little of the run's budget left to start a step
         record.status = "failed"
         record.reason = f"not started: the run's {run.sizes.budget_s:.0f} s budget was spent"
         return
@@ -650,7 +651,7 @@ def run_step_child(run: EvidenceRun, record: StepRecord, deadline: float, jobs: 
         if partial.is_file():
             finished = f"; finished {json.loads(partial.read_text()).get('finished')}, " \
                         f"kept in {partial.name}"
-        record.reason = f"timed out after {limit:.0f} s{finished}"
+        record.reason = f"timed out after {limit:g} s{finished}"
     elif document is None:
         record.status = "failed"
         record.reason = (f"exited {record.exit_code} without a result; the log ends: "
