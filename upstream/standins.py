@@ -7,6 +7,27 @@ and its reserve (``eagle_prepare_for_decode``), ``FutureMap`` and the batch resu
 processor. What is replaced is what needs a model or a GPU, plus hooks that only observe.
 :data:`STAND_INS` is the list a reader checks; ``overlap-spec upstream stand-ins`` prints it
 and the JSON report of ``overlap-spec upstream check`` carries it.
+
+Blocker for the release's model runner (measured, docs/upstream-model-runner.md). The registry
+has no CPU build of sgl-kernel: ``sglang-kernel`` 0.4.10 and ``sgl-kernel`` 0.3.21 are CUDA
+manylinux wheels, whose ``common_ops.abi3.so`` needs ``libcuda.so.1``, ``libc10_cuda.so`` and
+``libtorch_cuda.so``. So sglang's CPU engine (``SGLANG_USE_CPU_ENGINE=1``, ``intel_amx``) fails
+at import, in ``kernels/ops/kvcache/cache_move.py:10``:
+``No module named 'sgl_kernel'``. Without that engine, ``device="cpu"`` takes the pure-torch
+``forward_native`` ops. The real ``ModelRunner`` then builds and runs a tiny llama
+(``load_format=dummy``, torch_native) once ``vllm._custom_ops`` is importable, which
+``layers/rotary_embedding/base.py:138`` imports and never calls on that path. EAGLE v2 has
+three more blockers:
+
+* ``draft_utils.py:64`` raises ``EAGLE is not supported in decode attention backend
+  torch_native``.
+* The spec KV pool warms a ``@triton.jit`` kernel (``memory_pool.py:2420``): ``0 active
+  drivers``.
+* ``spec_tree.py:427-431`` has no tree builder on this platform: ``NameError
+  sgl_build_tree_kernel_efficient``.
+
+The first two go away under ``TRITON_INTERPRET=1`` with ``attention_backend="triton"``, and the
+third with the release's XPU triton branch. No stand-in here has been replaced yet.
 """
 
 from __future__ import annotations
