@@ -30,7 +30,12 @@ from overlap_spec.harness.differential.tier import (
     render_differential,
     run_differential_tier,
 )
-from overlap_spec.harness.drive.cells import CONFIG_WIDTH, get_fault_sizes, select_configs
+from overlap_spec.harness.drive.cells import (
+    CONFIG_WIDTH,
+    format_sizes,
+    get_fault_sizes,
+    select_configs,
+)
 from overlap_spec.harness.drive.stateful import (
     CellResult,
     CellTask,
@@ -57,7 +62,11 @@ from overlap_spec.spec.config import ModelConfig
 def cmd_check(args: argparse.Namespace) -> int:
     profile = get_profile(args.profile)
     faults = get_faults_and_check_jobs(args)
-    configs = select_configs(args.cells, args.preset, get_fault_sizes(None, faults))
+    configs = select_configs(args.cells, args.preset,
+                             get_fault_sizes(getattr(args, "sizes", None), faults))
+    if getattr(args, "sizes", None):
+        print(f"sizes {format_sizes(args.sizes)}: the Hypothesis, differential and upstream "
+              "tiers run at them; the proofs and the mutant matrix at their own")
     run = _Run(args, profile, faults, configs, CheckReport(args.seed, profile.name))
     started = time.perf_counter()
     tiers = (("hypothesis", _hypothesis_tier), ("differential", _differential_tier),
@@ -191,7 +200,7 @@ def _start_upstream(run: _Run) -> None:
         cells=",".join(c.cell.name for c in run.configs) if args.cells else None,
         sglang_src=None, out=args.out, seed=args.seed, profile=run.profile.name,
         preset="minimal" if args.preset == "all" else args.preset,
-        jobs=args.jobs, quiet=args.quiet)
+        sizes=getattr(args, "sizes", None), jobs=args.jobs, quiet=args.quiet)
     try:
         run.upstream_plan = plan_upstream_check(up_args)
         if run.upstream_plan.runnable:

@@ -370,6 +370,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="sizes to run with (default: minimal)")
     check.add_argument("--faults", type=bug_ids, default=None,
                        help="switch on historical bugs by ID, e.g. B3 (the check should fail)")
+    check.add_argument("--sizes", type=parse_sizes, metavar="NAME=N,...", default=None,
+                       help=SIZES_HELP + ". The Hypothesis, differential and upstream tiers "
+                            "run at them; the proofs are symbolic and the mutant matrix runs "
+                            "each bug at the preset's sizes and its own")
     check.add_argument("--json", type=output_file, metavar="PATH",
                        help="write the JSON report here")
     check.add_argument("--out", type=output_dir, metavar="DIR",

@@ -76,6 +76,9 @@ SWEEP: dict[tuple[str, ...], list[tuple[list[str], str]]] = {
         (["--cells", "ov-p1-none,ov-p4-v2tree-cpu-preclaim"],
          "no cell matches 'ov-p4-v2tree-cpu-preclaim'"),
         (["--faults", "B99"], "unknown bug IDs B99"),
+        (["--sizes", "kv_tokens=0"], "size 'kv_tokens' is 0; allowed 1..8192"),
+        (["--sizes", "kv_tokens=3"], "cell ov-p4-none needs whole pages of 4 tokens"),
+        (["--sizes", "mixed_chunk=1"], "size 'mixed_chunk' is 1 without"),
     ],
     ("review",): [
         (["--jobs", "-1"], "-1 is out of range"),

@@ -168,3 +168,23 @@ def test_invariants_without_witness_print_one_line_each(
     listed = [line for line in block if line.startswith("  ")]
     assert listed and all(line.split()[0] in INVARIANT_IDS for line in listed), out
     assert len({line.split()[0] for line in listed}) == len(listed), out
+
+
+def test_check_takes_sizes_like_the_other_commands(tmp_path: Path,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    """`check --sizes`: the Hypothesis and differential tiers run the cells at those sizes
+    (the configuration's name says them), with the corpus's witnesses for them."""
+    report_path = tmp_path / "r.json"
+    code = main(["check", "--cells", "ov-p1-none", "--sizes", "chunked_prefill_size=4",
+                 "--no-proofs", "--no-mutants", "--no-upstream", "-j", "1", "-q",
+                 "--json", str(report_path), "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "sizes chunked_prefill_size=4: the Hypothesis, differential and upstream" in out
+    assert "witnesses: the committed corpus in 1 of 1 cells" in out
+    report = json.loads(report_path.read_text())
+    name = "ov-p1-none@minimal[chunked_prefill_size=4]"
+    assert report["cells"] == [name]
+    assert list(report["differential"]["cells"]) == [name]
+    assert report["details"][name]["witnesses"]["source"] == (
+        "corpus minimal/chunked_prefill_size=4.json")
