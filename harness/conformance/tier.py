@@ -511,8 +511,8 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
         if script is not None:
             script.seed = seed
             failure_script = save_script(script, save_dir / f"{config.cell.name}-new.json")
-    except UpstreamCrash as error:
-        crash = str(error)
+    except UpstreamCrash as error:  # raised as it is outside Hypothesis (a witness's run)
+        crash = f"the release crashed: {str(error)[:400]}"
     except Exception as error:  # noqa: BLE001 - a crash of the tier is a failure
         # A release that crashed leaves its scheduler dead: Hypothesis's replay of the
         # example then fails before it draws (FlakyStrategyDefinition), hiding the crash.
