@@ -32,7 +32,9 @@ from overlap_spec.harness.differential.tier import (
 )
 from overlap_spec.harness.drive.cells import (
     CONFIG_WIDTH,
+    describe_variants,
     format_sizes,
+    get_budget_shares,
     get_fault_sizes,
     select_configs,
 )
@@ -62,11 +64,14 @@ from overlap_spec.spec.config import ModelConfig
 def cmd_check(args: argparse.Namespace) -> int:
     profile = get_profile(args.profile)
     faults = get_faults_and_check_jobs(args)
-    configs = select_configs(args.cells, args.preset,
-                             get_fault_sizes(getattr(args, "sizes", None), faults))
+    sizes = get_fault_sizes(getattr(args, "sizes", None), faults)
+    configs = select_configs(args.cells, args.preset, sizes, variants=not (sizes or faults))
     if getattr(args, "sizes", None):
         print(f"sizes {format_sizes(args.sizes)}: the Hypothesis, differential and upstream "
               "tiers run at them; the proofs and the mutant matrix at their own")
+    variants = describe_variants(configs)
+    if variants:
+        print(variants)
     run = _Run(args, profile, faults, configs, CheckReport(args.seed, profile.name))
     started = time.perf_counter()
     tiers = (("hypothesis", _hypothesis_tier), ("differential", _differential_tier),
@@ -149,7 +154,8 @@ def run_hypothesis_cells(configs: list[ModelConfig], profile: Profile, seed: int
                          shrink: bool = True) -> list[CellResult]:
     """The Hypothesis tier's cells on ``jobs`` processes, a progress line per cell;
     ``shrink=False``: the project's minimiser instead of Hypothesis's shrinker."""
-    tasks = [CellTask(config, profile, seed, faults, out, shrink) for config in configs]
+    tasks = [CellTask(config, profile, seed, faults, out, shrink, share)
+             for config, share in zip(configs, get_budget_shares(configs), strict=True)]
     progress = None if quiet else CellProgress(len(tasks), "hypothesis", profile.name)
     return run_tasks(run_cell_task, tasks, jobs, None if progress is None else progress.cell_done)
 

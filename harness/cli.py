@@ -281,11 +281,11 @@ def cmd_cells(args: argparse.Namespace) -> int:
     from overlap_spec.spec.config import enumerate_cells
 
     if args.switches:
-        from overlap_spec.spec.config import get_departures
+        from overlap_spec.spec.config import get_departures, is_serving_default
 
         rows: list[tuple[str, ...]] = [("cell", "overlap", "page", "spec", "host mirror",
                                         "claim", "reserve", "length finish", "finish run",
-                                        "host bound", "read-done", "design")]
+                                        "host bound", "read-done", "serving", "design")]
         for cell in enumerate_cells():
             departures = get_departures(cell)
             rows.append((cell.name, "yes" if cell.overlap else "no", str(cell.page_size),
@@ -299,14 +299,21 @@ def cmd_cells(args: argparse.Namespace) -> int:
                          if cell.is_spec and not cell.needs_cpu_seq_lens else "-",
                          ("pre-publish" if cell.early_fence else "post-draft-extend")
                          if cell.is_spec and cell.overlap else "-",
+                         "default" if is_serving_default(cell) else "-",
                          "; ".join(departures) or "release"))
         _print_table(rows)
         print("release: sglang 0.5.23's design; the differences the model keeps from it are "
               "in the README (the coverage table, and the upstream tier's allowed list)")
         return 0
     if not args.limits:
+        from overlap_spec.spec.config import is_serving_default
+
+        # A second column marks what sglang 0.5.23 serves by default (the overlap scheduler
+        # on, no era or proposal switch; chunked prefill on, the upstream tier chunks there).
+        width = max(len(cell.name) for cell in enumerate_cells())
         for cell in enumerate_cells():
-            print(cell.name)
+            mark = "serving default" if is_serving_default(cell) else ""
+            print(f"{cell.name:<{width}}  {mark}".rstrip())
         return 0
     from overlap_spec.harness.drive.script import get_op_limits
     from overlap_spec.spec.config import ModelConfig
@@ -550,7 +557,13 @@ def build_parser() -> argparse.ArgumentParser:
     replay = sub.add_parser("replay", help="re-run a saved counterexample script")
     replay.add_argument("file", type=input_file)
     replay.set_defaults(func=cmd_replay)
-    cells = sub.add_parser("cells", help="list the configuration cells")
+    cells = sub.add_parser(
+        "cells", help="list the configuration cells",
+        description="The configuration cells, one a line; a second column marks the "
+                    "release's serving defaults (the overlap scheduler on, no era or "
+                    "proposal switch): there the upstream tier runs chunked prefill, which "
+                    "sglang 0.5.23 has on by default, at the preset's "
+                    "serving_chunked_prefill_size (minimal 4, realistic 32).")
     cells.add_argument("--limits", action="store_true",
                        help="the range of every script and trace op field, per cell")
     cells.add_argument("--preset", choices=sorted(PRESETS), default="minimal",

@@ -6,10 +6,12 @@ from __future__ import annotations
 import json
 import re
 import textwrap
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
 from overlap_spec.harness.drive.cells import CONFIG_WIDTH
+from overlap_spec.harness.drive.mechanisms import MECHANISMS, render_mechanisms
 from overlap_spec.harness.drive.stateful import CellResult, describe_failure
 from overlap_spec.harness.drive.witness import group_reasons
 from overlap_spec.harness.verdict import TierReport, Verdict
@@ -46,23 +48,54 @@ def get_verdicts(results: list[CellResult]) -> dict[str, dict[str, Verdict]]:
     return verdicts
 
 
+def get_cell_columns(results: list[CellResult]) -> dict[str, list[CellResult]]:
+    """The table's columns: one per cell, holding its results at every size set it ran
+    with (the default run's size variants), in run order."""
+    columns: dict[str, list[CellResult]] = {}
+    for result in results:
+        columns.setdefault(result.config.cell.name, []).append(result)
+    return columns
+
+
+# A column's verdict over its size sets: the worst, a pass over an n/a.
+_RANK = {FAIL: 3, VACUOUS: 2, PASS: 1, NOT_APPLICABLE: 0}
+
+
 def render_table(results: list[CellResult]) -> str:
     verdicts = get_verdicts(results)
-    lines = ["cells:"]
-    for k, result in enumerate(results, 1):
-        status = "ok" if result.ok else "FAILED"
-        lines.append(f"  c{k:02d} {result.config.name:<{CONFIG_WIDTH}} "
-                     f"{result.seconds:6.2f}s  {status}")
-    header = "ID    " + "".join(f"{k:>3d}" for k in range(1, len(results) + 1))
+    width = max([CONFIG_WIDTH, *(len(r.config.name) for r in results)])
+    columns = get_cell_columns(results)
+    by_cell = len(columns) != len(results)
+    lines = ["cells:" if not by_cell else
+             "cells (each with the size sets it ran at; the table's column is the cell, its "
+             "worst verdict over them):"]
+    for k, members in enumerate(columns.values(), 1):
+        for index, result in enumerate(members):
+            status = "ok" if result.ok else "FAILED"
+            label = f"c{k:02d}" if index == 0 else "   "
+            lines.append(f"  {label} {result.config.name:<{width}} "
+                         f"{result.seconds:6.2f}s  {status}")
+    header = "ID    " + "".join(f"{k:>3d}" for k in range(1, len(columns) + 1))
     lines += ["", "invariant x cell ('.' pass, 'X' fail, '-' n/a, '0' vacuous: no witness):",
               header]
     for inv in INVARIANTS:
-        row = "".join(f"{SYMBOLS[verdicts[inv.id][r.config.name]]:>3}" for r in results)
+        row = "".join(
+            f"{SYMBOLS[max((verdicts[inv.id][r.config.name] for r in members), key=_RANK.__getitem__)]:>3}"
+            for members in columns.values())
         lines.append(f"{inv.id:<6}{row}   {inv.claim}")
+    lines += ["", render_mechanisms(get_mechanism_counts(results))]
     failures = render_failures(results)
     na = render_na_reasons(results)
     return "\n".join(lines + ([""] + na.splitlines() if na else [])
                      + ([""] + failures.splitlines() if failures else []))
+
+
+def get_mechanism_counts(results: list[CellResult]) -> dict[str, int]:
+    """Operations per mechanism over every cell and size set of the run."""
+    total: Counter[str] = Counter()
+    for result in results:
+        total.update(result.mechanisms)
+    return {m.id: total.get(m.id, 0) for m in MECHANISMS}
 
 
 def _shape(head: str, text: str) -> str:
@@ -151,7 +184,16 @@ def get_na_reasons(result: CellResult) -> dict[str, str]:
 def render_na_reasons(results: list[CellResult]) -> str:
     """One line per (invariant, reason) with its cells: what has no witness at these sizes
     and why (n/a, not a pass); then any witness that no longer exercised what it claims."""
-    grouped = group_reasons({r.config.name: get_na_reasons(r) for r in results})
+    # An invariant another size set of the same cell reached is no gap of the cell (the
+    # default run's variants): only what no size set of the cell reached is listed.
+    reached: dict[str, set[str]] = {}
+    for result in results:
+        reached.setdefault(result.config.cell.name, set()).update(
+            inv for inv, count in result.exercised.items() if count)
+    grouped = group_reasons({r.config.name: {inv: reason for inv, reason in
+                                             get_na_reasons(r).items()
+                                             if inv not in reached[r.config.cell.name]}
+                             for r in results})
     lines = ["n/a for want of a witness at these sizes (not a pass):"] if grouped else []
     for inv, reason, cells in grouped:
         where = cells[0] if len(cells) == 1 else f"{len(cells)} cells: {', '.join(cells)}"
@@ -185,6 +227,7 @@ def build_section(results: list[CellResult]) -> dict[str, Any]:
             "observations": result.observations,
             "exercised": {inv.id: result.exercised.get(inv.id, 0) for inv in INVARIANTS
                           if inv.applies(result.config.cell)},
+            "mechanisms": {m.id: result.mechanisms.get(m.id, 0) for m in MECHANISMS},
         }
         if result.witness_source is not None:
             entry["witnesses"] = {"source": result.witness_source,
@@ -213,6 +256,8 @@ def build_section(results: list[CellResult]) -> dict[str, Any]:
         "invariants": {i: {c: v.value for c, v in per_cell.items()}
                        for i, per_cell in verdicts.items()},
         "details": details,
+        # operations per mechanism over the whole run (harness.drive.mechanisms)
+        "mechanisms": get_mechanism_counts(results),
     }
 
 
@@ -229,7 +274,10 @@ def hypothesis_tier_report(results: list[CellResult]) -> TierReport:
         verdict = Verdict.VACUOUS
     vacuous = sum(v is VACUOUS for per_cell in get_verdicts(results).values()
                   for v in per_cell.values())
-    summary = (f"{sum(r.ok for r in results)}/{len(results)} cells clean"
+    columns = get_cell_columns(results)
+    runs = "" if len(columns) == len(results) else f" ({len(results)} cell x size set runs)"
+    clean_cells = sum(all(r.ok for r in members) for members in columns.values())
+    summary = (f"{clean_cells}/{len(columns)} cells clean{runs}"
                + (f" ({vacuous} invariant x cell vacuous: no witness)" if vacuous else ""))
     return TierReport("hypothesis", verdict, summary, build_section(results))
 

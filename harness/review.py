@@ -21,11 +21,18 @@ from overlap_spec.harness.conformance.cli import (
     run_upstream_check,
     upstream_tier_report,
 )
-from overlap_spec.harness.drive.cells import format_sizes, get_fault_sizes, select_configs
+from overlap_spec.harness.drive.cells import (
+    describe_variants,
+    format_sizes,
+    get_fault_sizes,
+    select_configs,
+)
+from overlap_spec.harness.drive.mechanisms import render_mechanisms
 from overlap_spec.harness.drive.stateful import get_profile
 from overlap_spec.harness.drive.witness import describe_witnesses
 from overlap_spec.harness.pool import catching_interrupts, raise_if_interrupted
 from overlap_spec.harness.report import (
+    get_mechanism_counts,
     get_verdicts,
     hypothesis_tier_report,
     render_failures,
@@ -43,7 +50,11 @@ def cmd_review(args: argparse.Namespace) -> int:
     if args.sglang_src is not None and faults:
         raise UsageError("--faults switches bugs on in the reference; it does not apply to "
                          "--sglang-src")
-    configs = select_configs(args.cells, "minimal", get_fault_sizes(args.sizes, faults))
+    sizes = get_fault_sizes(args.sizes, faults)
+    # The reference's default run adds the size variants; the upstream tier (--sglang-src)
+    # chunks the serving-default cells itself (harness.conformance.tier).
+    configs = select_configs(args.cells, "minimal", sizes,
+                             variants=not (sizes or faults or args.sglang_src))
     report = CheckReport(args.seed, profile.name)
     started = time.perf_counter()
     try:
@@ -65,19 +76,26 @@ def cmd_review(args: argparse.Namespace) -> int:
 def _review_reference(args: argparse.Namespace, profile_name: str, faults: frozenset[str],
                       configs: list[ModelConfig], report: CheckReport) -> None:
     profile = get_profile(profile_name)
-    cells = f"{len(configs)} cell{'s' * (len(configs) != 1)}"
+    count = len({c.cell for c in configs})
+    cells = f"{count} cell{'s' * (count != 1)}"
+    if len(configs) != count:
+        cells += f" ({len(configs)} size sets and cells)"
     print(f"review: the reference against the spec in {cells}, profile {profile.name} "
           f"({profile.max_examples} sequences of up to {profile.step_count} "
           f"ops per cell), seed {args.seed}"
           + (f", faults {','.join(sorted(faults))}" if faults else "")
           + (f", sizes {format_sizes(args.sizes)}"
              if getattr(args, "sizes", None) else ""))
+    variants = describe_variants(configs)
+    if variants:
+        print(variants)
     print(describe_witnesses(configs))
     out = Path(args.out) / "failures" if args.out else None
     # Our minimiser instead of Hypothesis's shrinker: a failing cell costs seconds, not
     # tens of seconds, and the counterexample is as small (tests/test_review.py).
     results = run_hypothesis_cells(configs, profile, args.seed, faults, out, args.jobs,
                                    args.quiet, shrink=False)
+    print(render_mechanisms(get_mechanism_counts(results)))
     na = render_na_reasons(results)
     if na:
         print(na)

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from overlap_spec.harness.cli import main
+from overlap_spec.harness.drive.cells import select_configs
 from overlap_spec.harness.drive.generate import generate_random_ops, get_strategies
 from overlap_spec.harness.drive.script import (
     Abort,
@@ -258,7 +259,10 @@ def test_check_json_has_every_id_in_every_cell(tmp_path: Path) -> None:
     assert doc["tiers"]["mutants"]["verdict"] == "pass"
     assert {doc["tiers"][t]["verdict"] for t in ("differential", "proofs")} == {"skipped"}
     assert doc["version"] == 1 and doc["ok"] is True and isinstance(doc["elapsed_s"], float)
-    assert doc["cells"] == ["ov-p1-none@minimal", "nov-p1-v2chain-cpu-preclaim@minimal"]
+    # Each cell at its preset's sizes, then the default run's size variants it takes.
+    assert doc["cells"] == [c.name for c in select_configs(
+        "ov-p1-none,nov-p1-v2chain-cpu-preclaim", "minimal", None, variants=True)]
+    assert doc["cells"][0] == "ov-p1-none@minimal" and len(doc["cells"]) == 6
     assert sorted(doc["invariants"]) == sorted(DIGEST_IDS) == sorted(INVARIANT_IDS)
     for verdicts in doc["invariants"].values():
         assert set(verdicts) == set(doc["cells"])
@@ -270,8 +274,9 @@ def test_check_json_has_every_id_in_every_cell(tmp_path: Path) -> None:
     verdicts = {b: m["hypothesis"]["verdict"] for b, m in doc["mutants"].items()}
     assert set(verdicts.values()) <= {"killed", "n/a"}
     assert verdicts["B8"] == "killed" and verdicts["B5"] == "n/a"
-    for entry in doc["details"].values():
-        assert all(n > 0 for n in entry["exercised"].values())
+    for entry in doc["details"].values():  # exercised, or n/a at these sizes with a reason
+        assert all(n > 0 or inv in entry["witnesses"]["not_applicable"]
+                   for inv, n in entry["exercised"].items())
 
 
 def test_check_with_a_fault_fails_and_reports_fail(tmp_path: Path) -> None:

@@ -40,7 +40,7 @@ from overlap_spec.harness.drive.cells import (
     cell_patterns,
     check_sizes,
     format_sizes,
-    make_preset,
+    get_upstream_config,
     output_dir,
     output_file,
     parse_sizes,
@@ -50,7 +50,7 @@ from overlap_spec.harness.drive.cells import (
 from overlap_spec.harness.drive.cells import UsageError as CommandUsageError
 from overlap_spec.harness.drive.cells import select_cells as select_cell_records
 from overlap_spec.harness.verdict import EXIT_CANNOT_DRIVE, CheckReport, TierReport, Verdict
-from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells
+from overlap_spec.spec.config import PRESETS, enumerate_cells
 from overlap_spec.upstream.standins import STAND_INS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # harness/conformance/cli.py
@@ -268,6 +268,8 @@ def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, Any],
         "cells": {c: {"verdict": r["verdict"], "reason": r.get("reason"),
                       "invariants": r.get("invariants", {}),
                       "exercised": r.get("exercised", {}), "runs": r.get("runs", 0),
+                      **({"sizes": r["sizes"]} if r.get("sizes") else {}),
+                      **({"mechanisms": r["mechanisms"]} if "mechanisms" in r else {}),
                       **({"witnesses": r["witnesses"]} if "witnesses" in r else {}),
                       "seconds": r.get("seconds"), "wall_s": r.get("wall_s")}
                   for c, r in results.items()},
@@ -319,6 +321,13 @@ def render_report(report: dict[str, Any]) -> str:
                       for m in report.get("cannot_drive", [])]
         elif r["verdict"] != "pass" and r.get("reason"):
             lines.append(f"{'':<{width}}    {r['reason']}")
+    sized: dict[str, list[str]] = {}
+    for cell, r in report["cells"].items():
+        if r.get("sizes") and not report.get("sizes"):
+            sized.setdefault(format_sizes(r["sizes"]), []).append(cell)
+    for sizes, cells in sized.items():
+        lines.append(f"at {sizes} (chunked prefill on, as the release serves its default "
+                     f"configuration): {', '.join(cells)}")
     from overlap_spec.harness.drive.witness import group_reasons
 
     na = group_reasons({cell: r.get("witnesses", {}).get("not_applicable", {})
@@ -413,8 +422,8 @@ def plan_upstream_check(args: argparse.Namespace) -> UpstreamPlan:
     results: dict[str, dict[str, Any]] = {}
     runnable = []
     for name in cells:
-        config = ModelConfig(next(c for c in enumerate_cells() if c.name == name),
-                             make_preset(args.preset, getattr(args, "sizes", None) or {}))
+        config = get_upstream_config(next(c for c in enumerate_cells() if c.name == name),
+                                     args.preset, getattr(args, "sizes", None) or {})
         problem = check_sizes(config)
         if problem is not None:
             raise UsageError(problem)

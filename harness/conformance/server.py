@@ -104,12 +104,12 @@ def run_child(cell: str, args: argparse.Namespace, report_modules: int | None,
         if report_modules is not None:
             before = set(sys.modules)
             try:
-                from overlap_spec.harness.drive.cells import make_preset, parse_sizes
-                from overlap_spec.spec.config import ModelConfig, get_cell
+                from overlap_spec.harness.drive.cells import get_upstream_config, parse_sizes
+                from overlap_spec.spec.config import get_cell
                 from overlap_spec.upstream.session import get_session
 
                 sizes = parse_sizes(args.sizes) if args.sizes else {}
-                get_session(ModelConfig(get_cell(cell), make_preset(args.preset, sizes)))
+                get_session(get_upstream_config(get_cell(cell), args.preset, sizes))
             except Exception:  # noqa: BLE001 - the cell itself reports a failed build
                 pass
             names = "\n".join(m for m in sys.modules if m not in before)

@@ -48,7 +48,12 @@ from overlap_spec.harness.conformance.findings import (
     get_allowed,
     match_finding,
 )
-from overlap_spec.harness.drive.cells import format_sizes, make_preset, parse_sizes, split_preset
+from overlap_spec.harness.drive.cells import (
+    format_sizes,
+    get_upstream_config,
+    parse_sizes,
+    split_preset,
+)
 from overlap_spec.harness.drive.checker import InvariantChecker
 from overlap_spec.harness.drive.script import Iterate, Op, Script, apply_op, save_script
 from overlap_spec.harness.drive.stateful import (
@@ -618,6 +623,10 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
                                                else None),
         "invariants": invariants,
         "exercised": dict(log.exercised),
+        # the sizes it ran at, where not the preset's (a serving-default cell's chunking)
+        "sizes": split_preset(config.preset)[1],
+        # operations per mechanism the release's observations showed
+        "mechanisms": dict(log.mechanisms),
         # witness index -> the claims the release no longer met with the witness's ops
         "witnesses": {"source": plan.source, "ran": witnesses_ran,
                       "lost": {str(k): v for k, v in witnesses_lost.items()},
@@ -646,7 +655,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         source = load_sglang(args.sglang_src)
         sizes = parse_sizes(args.sizes) if args.sizes else {}
-        config = ModelConfig(get_cell(args.cell), make_preset(args.preset, sizes))
+        config = get_upstream_config(get_cell(args.cell), args.preset, sizes)
         profile = get_profile(args.profile)
         args.out.mkdir(parents=True, exist_ok=True)
         result = run_cell(config, profile, args.seed, args.out)

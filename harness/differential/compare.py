@@ -304,11 +304,12 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
                             faults: frozenset[str] = frozenset(),
                             max_examples: int | None = None,
                             device: torch.device | None = None,
-                            shrink: bool = True, top_up: bool = False) -> DifferentialResult:
+                            shrink: bool = True, top_up: bool = False,
+                            top_ups: int = MAX_TOP_UPS) -> DifferentialResult:
     """Hypothesis-generated operation sequences (the stateful checker's rules) in one cell.
 
     ``top_up``: when a clean pass compared less than the minimum (MIN_COMPARED_OPS,
-    MIN_LAUNCHES), run up to MAX_TOP_UPS more rounds of as many sequences under seeds
+    MIN_LAUNCHES), run up to ``top_ups`` more rounds of as many sequences under seeds
     derived from ``run_seed``, until it has. Some seeds draw sequences that seldom
     launch (Hypothesis tries its simplest example first, prefill off): without the
     top-up the minimum failed such a seed as vacuous in half the cells."""
@@ -343,7 +344,7 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
     examples = max_examples if max_examples is not None else profile.max_examples
     started = time.perf_counter()
     result = DifferentialResult(config, faults, run_seed, 0.0)
-    for round_index in range(1 + (MAX_TOP_UPS if top_up else 0)):
+    for round_index in range(1 + (top_ups if top_up else 0)):
         seed = get_top_up_seed(run_seed, round_index)
         test = get_machine_test(DifferentialMachine, examples, profile.step_count, seed, shrink)
         result.rounds = round_index + 1

@@ -15,6 +15,7 @@ import torch
 
 from overlap_spec.gpu_impl.scheduler import SUPPORTED_FAULTS as GPU_SUPPORTED_FAULTS
 from overlap_spec.harness.differential.compare import (
+    MAX_TOP_UPS,
     MIN_COMPARED_OPS,
     MIN_LAUNCHES,
     DifferentialResult,
@@ -25,7 +26,9 @@ from overlap_spec.harness.differential.compare import (
 from overlap_spec.harness.drive.cells import (
     CONFIG_WIDTH,
     UsageError,
+    get_budget_shares,
     get_fault_sizes,
+    get_share_examples,
     select_configs,
 )
 from overlap_spec.harness.drive.script import save_script
@@ -58,11 +61,18 @@ class DifferentialTask:
     device: str
     faults: frozenset[str]
     out: Path | None
+    # The configuration's share of the profile's sequences (cells.get_budget_shares); a
+    # clean cell is still topped up to the minimum it must compare.
+    share: float = 1.0
 
 
 def run_differential_task(task: DifferentialTask) -> DifferentialResult:
+    examples = get_share_examples(get_differential_examples(task.profile), task.share)
+    # A share of the sequences may top up in as many more rounds, so that it can reach
+    # the minimum with what a whole cell may run (MAX_TOP_UPS rounds of the whole count).
+    top_ups = max(MAX_TOP_UPS, round(MAX_TOP_UPS / task.share))
     result = check_cell_differential(task.config, task.profile, task.seed, task.faults,
-                                     max_examples=get_differential_examples(task.profile),
+                                     max_examples=examples, top_ups=top_ups,
                                      device=torch.device(task.device), top_up=True)
     directory = task.out or get_failure_dir()
     name = "-".join([task.config.name.replace("@", "-"), *sorted(task.faults), "gpu_impl"])
@@ -81,7 +91,8 @@ def run_differential_tier(configs: list[ModelConfig], profile: Profile, seed: in
                           jobs: int = 1) -> list[DifferentialResult]:
     """gpu_impl against the reference in each cell, races watched (CPU) - the diff tier.
     On CUDA the cells share one device, so they run in this process whatever ``jobs``."""
-    tasks = [DifferentialTask(c, profile, seed, str(device), faults, out) for c in configs]
+    tasks = [DifferentialTask(c, profile, seed, str(device), faults, out, share)
+             for c, share in zip(configs, get_budget_shares(configs), strict=True)]
     finished = 0
 
     def report(task: DifferentialTask, result: DifferentialResult) -> None:

@@ -15,12 +15,21 @@ import fnmatch
 import os
 import sys
 import tempfile
+from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
 from overlap_spec.harness.catalogue import BUGS
-from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, Preset, enumerate_cells
+from overlap_spec.spec.config import (
+    PRESETS,
+    Cell,
+    ModelConfig,
+    Preset,
+    enumerate_cells,
+    is_serving_default,
+)
 
 # The seed every tier runs under unless told otherwise; printed with every failure.
 DEFAULT_SEED = 20261122
@@ -90,19 +99,131 @@ def get_fault_sizes(sizes: dict[str, int] | None, faults: frozenset[str]
 
 
 def select_configs(patterns: str | None, preset: str,
-                   sizes: dict[str, int] | None = None) -> list[ModelConfig]:
+                   sizes: dict[str, int] | None = None,
+                   variants: bool = False) -> list[ModelConfig]:
     """The selected cells under one preset, or under every preset for ``"all"``, with the
     preset's ``sizes`` overridden (:func:`make_preset`); no match, or a size a cell cannot
-    take, is a :class:`UsageError` (exit 2, one line, before anything runs)."""
+    take, is a :class:`UsageError` (exit 2, one line, before anything runs).
+
+    ``variants`` (the default run of ``check`` and ``review``, without ``--sizes``): each
+    cell at its preset's sizes, followed by the size variants that reach what those sizes
+    do not (:func:`get_size_variants`), where the cell takes them."""
     names = list(PRESETS) if preset == "all" else [preset]
     cells = select_cells(patterns)
-    configs = [ModelConfig(cell, make_preset(name, sizes or {})) for name in names
-               for cell in cells]
+    configs = []
+    for name in names:
+        for cell in cells:
+            configs.append(ModelConfig(cell, make_preset(name, sizes or {})))
+            if variants and not sizes:
+                configs.extend(ModelConfig(cell, make_preset(name, v.sizes))
+                               for v in get_size_variants(name) if v.applies(cell))
     for config in configs:
         problem = check_sizes(config)
         if problem is not None:
             raise UsageError(problem)
     return configs
+
+
+# --- the default run's size variants ----------------------------------------------------
+@dataclass(frozen=True)
+class SizeVariant:
+    """Sizes in place of a preset's that reach mechanisms its own sizes never do."""
+
+    name: str
+    sizes: dict[str, int]
+    reaches: str
+    applies: Callable[[Cell], bool]
+
+
+# The out-of-memory abort: a request alone does not fit its next decode. Only speculative
+# cells get there (a non-spec decode asks one token, and admission caps a request below the
+# pool). Pools small enough that a request admitted alone outgrows its decode reserve,
+# large enough that a one-token prompt still decodes (1 + 2A fits: at the minimal preset
+# 9 of 12 tokens for a chain and a page-1 tree, 33 of 48 for a page-4 tree). Measured: the
+# abort in 22 of 26 spec cells (``tests/test_mechanisms.py`` counts it over the run).
+_OOM_SIZES: Final = {"kv_tokens": 12, "paged_tree_kv_tokens": 48}
+
+
+def _takes_sizes(preset: str, sizes: dict[str, int]) -> Callable[[Cell], bool]:
+    def applies(cell: Cell) -> bool:
+        return check_sizes(ModelConfig(cell, make_preset(preset, sizes))) is None
+    return applies
+
+
+def get_size_variants(preset: str) -> tuple[SizeVariant, ...]:
+    """The variants the default run adds to ``preset``'s own sizes, each in the cells that
+    take it: chunked prefill as the release serves it (on by default: a chunk below the
+    long prompts, ``Preset.serving_chunked_prefill_size``), mixed chunks (and spec's mixed
+    tails), and the out-of-memory abort (spec cells). The minimal preset only: the default
+    run's; the realistic preset (``--preset realistic``) runs at its own sizes, where each
+    variant would need a witness corpus whose seeded search takes minutes a cell."""
+    if preset != "minimal":
+        return ()
+    chunk = PRESETS[preset].serving_chunked_prefill_size
+    chunked = {"chunked_prefill_size": chunk}
+    mixed = {"chunked_prefill_size": chunk, "mixed_chunk": 1}
+    return (
+        SizeVariant("chunked", chunked, "chunked prefill as the release serves it",
+                    _takes_sizes(preset, chunked)),
+        SizeVariant("mixed", mixed, "mixed chunks; spec's mixed tails",
+                    _takes_sizes(preset, mixed)),
+        SizeVariant("oom", _OOM_SIZES, "the out-of-memory abort, small pools",
+                    lambda cell: cell.is_spec),
+    )
+
+
+def get_budget_shares(configs: Sequence[ModelConfig]) -> list[float]:
+    """Each configuration's share of its tier's per-cell budget: a cell run at its
+    preset's sizes alone gets all of it; with size variants, the preset's own sizes get
+    half and the variants split the other half (the default run costs what a run at the
+    preset's sizes did)."""
+    rows = Counter((c.cell.name, split_preset(c.preset)[0]) for c in configs)
+    shares = []
+    for config in configs:
+        count = rows[config.cell.name, split_preset(config.preset)[0]]
+        if count == 1:
+            shares.append(1.0)
+        elif SIZES_MARK in config.preset.name:
+            shares.append(0.5 / (count - 1))
+        else:
+            shares.append(0.5)
+    return shares
+
+
+def describe_variants(configs: Sequence[ModelConfig]) -> str | None:
+    """The line that says which size variants a default run added (None: none)."""
+    added: Counter[str] = Counter()
+    labels: dict[str, str] = {}
+    for config in configs:
+        base, sizes = split_preset(config.preset)
+        for variant in get_size_variants(base):
+            if sizes and sizes == variant.sizes:
+                added[variant.name] += 1
+                labels[variant.name] = f"{variant.name} ({format_sizes(sizes)}: {variant.reaches})"
+    if not added:
+        return None
+    own = len(configs) - sum(added.values())
+    parts = [f"{labels[name]} in {count} cell{'s' * (count != 1)}"
+             for name, count in added.items()]
+    return (f"default run: {own} cell{'s' * (own != 1)} at the preset's sizes (half of each "
+            f"cell's budget), and size variants sharing the other half: {'; '.join(parts)} "
+            "('--sizes' runs one size set instead)")
+
+
+def get_upstream_config(cell: Cell, preset: str, sizes: dict[str, int]) -> ModelConfig:
+    """The configuration the upstream tier drives ``cell`` at: ``sizes`` in place of the
+    preset's and, in a cell the release serves by default (``spec.config.is_serving_default``),
+    its chunked prefill, which is on there (``Preset.serving_chunked_prefill_size``) unless
+    ``sizes`` set ``chunked_prefill_size`` themselves (0: off)."""
+    if is_serving_default(cell) and "chunked_prefill_size" not in sizes:
+        sizes = {**sizes,
+                 "chunked_prefill_size": PRESETS[preset].serving_chunked_prefill_size}
+    return ModelConfig(cell, make_preset(preset, sizes))
+
+
+def get_share_examples(examples: int, share: float) -> int:
+    """A share of ``examples``, at least one."""
+    return max(1, round(examples * share))
 
 
 # --- sizes a script or a command line may set in place of its preset's ------------------

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+from overlap_spec.harness.drive.mechanisms import MechanismTracker
 from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.invariants import INVARIANTS, Invariant, InvariantViolation
 from overlap_spec.spec.state import Observation
@@ -16,13 +17,22 @@ class InvariantChecker:
     exercised: Counter[str] = field(default_factory=Counter)
     observations: int = 0
     applicable: tuple[Invariant, ...] = ()
+    # The mechanisms the observations showed, per operation (harness.drive.mechanisms);
+    # off where nobody reads them (the exhaustive search, whose state copies would make a
+    # count meaningless anyway).
+    track_mechanisms: bool = True
+    mechanisms: MechanismTracker | None = field(init=False, default=None)
 
     def __post_init__(self) -> None:
         self.applicable = tuple(inv for inv in INVARIANTS if inv.applies(self.config.cell))
+        if self.track_mechanisms:
+            self.mechanisms = MechanismTracker(self.config)
 
     def __call__(self, obs: Observation) -> None:
         """Check every applicable invariant; report all that fail at this observation."""
         self.observations += 1
+        if self.mechanisms is not None:
+            self.mechanisms(obs)
         failures: list[InvariantViolation] = []
         for inv in self.applicable:
             try:

@@ -28,7 +28,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from overlap_spec.harness.drive.cells import UsageError
+from overlap_spec.harness.drive.cells import UsageError, get_share_examples
 from overlap_spec.harness.drive.checker import InvariantChecker
 from overlap_spec.harness.drive.generate import get_strategies
 from overlap_spec.harness.drive.minimize import minimize_script
@@ -96,6 +96,8 @@ class RunLog:
     runs: int = 0
     observations: int = 0
     last_script: Script | None = None
+    # operations per mechanism (harness.drive.mechanisms), summed over the runs
+    mechanisms: Counter[str] = field(default_factory=Counter)
 
 
 def make_machine(config: ModelConfig, faults: frozenset[str], implementation: str = "reference",
@@ -165,6 +167,8 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
         def teardown(self) -> None:
             if log is not None:
                 log.exercised.update(self.checker.exercised)
+                if self.checker.mechanisms is not None:
+                    log.mechanisms.update(self.checker.mechanisms.get_counts())
                 log.runs += 1
                 log.observations += self.checker.observations
 
@@ -185,6 +189,8 @@ class CellResult:
     exercised: Counter[str] = field(default_factory=Counter)
     runs: int = 0
     observations: int = 0
+    # operations per mechanism the run's observations showed (harness.drive.mechanisms)
+    mechanisms: Counter[str] = field(default_factory=Counter)
     error: BaseException | None = None
     # The trace checker's verdict on the saved counterexample's trace (None: nothing saved).
     trace_verdict: TraceVerdict | None = None
@@ -329,6 +335,7 @@ def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
             result.script_path = save_script(script, directory / f"{name}.json")
     result.seconds = time.perf_counter() - started
     result.exercised = log.exercised
+    result.mechanisms = log.mechanisms
     result.runs = log.runs
     result.observations = log.observations
     return result
@@ -346,11 +353,14 @@ class CellTask:
     save_dir: Path | None
     # False: no Hypothesis shrinking; the failing script is minimised instead (review).
     shrink: bool = True
+    # The configuration's share of the profile's sequences (cells.get_budget_shares).
+    share: float = 1.0
 
 
 def run_cell_task(task: CellTask) -> CellResult:
     return check_cell(task.config, task.profile, task.seed, task.faults, save_dir=task.save_dir,
-                      shrink=task.shrink, minimize=not task.shrink, witnesses=True)
+                      shrink=task.shrink, minimize=not task.shrink, witnesses=True,
+                      max_examples=get_share_examples(task.profile.max_examples, task.share))
 
 
 def _count(number: int, noun: str) -> str:

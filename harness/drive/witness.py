@@ -41,6 +41,7 @@ from overlap_spec.harness.drive.cells import (
     UsageError,
     check_sizes,
     format_sizes,
+    get_size_variants,
     make_preset,
     split_preset,
 )
@@ -84,16 +85,22 @@ DOCUMENTED_SIZES: Final[tuple[dict[str, int], ...]] = (
 
 
 def get_corpus_sizes() -> dict[str, list[dict[str, int]]]:
-    """preset -> the size sets the corpus holds for it (the catalogue's kill sizes on the
-    minimal preset, where the mutant matrix runs them)."""
+    """preset -> the size sets the corpus holds for it: the documented ones, the default
+    run's size variants, and the catalogue's kill sizes on the minimal preset, where the
+    mutant matrix runs them."""
     from overlap_spec.harness.catalogue import BUGS
 
-    minimal = list(DOCUMENTED_SIZES)
+    corpus: dict[str, list[dict[str, int]]] = {
+        "minimal": list(DOCUMENTED_SIZES), "realistic": [{}]}
+    for preset, size_sets in corpus.items():  # the default run's size variants
+        for variant in get_size_variants(preset):
+            if variant.sizes not in size_sets:
+                size_sets.append(dict(variant.sizes))
     for bug in BUGS:
         sizes = dict(bug.sizes)
-        if sizes and sizes not in minimal:
-            minimal.append(sizes)
-    return {"minimal": minimal, "realistic": [{}]}
+        if sizes and sizes not in corpus["minimal"]:
+            corpus["minimal"].append(sizes)
+    return corpus
 
 
 @dataclass(frozen=True)

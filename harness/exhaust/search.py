@@ -248,7 +248,7 @@ def explore(config: ModelConfig, depth: int, faults: frozenset[str] = frozenset(
     alphabet = alphabet or get_alphabet(config)
     result = Exploration(config, faults, depth, alphabet)
     wall, cpu = time.perf_counter(), time.process_time()
-    checker = InvariantChecker(config)
+    checker = InvariantChecker(config, track_mechanisms=False)
     root = Scheduler(config, faults, checker)
     root_state = get_state_bytes(root, [])
     seen: set[StateKey] = {get_state_key(root_state)}
