@@ -463,8 +463,11 @@ class Scheduler:
                 # waits, and nothing is admitted this step.
                 return [], [], False
             fill = compute_fill_len(continued.prompt_len, len(continued.output_ids))
-            end = compute_chunk_continuation_end(continued.prefix_len, fill, chunk,
-                                                 int(budget.available - budget.total_offset))
+            end = compute_chunk_continuation_end(
+                continued.prefix_len, fill, chunk, int(budget.available - budget.total_offset),
+                (len(continued.pages) + get_available_pages(self.rt)) * page)
+            if end <= continued.prefix_len:
+                return [], [], False  # the pool is held by the running decodes: it waits
             paged = compute_page_align_up(end - continued.prefix_len, page)
             budget.reserve(compute_prefill_reserved_tokens(
                 end - continued.prefix_len, continued.max_new_tokens if end == fill else 0, page),

@@ -435,7 +435,7 @@ class Scheduler:
             else None  # rem_chunk_tokens
         chosen: list[Req] = []
         ends: list[int] = []
-        continuation = None
+        continuation, limit = None, None
         if continued is not None and chunk is not None and chunk <= 0:
             # The running decodes set aside the whole chunk budget: the release would prefill
             # an empty chunk (KV11). Only PD-prebuilt arrivals, which join the running batch
@@ -444,8 +444,11 @@ class Scheduler:
         if continued is not None:
             fill = compute_fill_len(continued.prompt_len, len(continued.output_ids))
             assert chunk is not None
-            end = compute_chunk_continuation_end(continued.prefix_len, fill, chunk,
-                                                 int(available - total))
+            limit = (len(continued.pages) + get_available_pages(rt)) * page
+            end = compute_chunk_continuation_end(
+                continued.prefix_len, fill, chunk, int(available - total), limit)
+            if end <= continued.prefix_len:
+                return [], [], None  # the pool is held by the running decodes: it waits
             paged = compute_page_align_up(end - continued.prefix_len, page)
             total += compute_prefill_reserved_tokens(
                 end - continued.prefix_len, continued.max_new_tokens if end == fill else 0, page)
@@ -496,6 +499,7 @@ class Scheduler:
                    req.max_new_tokens, len(req.output_ids)) for req in waiting),
             len(chosen) - (continued is not None),
             chunk_size=cfg.preset.chunked_prefill_size, continued=continuation,
+            continued_limit=limit,
             ends=tuple(ends[1:] if continued is not None else ends), latched=latched,
             mixed_decode_tokens=mixed)
         return chosen, ends, view

@@ -250,6 +250,10 @@ class AdmissionView:
     # Mixed chunks: the running decodes the admission set aside (``num_mixed_decode_tokens``,
     # one per running request; 0 unless is_mixed_chunk), from the chunk and token budgets.
     mixed_decode_tokens: int = 0
+    # The model's own cap on the continued chunk's end: the row's pages and the free ones
+    # (the release takes the whole chunk budget there and dies, "Prefill out of memory":
+    # U8). None: the release's rule alone.
+    continued_limit: int | None = None
 
 
 @dataclass(frozen=True)

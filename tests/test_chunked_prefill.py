@@ -13,7 +13,14 @@ import pytest
 
 from overlap_spec.harness.drive.cells import UsageError, check_sizes, make_preset
 from overlap_spec.harness.drive.generate import generate_random_ops
-from overlap_spec.harness.drive.script import Admit, AdmitPrebuilt, Iterate, Script, run_script
+from overlap_spec.harness.drive.script import (
+    Admit,
+    AdmitPrebuilt,
+    Iterate,
+    Op,
+    Script,
+    run_script,
+)
 from overlap_spec.harness.drive.stateful import (
     check_cell,
     describe_failure,
@@ -21,8 +28,9 @@ from overlap_spec.harness.drive.stateful import (
     make_machine,
 )
 from overlap_spec.harness.exhaust.alphabet import get_alphabet
+from overlap_spec.reference import scheduler as reference_scheduler
 from overlap_spec.reference.scheduler import Scheduler
-from overlap_spec.spec import relation
+from overlap_spec.spec import relation, transitions
 from overlap_spec.spec.config import ModelConfig, get_cell
 from overlap_spec.spec.invariants import INVARIANTS, InvariantViolation
 from overlap_spec.spec.relation import GuardViolation
@@ -488,13 +496,16 @@ def test_b20_a_tail_left_uncommitted_is_caught(cell: str) -> None:
     assert caught.value.invariant_id in ("KV8", "KV9"), str(caught.value)
 
 
-# -- PD-prebuilt arrivals are not drawn with chunking ------------------------------------
+# -- a continued chunk into a pool the decodes hold (U8) ----------------------------------
 # The release gives a continuing chunk the whole chunk budget once the budget's remaining
 # total is spent ("Single-pool continuation must make progress", prefill_budget.py
-# available_chunk_tokens), and raises "Prefill out of memory" when the pool is dry. The
-# model got there only with a PD-prebuilt arrival beside a chunked prompt, which no
-# instance of the release combines (a PD decode instance does not prefill): no generator
-# draws them together; a hand-written script still can, and its crash is reported.
+# available_chunk_tokens), and raises "Prefill out of memory" when the pool is dry: the
+# scheduler dies (U8, docs/upstream-findings.md). The model takes its own rule there: the
+# chunk goes no further than the row's pages and the free ones, and waits when that is
+# nothing (``transitions.compute_chunk_continuation_end``, KV11 with the cap). First met
+# with a PD-prebuilt arrival beside a chunked prompt (no generator draws the two together),
+# then by the default run's chunked variant with plain admissions (a page-4 tree, whose
+# decodes each reserve 32 of the 96-token pool, seed 2): the release crashes on it.
 PREBUILT_BESIDE_A_CHUNK = [
     Admit(13, 7), Iterate(IterationChoices(accept_lens=(1, 3, 3))),
     AdmitPrebuilt(12, 3), Iterate(IterationChoices(allow_prefill=False)),
@@ -502,16 +513,37 @@ PREBUILT_BESIDE_A_CHUNK = [
     Iterate(IterationChoices(retract=1, accept_lens=(3, 3, 2))),
     Iterate(IterationChoices(accept_lens=(3, 1, 3))),
 ]
+_STEP = Iterate(IterationChoices())
+_NO_PREFILL = Iterate(IterationChoices(allow_prefill=False))
+# Minimised from the seed-2 run (ov-p4-v2tree-cpu-honest, chunked_prefill_size=4); the
+# same 25 operations crash sglang 0.5.23 in alloc_paged_token_slots_extend.
+PLAIN_ADMITS_INTO_A_HELD_POOL = [
+    Admit(1, 1), Admit(1, 1), Admit(5, 6), _NO_PREFILL, _NO_PREFILL, Admit(1, 1),
+    Admit(13, 2), _NO_PREFILL, _STEP, Admit(5, 1), _NO_PREFILL, _STEP, _STEP, _STEP,
+    _NO_PREFILL, _NO_PREFILL, _STEP, _STEP, _STEP, _STEP,
+    Iterate(IterationChoices(allow_prefill=False, accept_lens=(2, 1, 1))), _STEP, _STEP,
+    _NO_PREFILL, _STEP,
+]
 
 
-def test_a_prebuilt_arrival_beside_a_chunked_prompt_can_run_the_pool_dry() -> None:
-    script = Script("nov-p1-v2tree-cpu-honest", "minimal", list(PREBUILT_BESIDE_A_CHUNK),
-                    sizes={"chunked_prefill_size": 4})
+@pytest.mark.parametrize(("cell", "ops"), [
+    ("nov-p1-v2tree-cpu-honest", PREBUILT_BESIDE_A_CHUNK),
+    ("ov-p4-v2tree-cpu-honest", PLAIN_ADMITS_INTO_A_HELD_POOL),
+])
+def test_a_continued_chunk_waits_for_pages_the_decodes_hold(cell: str, ops: list[Op]) -> None:
+    """Where the release dies (U8), the model's chunk is capped to what the allocator can
+    give, or waits: clean, KV11 judged with the cap; without the cap (the release's rule
+    alone) the same script runs the allocator dry, as the release does."""
+    script = Script(cell, "minimal", list(ops), sizes={"chunked_prefill_size": 4})
     outcome = run_script(script, catch_crash=True)
-    assert outcome.crash is not None and "OutOfMemory" in outcome.crash, outcome
-    without = [op for op in script.ops if not isinstance(op, AdmitPrebuilt)]
-    script.ops = without
-    assert run_script(script, catch_crash=True).crash is None
+    assert outcome.crash is None and outcome.violation is None, outcome
+    assert outcome.checker.exercised["KV11"] > 0
+    with pytest.MonkeyPatch.context() as patch:
+        real = transitions.compute_chunk_continuation_end
+        patch.setattr(reference_scheduler, "compute_chunk_continuation_end",
+                      lambda *args: real(*args[:4]))
+        crashed = run_script(script, catch_crash=True).crash
+    assert crashed is not None and "OutOfMemory" in crashed, crashed
 
 
 def test_no_generator_draws_prebuilt_arrivals_with_chunking() -> None:
