@@ -79,9 +79,9 @@ def render_table(results: list[CellResult]) -> str:
     lines += ["", "invariant x cell ('.' pass, 'X' fail, '-' n/a, '0' vacuous: no witness):",
               header]
     for inv in INVARIANTS:
-        row = "".join(
-            f"{SYMBOLS[max((verdicts[inv.id][r.config.name] for r in members), key=_RANK.__getitem__)]:>3}"
-            for members in columns.values())
+        worst = [max((verdicts[inv.id][r.config.name] for r in members),
+                     key=_RANK.__getitem__) for members in columns.values()]
+        row = "".join(f"{SYMBOLS[verdict]:>3}" for verdict in worst)
         lines.append(f"{inv.id:<6}{row}   {inv.claim}")
     lines += ["", render_mechanisms(get_mechanism_counts(results))]
     failures = render_failures(results)
