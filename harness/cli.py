@@ -281,7 +281,8 @@ def cmd_cells(args: argparse.Namespace) -> int:
     from overlap_spec.spec.config import enumerate_cells
 
     if args.switches:
-        from overlap_spec.spec.config import get_departures, is_serving_default
+        from overlap_spec.harness.drive.cells import is_serving_default
+        from overlap_spec.spec.config import get_departures
 
         rows: list[tuple[str, ...]] = [("cell", "overlap", "page", "spec", "host mirror",
                                         "claim", "reserve", "length finish", "finish run",
@@ -306,7 +307,7 @@ def cmd_cells(args: argparse.Namespace) -> int:
               "in the README (the coverage table, and the upstream tier's allowed list)")
         return 0
     if not args.limits:
-        from overlap_spec.spec.config import is_serving_default
+        from overlap_spec.harness.drive.cells import is_serving_default
 
         # A second column marks what sglang 0.5.23 serves by default (the overlap scheduler
         # on, no era or proposal switch; chunked prefill on, the upstream tier chunks there).
@@ -563,7 +564,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "release's serving defaults (the overlap scheduler on, no era or "
                     "proposal switch): there the upstream tier runs chunked prefill, which "
                     "sglang 0.5.23 has on by default, at the preset's "
-                    "serving_chunked_prefill_size (minimal 4, realistic 32).")
+                    "serving chunk size (minimal 4, realistic 32).")
     cells.add_argument("--limits", action="store_true",
                        help="the range of every script and trace op field, per cell")
     cells.add_argument("--preset", choices=sorted(PRESETS), default="minimal",

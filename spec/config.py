@@ -170,14 +170,6 @@ class Preset:
     # and up), above every prompt these presets draw, so 0 is its behaviour here; a size
     # below ``max_context_len`` chunks prompts as the release would with that setting.
     chunked_prefill_size: int = 0
-    # The chunk size the release's serving default comes to at these sizes. Chunked prefill
-    # is on by default (``chunked_prefill_size`` None resolves to 2048..16384 tokens by
-    # memory, ``memory_hook.py``), below the context of the models it serves (32K..128K):
-    # long prompts are chunked, short ones are not. Scaled to a preset, that is a chunk
-    # below the longest prompts and above the short ones (a page multiple for every cell).
-    # The default run's chunked variants and the upstream tier's serving-default cells use
-    # it (``harness.drive.cells.get_size_variants``).
-    serving_chunked_prefill_size: int = 4
     # ``enable_mixed_chunk`` (0 / 1; the release's default is off): with chunking, the running
     # decodes ride in each prefill chunk's batch (``mix_with_running``): non-spec cells, and
     # the release's spec cells with the CPU mirror (spec's mixed tails).
@@ -212,7 +204,6 @@ REALISTIC: Final = Preset(
     tree_steps=3,
     tree_draft_tokens=8,
     paged_tree_kv_tokens=4096,
-    serving_chunked_prefill_size=32,
 )
 
 PRESETS: Final = {p.name: p for p in (MINIMAL, REALISTIC)}
@@ -389,14 +380,6 @@ def get_departures(cell: Cell) -> tuple[str, ...]:
                           " its attention metadata without re-reading req_to_token, which "
                           "0.5.23's does)")
     return tuple(departures)
-
-
-def is_serving_default(cell: Cell) -> bool:
-    """Whether ``cell`` is what sglang 0.5.23 serves by default for its page size and
-    speculative mode: the overlap scheduler on, no era or proposal switch. (Page size and
-    speculation are the deployment's choice: the attention backend and the model; chunked
-    prefill, on by default, is a size: ``Preset.serving_chunked_prefill_size``.)"""
-    return cell.overlap and not get_departures(cell)
 
 
 def is_valid_cell(cell: Cell) -> bool:

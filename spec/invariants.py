@@ -771,8 +771,7 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
                        f"[{prefix}, {end})")
         room = min(chunk, int(free - total))  # available_chunk_tokens, not page-floored
         expected = prefix + min(fill - prefix, room if room > 0 else chunk)
-        if view.continued_limit is not None:  # the model's cap where the release dies (U8)
-            expected = min(expected, view.continued_limit)
+        expected = min(expected, view.continued_limit or expected)  # the model's cap (U8)
         if end != expected:
             raise fail("KV11", obs, f"for request r{rid}: its next chunk ends at {end}, the "
                        f"chunk budget {chunk} from prefix {prefix} of {fill} says {expected}")

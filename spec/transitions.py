@@ -114,13 +114,9 @@ def compute_chunk_continuation_end(prefix_len: int, fill_len: int, chunk_budget:
                                    allocatable_end: int | None = None) -> int:
     """``add_chunked_req``: the chunked request's next extend, from its checkpointed prefix,
     at most the chunk budget or, when positive, the budget's remaining total if smaller
-    (``PrefillBudget.available_chunk_tokens``); not page-floored.
-
-    With a remaining total of 0 or less the release still takes the whole chunk budget,
-    and its allocation then fails when the pool is held by the running decodes' reserves:
-    "Prefill out of memory", the scheduler dies (U8, docs/upstream-findings.md).
-    ``allocatable_end`` is the model's own rule in its place: no further than the row's
-    pages and the allocator's free ones reach (at or below the prefix: the chunk waits)."""
+    (``PrefillBudget.available_chunk_tokens``); not page-floored. The release takes the
+    whole budget even into a pool the decodes hold, and dies (U8); ``allocatable_end``,
+    the model's own rule, caps it to the row's and the free pages (the chunk may wait)."""
     room = min(chunk_budget, remaining_total)
     end = prefix_len + min(fill_len - prefix_len, room if room > 0 else chunk_budget)
     return end if allocatable_end is None else min(end, allocatable_end)

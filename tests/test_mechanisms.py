@@ -19,6 +19,7 @@ from overlap_spec.harness.drive.cells import (
     get_budget_shares,
     get_size_variants,
     get_upstream_config,
+    is_serving_default,
     make_preset,
     select_configs,
 )
@@ -35,7 +36,7 @@ from overlap_spec.harness.drive.script import (
 )
 from overlap_spec.harness.drive.stateful import get_profile
 from overlap_spec.harness.report import get_mechanism_counts
-from overlap_spec.spec.config import ModelConfig, enumerate_cells, get_cell, is_serving_default
+from overlap_spec.spec.config import ModelConfig, enumerate_cells, get_cell
 from overlap_spec.spec.state import IterationChoices
 
 SIZE_DEPENDENT = {"chunked-prefill", "chunk-continued", "chunked-abort", "mixed-chunk",

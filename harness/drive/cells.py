@@ -28,7 +28,7 @@ from overlap_spec.spec.config import (
     ModelConfig,
     Preset,
     enumerate_cells,
-    is_serving_default,
+    get_departures,
 )
 
 # The seed every tier runs under unless told otherwise; printed with every failure.
@@ -125,6 +125,19 @@ def select_configs(patterns: str | None, preset: str,
 
 
 # --- the default run's size variants ----------------------------------------------------
+# The chunk size the release's serving default comes to at each preset's sizes. Chunked
+# prefill is on by default (``chunked_prefill_size`` None resolves to 2048..16384 tokens by
+# memory, ``memory_hook.py``), below the context of the models it serves (32K..128K): long
+# prompts are chunked, short ones not. Scaled to a preset: a chunk below its longest
+# prompts and above its short ones, a page multiple for every cell.
+SERVING_CHUNKED_PREFILL_SIZE: Final = {"minimal": 4, "realistic": 32}
+
+
+def is_serving_default(cell: Cell) -> bool:
+    """What sglang 0.5.23 serves by default (page size and speculation being the
+    deployment's choice): the overlap scheduler on, no era or proposal switch."""
+    return cell.overlap and not get_departures(cell)
+
 @dataclass(frozen=True)
 class SizeVariant:
     """Sizes in place of a preset's that reach mechanisms its own sizes never do."""
@@ -153,13 +166,13 @@ def _takes_sizes(preset: str, sizes: dict[str, int]) -> Callable[[Cell], bool]:
 def get_size_variants(preset: str) -> tuple[SizeVariant, ...]:
     """The variants the default run adds to ``preset``'s own sizes, each in the cells that
     take it: chunked prefill as the release serves it (on by default: a chunk below the
-    long prompts, ``Preset.serving_chunked_prefill_size``), mixed chunks (and spec's mixed
+    long prompts, ``SERVING_CHUNKED_PREFILL_SIZE``), mixed chunks (and spec's mixed
     tails), and the out-of-memory abort (spec cells). The minimal preset only: the default
     run's; the realistic preset (``--preset realistic``) runs at its own sizes, where each
     variant would need a witness corpus whose seeded search takes minutes a cell."""
     if preset != "minimal":
         return ()
-    chunk = PRESETS[preset].serving_chunked_prefill_size
+    chunk = SERVING_CHUNKED_PREFILL_SIZE[preset]
     chunked = {"chunked_prefill_size": chunk}
     mixed = {"chunked_prefill_size": chunk, "mixed_chunk": 1}
     return (
@@ -212,12 +225,12 @@ def describe_variants(configs: Sequence[ModelConfig]) -> str | None:
 
 def get_upstream_config(cell: Cell, preset: str, sizes: dict[str, int]) -> ModelConfig:
     """The configuration the upstream tier drives ``cell`` at: ``sizes`` in place of the
-    preset's and, in a cell the release serves by default (``spec.config.is_serving_default``),
-    its chunked prefill, which is on there (``Preset.serving_chunked_prefill_size``) unless
+    preset's and, in a cell the release serves by default (:func:`is_serving_default`),
+    its chunked prefill, which is on there (``SERVING_CHUNKED_PREFILL_SIZE``) unless
     ``sizes`` set ``chunked_prefill_size`` themselves (0: off)."""
     if is_serving_default(cell) and "chunked_prefill_size" not in sizes:
         sizes = {**sizes,
-                 "chunked_prefill_size": PRESETS[preset].serving_chunked_prefill_size}
+                 "chunked_prefill_size": SERVING_CHUNKED_PREFILL_SIZE[preset]}
     return ModelConfig(cell, make_preset(preset, sizes))
 
 
