@@ -36,6 +36,13 @@ AllocatorView                 allocator free pages (``free_pages`` + ``release_p
                               ``get_all_free_pages()``), ``ReqToTokenPool.free_slots``,
                               ``req_to_token.shape[1]`` (row_width); the disabled radix
                               cache holds no pages
+ForwardView                   the release's ``ForwardBatch`` (``init_new``; at
+                              DRAFT_EXTEND after ``prepare_for_draft_extend``'s +D_tok):
+                              ``batch_size``, ``seq_lens``, ``seq_lens_cpu``,
+                              ``seq_lens_sum``; purpose from its ``forward_mode`` and
+                              runner; draft_tokens the cell's D_tok; schedule_batch the
+                              batch inside the forward (``TARGET_VERIFY``,
+                              ``DRAFT_EXTEND_V2``: a decode's relabelling)
 LaunchMember.write_width      the stand-in worker's: a decode's
                               ``compute_forward_write_width`` at its ``seq_lens`` (a tree
                               on pages > 1 depends on ``seq_len % page``), a mixed batch's
@@ -75,6 +82,7 @@ from overlap_spec.spec.state import (
     AdmissionView,
     AllocatorView,
     BatchView,
+    ForwardView,
     GhostView,
     IsolationView,
     IterationChoices,
@@ -368,6 +376,26 @@ class UpstreamScheduler:
                 faults.append(KvWrite(rid, position, slot, "slot not owned by the request"))
         return faults
 
+    def on_forward_batch(self, point: ObservationPoint, batch: Any, forward_batch: Any,
+                         purpose: str, draft_tokens: int) -> None:
+        """The release built ``forward_batch`` from ``batch`` (``ForwardBatch.init_new``;
+        at ``DRAFT_EXTEND``, ``prepare_for_draft_extend`` after its +D_tok): the spec's
+        observation of it, with the ``ScheduleBatch`` as it stands inside the forward (a
+        draft-extend's isolation entry is the batch at launch, as in the reference)."""
+        schedule_batch = self.get_batch_view(batch, in_forward=True)
+        cpu = forward_batch.seq_lens_cpu
+        total = forward_batch.seq_lens_sum
+        forward = ForwardView(
+            purpose=purpose, draft_tokens=draft_tokens,
+            batch_size=int(forward_batch.batch_size), seq_lens=_ints(forward_batch.seq_lens),
+            seq_lens_cpu=None if cpu is None else _ints(cpu),
+            seq_lens_sum=None if total is None else int(total),
+            schedule_batch=schedule_batch)
+        isolation = None
+        if point is ObservationPoint.DRAFT_EXTEND and self.launch_entry is not None:
+            isolation = IsolationView(self.launch_entry, schedule_batch, None)
+        self.observe(point, batch_view=schedule_batch, forward=forward, isolation=isolation)
+
     def record_step(self, record: StepRecord, faults: list[KvWrite]) -> None:
         self.result_steps[record.step] = record
         self.kv_write_fault_count += len(faults)
@@ -611,9 +639,12 @@ class UpstreamScheduler:
         self.spec_metrics = (batch_size, num_correct_drafts)
 
     # ------------------------------------------------------------------ refinement
-    def observe(self, point: ObservationPoint, batch: Any = None, **parts: Any) -> None:
+    def observe(self, point: ObservationPoint, batch: Any = None,
+                batch_view: BatchView | None = None, **parts: Any) -> None:
         if self.observer is None:
             return
+        if batch is not None:
+            batch_view = self.get_batch_view(batch)
         if point is ObservationPoint.PREPARE_FOR_EXTEND and self.admission is not None:
             parts["admission"] = self._complete_admission(self.admission, batch)
             self.admission = None
@@ -624,7 +655,7 @@ class UpstreamScheduler:
             point=point,
             step_index=self.step_index,
             requests=tuple(self.get_request_view(t) for t in self.tracks.values()),
-            batch=None if batch is None else self.get_batch_view(batch),
+            batch=batch_view,
             allocator=self.get_allocator_view(),
             races=(),
             chunked_rid=None if chunked_track is None else chunked_track.rid,
@@ -692,9 +723,17 @@ class UpstreamScheduler:
                 finished_at_tail=g.finished_at_tail),
         )
 
-    def get_batch_view(self, batch: Any) -> BatchView:
+    def get_batch_view(self, batch: Any, in_forward: bool = False) -> BatchView:
+        """``in_forward``: the batch as a spec decode's forward has relabelled it
+        (``eagle_prepare_for_verify``: ``TARGET_VERIFY``; ``prepare_for_draft_extend``:
+        ``DRAFT_EXTEND_V2``), a decode to the spec; elsewhere those modes are what they
+        are, so an isolation that fails to restore ``DECODE`` shows at ``run_batch``
+        (SL9)."""
         mode = batch.forward_mode
-        name = ("mixed" if mode is not None and mode.is_mixed() else
+        relabelled = in_forward and mode is not None and (
+            mode.is_target_verify() or mode.is_draft_extend_v2())
+        name = ("decode" if relabelled else
+                "mixed" if mode is not None and mode.is_mixed() else
                 "extend" if mode is not None and mode.is_extend() else
                 "decode" if mode is not None and mode.is_decode() else "idle")
         spec_info = batch.spec_info

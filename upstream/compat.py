@@ -101,6 +101,9 @@ _HOOKED = "upstream/hooks.py: wrapped, the real method runs, then the spec obser
 _ADAPTER = "upstream/adapter.py: read for the spec's observation"
 _SESSION = "upstream/session.py: builds the scheduler with the stand-ins"
 _WORKER = "upstream/worker.py: the stand-in worker's forward"
+_FORWARD = ("upstream/forward_batch.py: the release's ForwardBatch at each launch of the "
+            "stand-in worker")
+FORWARD_BATCH: Final = "sglang.srt.model_executor.forward_batch_info"
 
 NEEDS: Final[tuple[Need, ...]] = (
     # ------------------------------------------------------------------ the package
@@ -191,6 +194,9 @@ NEEDS: Final[tuple[Need, ...]] = (
         "is_prefill_only mix_running_indices prefill_input_ids_cpu req_pool_indices reqs "
         "seq_lens seq_lens_cpu seq_lens_sum spec_info",
         "upstream/adapter.py, upstream/hooks.py, upstream/worker.py: read off a batch"),
+    *_a(BATCH, "ScheduleBatch", "out_cache_loc spec_algorithm",
+        "upstream/forward_batch.py, upstream/worker.py: a draft's slots (set as "
+        "prepare_for_draft sets them), the runners' speculative algorithm"),
     _k(BATCH, "NextBatchPlan", ("batch_to_run", "running_batch"),
        "upstream/hooks.py: the empty plan when the environment allows no prefill"),
     _k(BATCH, "Req", ("rid", "origin_input_text", "origin_input_ids", "sampling_params",
@@ -220,12 +226,56 @@ NEEDS: Final[tuple[Need, ...]] = (
     _f("sglang.srt.sampling.sampling_params", "SamplingParams.normalize",
        "(self, tokenizer)", "upstream/adapter.py: admits a request"),
     *_a("sglang.srt.sampling.sampling_params", "SamplingParams", "max_new_tokens", _ADAPTER),
-    _f("sglang.srt.model_executor.forward_batch_info", "ForwardMode.is_extend",
-       "(self, include_draft_extend_v2=)", _ADAPTER),
-    _f("sglang.srt.model_executor.forward_batch_info", "ForwardMode.is_decode", "(self)",
-       _ADAPTER),
-    _f("sglang.srt.model_executor.forward_batch_info", "ForwardMode.is_mixed", "(self)",
-       _ADAPTER),
+    _f(FORWARD_BATCH, "ForwardMode.is_extend", "(self, include_draft_extend_v2=)", _ADAPTER),
+    _f(FORWARD_BATCH, "ForwardMode.is_decode", "(self)", _ADAPTER),
+    _f(FORWARD_BATCH, "ForwardMode.is_mixed", "(self)", _ADAPTER),
+    _f(FORWARD_BATCH, "ForwardMode.is_target_verify", "(self)",
+       "upstream/adapter.py, upstream/forward_batch.py: a verify's relabelled batch"),
+    _f(FORWARD_BATCH, "ForwardMode.is_draft_extend_v2", "(self)",
+       "upstream/adapter.py, upstream/forward_batch.py: a draft-extend's relabelled batch"),
+    # ------------------------------------------------------------------ the forward batch
+    _c(FORWARD_BATCH, "ForwardBatch", _FORWARD),
+    _f(FORWARD_BATCH, "ForwardBatch.init_new",
+       "(cls, batch, model_runner, *, capture_hidden_mode=, return_hidden_states_before_norm, "
+       "extend_position_info=, spec_mrope_positions=, kv_loc_plan=, write_cols=)",
+       _FORWARD + ": called as tp_worker.py:653 and prepare_for_draft call it (SL1's "
+       "back-fill of seq_lens_sum)"),
+    *_a(FORWARD_BATCH, "ForwardBatch", "batch_size forward_mode seq_lens seq_lens_cpu "
+        "seq_lens_sum", "upstream/adapter.py on_forward_batch: the INIT_NEW / DRAFT_EXTEND "
+        "observation"),
+    _v(FORWARD_BATCH, "CaptureHiddenMode.NULL", _FORWARD),
+    _v(FORWARD_BATCH, "CaptureHiddenMode.LAST", _FORWARD),
+    _v(FORWARD_BATCH, "CaptureHiddenMode.FULL", _FORWARD),
+    _k("sglang.srt.mem_cache.kv_index_translator", "KVIndexTranslator",
+       ("req_to_token", "token_to_kv_pool_allocator", "token_to_kv_pool", "page_size",
+        "device", "is_draft_worker"),
+       "upstream/forward_batch.py: the stand-in runners' translator (model_runner.py:950-961)"),
+    _f("sglang.srt.mem_cache.kv_index_translator", "KVIndexTranslator.plan",
+       "(self, *, req_pool_indices, seq_lens, seq_lens_cpu, write_virtual, read_extent=, "
+       "write_slots=, translated_writes=)",
+       "upstream/forward_batch.py: a chain draft plans the iteration's window"),
+    *_a("sglang.srt.mem_cache.kv_loc_plan", "KVLocPlan", "write_virtual",
+        "upstream/forward_batch.py: the planned window, the verify's out_cache_loc"),
+    _f("sglang.srt.speculative.spec_info", "SpeculativeAlgorithm.is_standalone", "(self)",
+       "upstream/forward_batch.py: the capture mode, as the release chooses it"),
+    _f("sglang.srt.speculative.eagle_utils", "eagle_prepare_for_verify",
+       "(verify_input, req_to_token_pool, batch, target_worker)",
+       _FORWARD + ": runs; builds the verify ForwardBatch"),
+    _f("sglang.srt.speculative.eagle_worker_common", "prepare_for_draft_extend",
+       "(draft_extend_input, batch, predict, num_draft_tokens, draft_model_runner, "
+       "cuda_graph_runner, *, return_hidden_states_before_norm, widened_out_cache_loc=, "
+       "widened_positions=, kv_loc_plan=)",
+       _FORWARD + ": runs; the draft-extend ForwardBatch and its +D_tok (SL10)"),
+    _k("sglang.srt.speculative.eagle_info", "EagleVerifyInput",
+       ("draft_token", "custom_mask", "positions", "retrieve_index", "retrieve_next_token",
+        "retrieve_next_sibling", "retrieve_cum_len", "spec_steps", "topk", "draft_token_num",
+        "capture_hidden_mode", "seq_lens_sum", "seq_lens_cpu", "prepared_out_cache_loc"),
+       "upstream/forward_batch.py: the verify input build_eagle_verify_input would assemble"),
+    *_a("sglang.srt.speculative.eagle_info", "EagleVerifyInput", "kv_loc_plan", _FORWARD),
+    _k("sglang.srt.speculative.eagle_info", "EagleDraftExtendInput",
+       ("hidden_states", "num_correct_drafts", "num_accept_tokens", "num_tokens_per_req",
+        "num_tokens_for_logprob_per_req"),
+       "upstream/forward_batch.py: _draft_extend_for_decode's input"),
     # ------------------------------------------------------------------ the relay
     _f(OVERLAP, "FutureMap.resolve_seq_lens_cpu", "(self, batch, stream_ordered=)", _HOOKED),
     _f(OVERLAP, "FutureMap.stash", "(self, future_indices, payload)", _HOOKED),
@@ -236,6 +286,10 @@ NEEDS: Final[tuple[Need, ...]] = (
     _k("sglang.srt.speculative.eagle_info", "EagleDraftInput", ("bonus_tokens",), _WORKER),
     *_a("sglang.srt.speculative.eagle_info", "EagleDraftInput",
         "bonus_tokens future_indices topk_index topk_p", _WORKER),
+    # prepare_for_draft also sets ``positions`` on it (eagle_worker_common.py:357), a name
+    # the class does not declare: nothing to look up.
+    *_a("sglang.srt.speculative.eagle_info", "EagleDraftInput",
+        "num_tokens_per_req num_tokens_for_logprob_per_req", _FORWARD),
     _f("sglang.srt.speculative.eagle_worker_v2", "EAGLEWorkerV2.forward_batch_generation",
        "(self, batch, on_publish=, grammar_barrier=, pp_proxy_tensors=)",
        "upstream/worker.py: the stand-in is called as the release calls this"),

@@ -3,8 +3,10 @@
 The tier drives the release's own ``Scheduler`` (``__init__``, ``run_event_loop`` →
 ``event_loop_overlap`` / ``event_loop_normal``), ``ScheduleBatch``, ``Req``,
 ``ReqToTokenPool``, the token-to-KV allocators, ``release_kv_cache``, ``EagleDraftInput``
-and its reserve (``eagle_prepare_for_decode``), ``FutureMap`` and the batch result
-processor. What is replaced is what needs a model or a GPU, plus hooks that only observe.
+and its reserve (``eagle_prepare_for_decode``), ``FutureMap``, the batch result processor,
+and at every launch ``ForwardBatch.init_new`` with, for a spec decode,
+``eagle_prepare_for_verify`` and ``prepare_for_draft_extend`` (upstream/forward_batch.py).
+What is replaced is what needs a model or a GPU, plus hooks that only observe.
 :data:`STAND_INS` is the list a reader checks; ``overlap-spec upstream stand-ins`` prints it
 and the JSON report of ``overlap-spec upstream check`` carries it.
 
@@ -27,7 +29,9 @@ three more blockers:
   sgl_build_tree_kernel_efficient``.
 
 The first two go away under ``TRITON_INTERPRET=1`` with ``attention_backend="triton"``, and the
-third with the release's XPU triton branch. No stand-in here has been replaced yet.
+third with the release's XPU triton branch. Step 1 of that document's plan is done: the
+release's ``ForwardBatch.init_new`` runs at every launch (SL1 and SL10 are judged on the
+release); steps 2 and 3 (the release's ``ModelRunner``, its ``EAGLEWorkerV2``) are not.
 """
 
 from __future__ import annotations
@@ -60,14 +64,60 @@ STAND_INS: Final[tuple[StandIn, ...]] = (
             "a @triton.jit kernel on the spec-decode reserve path; replaced by the same "
             "writes in torch (no CPU triton driver), through the flat view as the kernel "
             "stores them: past a row into the next one (U7), past the pool a crash"),
-    StandIn("model forward (tp_worker.forward_batch_generation)", "replaced",
+    StandIn("model forward (tp_worker.forward_batch_generation, ModelRunner.forward)",
+            "replaced",
             "the environment: tokens, accept lengths, EOS; publishes where eagle_worker_v2 "
             "does; writes KV slots through req_to_token (a spec decode: the draft's slots "
             "and tail copies, spec.transitions.compute_draft_writes, then the verify window "
             "[s, s + D_tok); a tree on pages > 1 first gathers what prepare_for_draft "
             "gathers from the row, which raises past it as the release's torch.gather does "
             "on CPU) and counts writes outside what a request owns; keeps the ghost truth "
-            "(upstream/worker.py)"),
+            "(upstream/worker.py). The ForwardBatch is the release's: each launch calls "
+            "ForwardBatch.init_new on the ScheduleBatch run_batch handed the worker, where "
+            "tp_worker.py:653 calls it (upstream/forward_batch.py), and the spec observes it "
+            "(INIT_NEW)"),
+    StandIn("ModelRunner (the runner ForwardBatch.init_new is handed)", "replaced",
+            "a target and a draft StandInRunner carrying only what init_new, "
+            "eagle_prepare_for_verify and prepare_for_draft_extend read (is_draft_worker, "
+            "device, a text model_config, the release's KVIndexTranslator over the tier's "
+            "pools, lora_manager None, prefill_attention_backend_str torch_native, "
+            "ngram_embedding_manager.enabled False, spec_algorithm, no decode cuda graph): "
+            "no default for any other name, so a new read crashes the loop "
+            "(docs/upstream-model-runner.md, section b; upstream/forward_batch.py)"),
+    StandIn("draft runner attn_backend.init_forward_metadata", "replaced",
+            "prepare_for_draft_extend (eagle_worker_common.py:227) asks the draft's attention "
+            "backend to plan the draft-extend; no attention runs on the tier, so the "
+            "stand-in backend plans nothing (the release's reads req_to_token there: the WAR "
+            "fence's read-done point, ST2, needs CUDA)"),
+    StandIn("eagle_worker_v2 bookkeeping: EAGLEWorkerV2.draft / verify "
+            "(run_eagle_verify) / _draft_extend_for_decode, _forward_prefill_batch's "
+            "_draft_extend_for_prefill", "replaced",
+            "what the stand-in reproduces around the release's own init_new, "
+            "eagle_prepare_for_verify and prepare_for_draft_extend (which run): "
+            "prepare_for_draft's slot copy (assign_draft_cache_locs_contiguous, a "
+            "@triton.jit kernel with no CPU driver) in torch through the flat view, the "
+            "chain's window plan (KVIndexTranslator.plan) and the draft input's positions; "
+            "the verify input build_eagle_verify_input would assemble (no tree: its builder "
+            "has no CPU branch, spec_tree.py:427-431), with the window "
+            "assign_extend_cache_locs_uniform (triton) would read handed in as "
+            "prepared_out_cache_loc, as the chain draft does (eagle_worker_v2.py:734); the "
+            "draft tokens, the verify's accept lengths and new_seq_lens (run_eagle_verify: "
+            "target forward, eagle_sample, prepare_verify_commit_outputs / "
+            "seq_lens + accept_lens, fill_bonus_tokens; so SL8 is not judged), "
+            "_draft_extend_for_decode's non-CUDA inputs (eagle_worker_v2.py:1133-1146) and "
+            "its draft forward; a prefill's draft-extend is not built. Blocker for running "
+            "EAGLEWorkerV2 itself (docs/upstream-model-runner.md, 'Plan', step 3, 3-5 days): "
+            "set TRITON_INTERPRET=1 before load_sglang() (the forking cell server too) and "
+            "build it with attention_backend=triton (draft_utils.py:64 refuses "
+            "torch_native), which also needs the release's real TpModelWorker/ModelRunner "
+            "(step 2: the vllm._custom_ops import stand-in, rotary_embedding/base.py:138); "
+            "take the release's XPU triton tree builder and greedy verify "
+            "(spec_tree._is_xpu, a listed stand-in); put the environment at eagle_sample "
+            "(eagle_utils.py:521: predict, accept_index, num_correct_drafts from its accept "
+            "lengths and EOS); then drop compute_draft_writes' KV mirror and the stand-in's "
+            "on_publish; first measure pages > 1 and topk > 1, the overlap loop on its "
+            "thread with the real worker, the interpreter on a store past a tensor's end "
+            "(U7) and its run time against the 30 s a cell"),
     StandIn("Scheduler.ingest_requests", "replaced",
             "the per-iteration request-ingest hook is the iteration boundary: the loop "
             "thread parks there; admissions and aborts are applied by the driver while it "

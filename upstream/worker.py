@@ -12,6 +12,11 @@ ghost transitions.
 
 The ghost is the environment's own account (what it emitted, what KV it really wrote), kept
 here and never read from a scheduler field it could get wrong.
+
+The model is replaced; the ``ForwardBatch`` is not. Each launch hands the batch to the
+release's ``ForwardBatch.init_new`` where its workers do (a spec decode: the draft's, then the
+verify's through ``eagle_prepare_for_verify``, and after the publish the draft-extend's through
+``prepare_for_draft_extend``), and the spec observes each (:mod:`upstream.forward_batch`).
 """
 
 from __future__ import annotations
@@ -21,9 +26,16 @@ from typing import Any
 
 from overlap_spec.spec.config import ModelConfig, SpecShape
 from overlap_spec.spec.relation import ghost_forward_decode, ghost_forward_extend
-from overlap_spec.spec.state import EOS_TOKEN, IterationChoices, KvWrite, get_env_tokens
+from overlap_spec.spec.state import (
+    EOS_TOKEN,
+    IterationChoices,
+    KvWrite,
+    ObservationPoint,
+    get_env_tokens,
+)
 from overlap_spec.spec.transitions import compute_draft_writes, compute_forward_write_width
 from overlap_spec.spec.units import RequestId, StepId
+from overlap_spec.upstream.forward_batch import StandInForwards, get_purpose
 
 __all__ = ["EOS_TOKEN", "StandInWorker", "StepRecord"]
 
@@ -95,12 +107,21 @@ class StandInWorker:
         self.model_runner = model_runner
         self.model_config = model_config
         self.host = host
+        # The runners ForwardBatch.init_new is handed (upstream/forward_batch.py), built at
+        # the first launch from the scheduler's own speculative algorithm.
+        self.forwards: StandInForwards | None = None
 
     def __getattr__(self, item: str) -> Any:
         raise AttributeError(f"the stand-in worker has no {item!r} (upstream/worker.py)")
 
     def on_verify_complete_cpu(self, *args: Any, **kwargs: Any) -> None:
         return None  # the adaptive controller's feed; the rung is fixed in this tier
+
+    def _get_forwards(self, batch: Any) -> StandInForwards:
+        if self.forwards is None:
+            self.forwards = StandInForwards(self.model_runner, self.config.page_size,
+                                            batch.spec_algorithm)
+        return self.forwards
 
     # ------------------------------------------------------------------ forward
     def forward_batch_generation(self, batch: Any, on_publish: Any = None,
@@ -134,6 +155,41 @@ class StandInWorker:
             widths = [1] * len(reqs)
         host.on_launch(step, batch, reqs, seq_lens, widths, is_extend)
         inputs = get_input_tokens(batch, reqs, is_extend, spec, len(decoding))
+        # The token at seq_len (decode) / after the fill (prefill) is the first emitted;
+        # a spec run starts after the bonus token, which sits at seq_len.
+        first = 1 if (spec and not is_extend) else 0
+        runs = [get_env_tokens(int(rid), seq_len + first, inputs[j], stride)
+                for j, (rid, seq_len) in enumerate(zip(rids, seq_lens, strict=True))]
+        # A spec decode's draft: its slots and tail copies (eagle_worker_common.py
+        # prepare_for_draft), a tree on pages > 1 first gathering from the row what the
+        # release gathers there (raising past it, as its torch.gather does on CPU).
+        drafts = ([compute_draft_writes(seq_len, shape, page) for seq_len in seq_lens]
+                  if spec and not is_extend else [])
+        if self.config.is_paged_tree and drafts:
+            for req, seq_len in zip(reqs, seq_lens, strict=True):
+                host.gather_row(req, get_paged_tree_gathers(seq_len, shape, page))
+        forwards = self._get_forwards(batch)
+        plan = None
+        if is_extend or not spec:
+            forward_batch = forwards.init_new(batch, spec)
+            host.on_forward_batch(ObservationPoint.INIT_NEW, batch, forward_batch,
+                                  get_purpose(forward_batch.forward_mode, False),
+                                  shape.draft_tokens)
+        else:
+            forward_batch, plan = forwards.prepare_draft(
+                batch, shape, [slots for slots, _ in drafts])
+            host.on_forward_batch(ObservationPoint.INIT_NEW, batch, forward_batch,
+                                  get_purpose(forward_batch.forward_mode, True),
+                                  shape.draft_tokens)
+            # The stand-in's draft proposes the environment's run after the bonus token
+            # (the tree's root): the accept length says how much of it is taken.
+            draft_tokens = torch.tensor([t for j, run in enumerate(runs)
+                                         for t in [inputs[j], *run[:stride - 1]]],
+                                        dtype=torch.int64)
+            forward_batch = forwards.prepare_verify(batch, shape, draft_tokens, plan)
+            host.on_forward_batch(ObservationPoint.INIT_NEW, batch, forward_batch,
+                                  get_purpose(forward_batch.forward_mode, False),
+                                  shape.draft_tokens)
         faults: list[KvWrite] = []
         tokens: list[int] = []
         eos_at: list[int | None] = []
@@ -144,12 +200,9 @@ class StandInWorker:
                 # stopped (Req.prefix_len, 0 unless chunked) to the batch's seq_len.
                 start, end = int(req.prefix_len), seq_len
             elif spec and not mixed_decode:
-                # The draft's slots and its tail copies (eagle_worker_common.py
-                # prepare_for_draft), then the verify window [s, s + D_tok)
-                # (eagle_prepare_for_verify), as the reference writes them.
-                slots, copies = compute_draft_writes(seq_len, shape, page)
-                if self.config.is_paged_tree:
-                    host.gather_row(req, get_paged_tree_gathers(seq_len, shape, page))
+                # The draft's slots and its tail copies, then the verify window
+                # [s, s + D_tok) (eagle_prepare_for_verify), as the reference writes them.
+                slots, copies = drafts[j]
                 faults += host.write_kv_at(req, rid, slots + [target for target, _ in copies])
                 start, end = seq_len, seq_len + shape.draft_tokens
             else:  # the token being processed (a spec tail's: its pending bonus token)
@@ -160,10 +213,7 @@ class StandInWorker:
                                   seq_len)
             else:
                 host.update_ghost(req, ghost_forward_decode, step, accept_lens[j])
-            # The token at seq_len (decode) / after the fill (prefill) is the first emitted;
-            # a spec run starts after the bonus token, which sits at seq_len.
-            first = seq_len + 1 if (spec and not is_extend) else seq_len
-            run = get_env_tokens(int(rid), first, inputs[j], stride)
+            run = list(runs[j])
             eos = choices.get_eos_index(j, accept_lens[j])
             if eos is not None:
                 run[eos] = EOS_TOKEN
@@ -188,6 +238,13 @@ class StandInWorker:
                         [int(v) for v in new_seq_lens.tolist()])
         if on_publish is not None:
             on_publish(new_seq_lens)
+        if not is_extend:
+            # The draft-extend, after the publish (eagle_worker_v2.py:1490, :1503).
+            forward_batch = forwards.prepare_draft_extend(
+                batch, shape, torch.tensor(accept_lens, dtype=torch.int64), ids, plan)
+            host.on_forward_batch(ObservationPoint.DRAFT_EXTEND, batch, forward_batch,
+                                  get_purpose(forward_batch.forward_mode, True),
+                                  shape.draft_tokens)
         draft_input = EagleDraftInput(bonus_tokens=bonus)
         if not self.config.cell.overlap:
             # Without overlap the draft input itself stays on the batch (no relay rows), and

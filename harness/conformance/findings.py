@@ -30,9 +30,13 @@ every iteration beside the spec's invariants."""
 _CPU_STREAMS = ("streams and events are no-ops on CPU (torch.cpu.Stream, "
                 "_war_barrier_enabled=False): no ordering exists to check; needs CUDA")
 UPSTREAM_NOT_APPLICABLE: Final[dict[str, str]] = {
-    "SL1": "ForwardBatch.init_new is model-side: the stand-in forward does not build one",
-    "SL8": "the publish values are computed by the stand-in worker, not by sglang",
-    "SL10": "draft-extend is model-side: the stand-in forward has no draft-extend batch",
+    "SL8": ("the published values are the stand-in worker's: the release computes a "
+            "verify's new_seq_lens inside run_eagle_verify (speculative/"
+            "eagle_worker_common.py:716, seq_lens + accept_lens off CUDA; the triton "
+            "prepare_verify_commit_outputs at :702/:712 on CUDA) after the target forward and "
+            "eagle_sample, and a prefill's in _forward_prefill_batch (eagle_worker_v2.py:1567), "
+            "which the stand-in replaces; running them is step 3 of the plan in "
+            "docs/upstream-model-runner.md"),
     "KV10": "the bonus pre-claim is an earlier era (#28754); no 0.5.23 cell has it",
     "FM1": _CPU_STREAMS,
     "FM2": _CPU_STREAMS,
@@ -188,10 +192,6 @@ class AllowedDivergence:
                 "reason": self.reason, "realign": self.realign}
 
 
-def _sum_not_backfilled(path: str, ref: Any, up: Any, ctx: DivergenceContext) -> bool:
-    return up is None and ref is not None
-
-
 # Retired (the reference now does what the release does; ids are not reused): A1, a
 # release sets kv_allocated_len to 0 (ReqKvInfo.mark_kv_released); A3, a result that feeds
 # no spec metrics reports (0, 0) accept counters; A6, spec retracts by the same policy
@@ -204,17 +204,11 @@ def _sum_not_backfilled(path: str, ref: Any, up: Any, ctx: DivergenceContext) ->
 # budget with its new-token ratio and batch_is_full latch (both compared as state); A8,
 # the release's accept counters count stale rows (U3): the differential's reference runs
 # with the catalogue's current-upstream bugs switched on (B4 among them), and the counters
-# are compared exactly.
-ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = (
-    AllowedDivergence(
-        "A4", r"(running|last_batch)\.seq_lens_sum",
-        "python/sglang/srt/model_executor/forward_batch_info.py ForwardBatch.init_new "
-        "(back-fills ScheduleBatch.seq_lens_sum)",
-        "a stand-in of the environment: the real forward's ForwardBatch.init_new back-fills "
-        "the lazy seq_lens_sum onto the batch; the stand-in forward builds no ForwardBatch, "
-        "so it stays None (D5)",
-        False, _sum_not_backfilled),
-)
+# are compared exactly. A4, a batch's seq_lens_sum, was retired the other way round: the
+# stand-in worker now hands each launch's ScheduleBatch to the release's own
+# ForwardBatch.init_new (upstream/forward_batch.py), which back-fills the lazy sum
+# (forward_batch_info.py:1019-1020) as the reference's init_new does.
+ALLOWED_DIVERGENCES: Final[tuple[AllowedDivergence, ...]] = ()
 
 
 def get_allowed(path: str, reference_value: Any, upstream_value: Any,
