@@ -41,5 +41,6 @@ processing touches only live requests).
 5. ``happens_before``: streams, events and races;
 6. ``invariants``: the claims, each with its ID and source;
 7. ``interface``: what an implementation offers the harness (``SchedulerModel``);
-8. ``bugs``: the catalogue of historical bugs B1-B20, each a fault switch.
+8. ``bugs``: the IDs of the historical bugs (``BUG_IDS``), each a fault switch; what
+   each bug was lives in ``harness/catalogue.py``.
 """

@@ -56,6 +56,9 @@ NON_SPEC, SPEC = "ov-p1-none", "ov-p1-v2chain-cpu-honest"
 # without speculation (U1, an emptied batch's stale tensors, is retired); the accept
 # counters count a retracted row (U3).
 EXPECTED_FINDING = {NON_SPEC: None, SPEC: "U3"}
+# The non-spec cell runs chunked, as the release serves: its 5-token prompt takes two
+# chunks, so the views carry the chunked-prefill fields.
+SIZES: dict[str, dict[str, int]] = {NON_SPEC: {"chunked_prefill_size": 4}, SPEC: {}}
 
 
 def _ops(cell: str) -> list[Op]:
@@ -85,8 +88,8 @@ def traces(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     running: dict[str, tuple[subprocess.Popen[str], Path]] = {}
     for cell in (NON_SPEC, SPEC):
-        script = save_script(Script(cell, "minimal", _ops(cell), implementation="upstream"),
-                             folder / f"{cell}.json")
+        script = save_script(Script(cell, "minimal", _ops(cell), implementation="upstream",
+                                    sizes=SIZES[cell]), folder / f"{cell}.json")
         trace = folder / f"{cell}.ndjson"
         running[cell] = (subprocess.Popen(
             [sys.executable, "-W", "ignore", "-c", CHILD, str(script), str(trace)], cwd=ROOT,
@@ -147,6 +150,11 @@ def test_real_scheduler_trace_carries_request_views(cell: str,
     assert any(r["is_retracted"] and r["waiting"] for e in with_views for r in e["requests"])
     results = [e["result"] for e in calls if e.get("result")]
     assert any(entry["stale"] for result in results for entry in result["entries"])
+    if SIZES[cell]:  # the chunk's fields, read from the release (upstream/fields.py)
+        assert any(r["prefix_len"] > 0 for e in with_views for r in e["requests"])
+        assert any(0 < r["extend_end"] < r["prompt_len"] for e in with_views
+                   for r in e["requests"])
+        assert any(r["inflight_middle_chunks"] > 0 for e in with_views for r in e["requests"])
 
 
 @pytest.mark.parametrize("cell", [NON_SPEC, SPEC])

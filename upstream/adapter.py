@@ -6,36 +6,19 @@ here decides anything the scheduler decides: operations go to the release's code
 ``run_event_loop``), and this class only maps upstream state to the spec's observations
 (the refinement function) at upstream's observation points.
 
-Refinement (upstream → spec), the field mapping a reviewer checks:
+Refinement (upstream → spec). What a request, a batch and the allocator are read from is
+:mod:`upstream.fields` (``REQUEST_FIELDS``, ``BATCH_FIELDS``, ``read_allocator``), the one
+map this tier and the trace shim share. What this class adds, a reviewer checks here:
 
 ============================  ============================================================
 spec                          upstream 0.5.23
 ============================  ============================================================
 RequestView.rid               ``Req.rid`` = ``"r<n>"``, n the spec's id
-prompt_len                    ``len(req.origin_input_ids)``
-output_len                    ``len(req.output_ids_through_stop)``: the visible output
-                              (``output_ids`` may run past ``finished_len``, D3)
-kv_committed/allocated_len    ``req.kv.kv_committed_len`` / ``req.kv.kv_allocated_len``
-req_pool_idx, holds_kv        ``req.kv.req_pool_idx``, ``req.kv.holds_kv``
-finished, is_retracted        ``req.finished()``, ``req.is_retracted``
-prefix_len, extend_end,       ``req.prefix_len``, ``req.extend_end`` (None: 0),
-inflight_middle_chunks        ``req.inflight_middle_chunks`` (chunked prefill)
+finished                      ``req.finished()``, or aborted while waiting (no reason)
 Observation.chunked_rid       ``Scheduler.chunked_req``
-waiting                       ``req`` in ``Scheduler.waiting_queue``
-row_slots                     ``req_to_token[row, 0:kv_allocated_len]``
-owned_pages                   pages of those slots (upstream keeps no owner table; a page
-                              no row reaches and no free list holds is a KV7 leak)
 release_count, cached_len,    counted by the ``tree_cache.on_release`` hook inside
 committed_at_release          ``release_kv_cache``; cached = ``owned_kv_len()`` when
                               checkpointed (finish)
-BatchView                     ``ScheduleBatch``: ``forward_mode``, ``reqs``, ``seq_lens``,
-                              ``seq_lens_cpu``, ``seq_lens_sum``, ``req_pool_indices``,
-                              ``spec_info.future_indices``; ``seq_len_cpu_ub`` is None (the
-                              field exists only in the closed PR #27979)
-AllocatorView                 allocator free pages (``free_pages`` + ``release_pages``, or
-                              ``get_all_free_pages()``), ``ReqToTokenPool.free_slots``,
-                              ``req_to_token.shape[1]`` (row_width); the disabled radix
-                              cache holds no pages
 ForwardView                   the release's ``ForwardBatch`` (``init_new``; at
                               DRAFT_EXTEND after ``prepare_for_draft_extend``'s +D_tok):
                               ``batch_size``, ``seq_lens``, ``seq_lens_cpu``,
@@ -100,8 +83,18 @@ from overlap_spec.spec.state import (
     compute_prompt_token,
 )
 from overlap_spec.spec.transitions import compute_admission
-from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
+from overlap_spec.spec.units import PoolRow, RequestId, StepId, TokenCount
 from overlap_spec.upstream import hooks
+from overlap_spec.upstream.fields import (
+    read_allocator,
+    read_batch,
+    read_forward_mode,
+    read_free_pages,
+    read_placement,
+    read_request,
+    read_row_slots,
+    to_ints,
+)
 from overlap_spec.upstream.finish import get_finish_reason_name
 from overlap_spec.upstream.session import (
     Session,
@@ -682,36 +675,18 @@ class UpstreamScheduler:
 
     def get_request_view(self, track: _Track) -> RequestView:
         req, g = track.req, track.ghost
-        slots = self._row_slots(req)
-        page = self.config.page_size
-        pages = tuple(dict.fromkeys(PageId(int(s) // page) for s in slots))
+        fields = read_request(req, tokens=True)
+        fields["is_retracted"] = fields["is_retracted"] and not track.left
         return RequestView(
-            rid=track.rid,
-            prompt_len=TokenCount(len(req.origin_input_ids)),
-            output_len=TokenCount(len(req.output_ids_through_stop)),
-            max_new_tokens=TokenCount(int(req.sampling_params.max_new_tokens)),
-            kv_committed_len=int(req.kv.kv_committed_len),
-            kv_allocated_len=int(req.kv.kv_allocated_len),
-            req_pool_idx=None if req.kv.req_pool_idx is None else PoolRow(req.kv.req_pool_idx),
+            rid=track.rid, **fields, **read_placement(self.scheduler, req,
+                                                      self.config.page_size),
             finished=track.is_finished(),
-            is_retracted=bool(req.is_retracted) and not track.left,
-            waiting=self._is_waiting(req),
-            holds_kv=bool(req.kv.holds_kv),
-            row_slots=tuple(SlotId(int(s)) for s in slots),
-            owned_pages=pages,
             release_count=track.release_count,
             cached_len=track.cached_len,
             committed_at_release=track.committed_at_release,
             inflight_at_release=g.inflight_at_release,
             claimed_at_release=g.claimed_at_release,
             finish_reason=self._get_finish_reason(track),
-            spec_verify_ct=int(req.spec_verify_ct),
-            spec_num_correct_drafts=int(req.spec_num_correct_drafts),
-            output_ids=tuple(int(t) for t in req.output_ids_through_stop),
-            last_prompt_token=int(req.origin_input_ids[-1]),
-            prefix_len=int(req.prefix_len),
-            extend_end=int(req.extend_end or 0),
-            inflight_middle_chunks=int(req.inflight_middle_chunks),
             ghost=GhostView(
                 epoch=g.epoch, kv_len_true=TokenCount(g.kv_len_true),
                 settled_len=TokenCount(g.settled_len),
@@ -729,62 +704,27 @@ class UpstreamScheduler:
         ``DRAFT_EXTEND_V2``), a decode to the spec; elsewhere those modes are what they
         are, so an isolation that fails to restore ``DECODE`` shows at ``run_batch``
         (SL9)."""
-        mode = batch.forward_mode
-        relabelled = in_forward and mode is not None and (
-            mode.is_target_verify() or mode.is_draft_extend_v2())
-        name = ("decode" if relabelled else
-                "mixed" if mode is not None and mode.is_mixed() else
-                "extend" if mode is not None and mode.is_extend() else
-                "decode" if mode is not None and mode.is_decode() else "idle")
-        spec_info = batch.spec_info
-        future = getattr(spec_info, "future_indices", None) if spec_info is not None else None
-        cpu_indices = getattr(batch, "req_pool_indices_cpu", None)
-        if cpu_indices is None:
-            cpu_indices = batch.req_pool_indices
         return BatchView(
-            forward_mode=name,
+            forward_mode=read_forward_mode(batch, in_forward),
             rids=tuple(self.by_req[id(r)].rid for r in batch.reqs if id(r) in self.by_req),
-            seq_lens=_ints(batch.seq_lens),
-            seq_lens_cpu=None if batch.seq_lens_cpu is None else _ints(batch.seq_lens_cpu),
-            seq_lens_sum=None if batch.seq_lens_sum is None else int(batch.seq_lens_sum),
-            req_pool_indices=tuple(PoolRow(v) for v in _ints(batch.req_pool_indices)),
-            req_pool_indices_cpu=tuple(PoolRow(v) for v in _ints(cpu_indices)),
-            future_indices=None if future is None else tuple(PoolRow(v) for v in _ints(future)),
-            seq_len_cpu_ub=None,
-            is_prefill_only=bool(batch.is_prefill_only),
-        )
+            **read_batch(batch))
 
     def get_allocator_view(self) -> AllocatorView:
-        pool = self.scheduler.req_to_token_pool
-        return AllocatorView(
-            total_pages=self.config.kv_tokens // self.config.page_size,
-            page_size=self.config.page_size,
-            free_pages=tuple(PageId(p) for p in self._free_pages()),
-            tree_pages=(),
-            free_pool_rows=tuple(PoolRow(r) for r in pool.free_slots),
-            pool_rows=int(pool.size),
-            row_width=int(pool.req_to_token.shape[1]),
-        )
+        view = read_allocator(self.scheduler)
+        if view is None:  # session.py builds the tree cache with disable=True
+            raise RuntimeError("the tier's tree cache holds pages: the radix cache is on")
+        return view
 
     # ------------------------------------------------------------------ helpers
     def _free_pages(self) -> list[int]:
-        import torch
-
         alloc = self.scheduler.token_to_kv_pool_allocator
-        if hasattr(alloc, "get_all_free_pages") and self.config.page_size > 1:
-            return [int(p) for p in alloc.get_all_free_pages().tolist()]
-        return [int(p) for p in torch.cat((alloc.free_pages, alloc.release_pages)).tolist()]
+        return read_free_pages(alloc, self.config.page_size)
 
     def _is_free(self, page: int) -> bool:
         return page in set(self._free_pages())
 
     def _row_slots(self, req: Any) -> list[int]:
-        row = req.kv.req_pool_idx
-        if row is None:
-            return []
-        allocated = max(int(req.kv.kv_allocated_len), 0)
-        table = self.scheduler.req_to_token_pool.req_to_token
-        return [int(s) for s in table[row, :allocated].tolist()]
+        return read_row_slots(self.scheduler, req)
 
     def _is_waiting(self, req: Any) -> bool:
         return any(r is req for r in self.scheduler.waiting_queue)
@@ -809,11 +749,7 @@ def _get_upstream_caller() -> str:
 
 
 def _ints(tensor: Any) -> tuple[int, ...]:
-    if tensor is None:
-        return ()
-    if hasattr(tensor, "tolist"):
-        return tuple(int(v) for v in tensor.tolist())
-    return tuple(int(v) for v in tensor)
+    return tuple(to_ints(tensor) or ())
 
 
 def make_upstream(config: ModelConfig, faults: frozenset[str],

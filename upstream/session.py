@@ -30,6 +30,7 @@ from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.state import IterationChoices
 from overlap_spec.upstream import hooks
 from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
+from overlap_spec.upstream.fields import get_undrivable_reason
 from overlap_spec.upstream.worker import EOS_TOKEN, StandInWorker
 
 # The release's row is the model's with this current-upstream gate switched on (B23: the
@@ -58,28 +59,9 @@ def describe_upstream_frame(tb: Any) -> str:
 
 
 def is_drivable(config: ModelConfig) -> str | None:
-    """None when the adapter drives this cell, else the reason it is n/a."""
-    cell = config.cell
-    if cell.preclaim:
-        return "the bonus pre-claim is an earlier era (#28754 removed it); 0.5.23 has no such path"
-    if cell.overshoot:
-        return ("the overshoot decode is an earlier era: 0.5.23's overlap loop sets "
-                "enable_skip_finishing_decode (scheduler.py:2063)")
-    if cell.trimmed_finish:
-        return ("the trimmed finish is a proposal (#35694, open; #24745, closed); 0.5.23 "
-                "commits the whole accepted run and caches Req.owned_kv_len() "
-                "(schedule_batch.py:1552)")
-    if cell.cpu_ub:
-        return ("seq_len_cpu_ub is a proposal (the closed PR #27979); 0.5.23 keeps no host "
-                "length without the mirror")
-    if cell.early_fence:
-        return ("the early fence is a proposal (this model's placement before 2026-11-26); "
-                "0.5.23 records read-done after the draft-extend, whose attention metadata "
-                "re-reads req_to_token (eagle_worker_v2.py:1365)")
-    if cell.rung_reserve:
-        return ("the rung reserve is a proposal (a fork's task #486); 0.5.23 reserves 2 * A "
-                "of the widest rung (#26354)")
-    return None
+    """None when the adapter drives this cell, else the reason it is n/a
+    (:func:`upstream.fields.get_undrivable_reason`)."""
+    return get_undrivable_reason(config)
 
 
 @dataclass

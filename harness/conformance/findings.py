@@ -21,31 +21,15 @@ from typing import Any, Final
 from overlap_spec.spec.config import Cell, SpecMode
 from overlap_spec.spec.interface import ObservableState
 from overlap_spec.spec.invariants import InvariantViolation
+from overlap_spec.upstream.fields import NOT_JUDGED_ON_RELEASE
 
 UPSTREAM_CHECKER_ID: Final = "UC"
 """Upstream's own ``SchedulerInvariantChecker.self_check_during_busy`` (pool conservation,
 per-owner committed <= allocated <= width, no owner page in the free list), run after
 every iteration beside the spec's invariants."""
 
-_CPU_STREAMS = ("streams and events are no-ops on CPU (torch.cpu.Stream, "
-                "_war_barrier_enabled=False): no ordering exists to check; needs CUDA")
-UPSTREAM_NOT_APPLICABLE: Final[dict[str, str]] = {
-    "SL8": ("the published values are the stand-in worker's: the release computes a "
-            "verify's new_seq_lens inside run_eagle_verify (speculative/"
-            "eagle_worker_common.py:716, seq_lens + accept_lens off CUDA; the triton "
-            "prepare_verify_commit_outputs at :702/:712 on CUDA) after the target forward and "
-            "eagle_sample, and a prefill's in _forward_prefill_batch (eagle_worker_v2.py:1567), "
-            "which the stand-in replaces; running them is step 3 of the plan in "
-            "docs/upstream-model-runner.md"),
-    "KV10": "the bonus pre-claim is an earlier era (#28754); no 0.5.23 cell has it",
-    "FM1": _CPU_STREAMS,
-    "FM2": _CPU_STREAMS,
-    "FM3": _CPU_STREAMS,
-    "ST1": _CPU_STREAMS,
-    "ST2": _CPU_STREAMS,
-    "ST3": "host syncs are not counted on CPU (every copy is synchronous there)",
-    "ST4": _CPU_STREAMS,
-}
+UPSTREAM_NOT_APPLICABLE: Final[dict[str, str]] = NOT_JUDGED_ON_RELEASE
+"""Invariants the tier cannot judge on the release, with why (:mod:`upstream.fields`)."""
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,16 @@ from overlap_spec.spec.state import (
     RequestView,
     ResultView,
 )
-from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, StepId, TokenCount
+from overlap_spec.spec.units import RequestId, StepId
+from overlap_spec.upstream.fields import (
+    get_kv,
+    read_allocator,
+    read_batch,
+    read_forward_mode,
+    read_placement,
+    read_request,
+    to_ints,
+)
 from overlap_spec.upstream.finish import get_finish_reason_name
 
 BATCH_METHODS = ("prepare_for_extend", "prepare_for_decode", "filter_batch", "merge_batch",
@@ -85,51 +94,12 @@ Hook = Callable[[tuple[Any, ...], dict[str, Any]], Any]
 Recorder = Callable[[tuple[Any, ...], dict[str, Any], Any, Any], None]
 
 
-def _to_list(value: Any) -> list[int] | None:
-    """A device tensor (torch ``tolist``, reference ``values``) or a list, as ints."""
-    if value is None:
-        return None
-    if hasattr(value, "tolist"):
-        value = value.tolist()
-    elif hasattr(value, "values") and not callable(value.values):
-        value = value.values
-    return [int(v) for v in value]
-
-
-def _forward_mode(batch: Any) -> str:
-    mode = getattr(batch, "forward_mode", None)
-    name = getattr(mode, "name", mode)  # upstream: ForwardMode.DECODE
-    text = str(name).lower()
-    return text if text in ("extend", "decode", "idle") else "idle" if mode is None else text
-
-
 def _get_plan_batches(value: Any) -> tuple[Any, Any]:
     """(batch to run, running batch) of ``get_next_batch_to_run``'s return: sglang 0.5.23
     returns a ``NextBatchPlan``, the reference and gpu_impl the batch (or None)."""
     if hasattr(value, "batch_to_run"):
         return value.batch_to_run, getattr(value, "running_batch", None)
     return value, None
-
-
-def _get_kv(req: Any) -> Any:
-    """Where a request's KV fields live: ``req.kv`` (ReqKvInfo, M2) or the request."""
-    return getattr(req, "kv", req)
-
-
-def _get_output_len(req: Any) -> int:
-    # 0.5.23 commits a whole accepted run into output_ids; the visible output stops at
-    # finished_len (output_ids_through_stop).
-    return len(_get_visible_output(req))
-
-
-def _get_visible_output(req: Any) -> tuple[int, ...]:
-    visible = getattr(req, "output_ids_through_stop", None)
-    return tuple(int(t) for t in (visible if visible is not None else req.output_ids))
-
-
-def _get_max_new_tokens(req: Any) -> int:
-    limit = getattr(req.sampling_params, "max_new_tokens", None)
-    return int(limit) if limit is not None else sys.maxsize
 
 
 def _get_arg(args: tuple[Any, ...], kwargs: dict[str, Any], index: int, name: str,
@@ -216,26 +186,10 @@ class TraceShim:
         return RequestId(self.rids.setdefault(req.rid, len(self.rids)))
 
     def get_batch_view(self, batch: Any) -> BatchView:
-        """Upstream ScheduleBatch fields -> spec BatchView."""
-        spec_info = getattr(batch, "spec_info", None)
-        future = getattr(spec_info, "future_indices", None) if spec_info is not None \
-            else getattr(batch, "future_indices", None)
-        indices = _to_list(batch.req_pool_indices) or []
-        indices_cpu = _to_list(getattr(batch, "req_pool_indices_cpu", None)) or indices
-        cpu = _to_list(batch.seq_lens_cpu)
-        total = batch.seq_lens_sum
-        return BatchView(
-            forward_mode=_forward_mode(batch),
-            rids=tuple(self.get_rid(req) for req in batch.reqs),
-            seq_lens=tuple(_to_list(batch.seq_lens) or []),
-            seq_lens_cpu=None if cpu is None else tuple(cpu),
-            seq_lens_sum=None if total is None else int(total),
-            req_pool_indices=tuple(PoolRow(i) for i in indices),
-            req_pool_indices_cpu=tuple(PoolRow(i) for i in indices_cpu),
-            future_indices=None if future is None else tuple(
-                PoolRow(i) for i in _to_list(future) or []),
-            seq_len_cpu_ub=getattr(batch, "seq_len_cpu_ub", None),
-            is_prefill_only=bool(getattr(batch, "is_prefill_only", False)))
+        """Upstream ScheduleBatch fields -> spec BatchView (:mod:`upstream.fields`)."""
+        return BatchView(forward_mode=read_forward_mode(batch),
+                         rids=tuple(self.get_rid(req) for req in batch.reqs),
+                         **read_batch(batch))
 
     def on_call(self, method: str, batch: Any, *, requests: bool = False,
                 result: ResultView | None = None, running_batch: Any = None) -> None:
@@ -276,9 +230,11 @@ class TraceShim:
             self._track(req)
 
     def get_request_view(self, track: _Track) -> RequestView:
-        req, kv = track.req, _get_kv(track.req)
-        waiting = any(r is req for r in self.scheduler.waiting_queue)
-        holds_kv = bool(getattr(kv, "holds_kv", kv.req_pool_idx is not None))
+        req = track.req
+        fields = read_request(req, tokens=self.env_tokens)
+        page_size = int(getattr(self.scheduler.token_to_kv_pool_allocator, "page_size", 1))
+        placement = read_placement(self.scheduler, req, page_size)
+        waiting, holds_kv = placement["waiting"], fields["holds_kv"]
         finished = bool(req.finished())
         # Aborted while waiting: abort_request takes it out of the queue without a
         # finish reason; it has left the scheduler.
@@ -286,62 +242,24 @@ class TraceShim:
             track.left = True
         track.was_waiting = waiting or (track.was_waiting and not holds_kv)
         left = track.left
-        slots = self._get_row_slots(kv)
-        page_size = int(getattr(self.scheduler.token_to_kv_pool_allocator, "page_size", 1))
+        fields["is_retracted"] = fields["is_retracted"] and not left
         return RequestView(
-            rid=track.rid, prompt_len=TokenCount(len(req.origin_input_ids)),
-            output_len=TokenCount(_get_output_len(req)),
-            max_new_tokens=TokenCount(_get_max_new_tokens(req)),
-            kv_committed_len=int(kv.kv_committed_len),
-            kv_allocated_len=int(kv.kv_allocated_len),
-            req_pool_idx=None if kv.req_pool_idx is None else PoolRow(int(kv.req_pool_idx)),
-            finished=finished or left,
-            is_retracted=bool(getattr(req, "is_retracted", False)) and not left,
-            waiting=waiting, holds_kv=holds_kv,
-            row_slots=tuple(SlotId(s) for s in slots),
-            owned_pages=tuple(dict.fromkeys(PageId(s // page_size) for s in slots)),
+            rid=track.rid, **fields, **placement, finished=finished or left,
             release_count=track.release_count, cached_len=track.cached_len,
             committed_at_release=track.committed_at_release,
             inflight_at_release=track.inflight_at_release,
             claimed_at_release=track.claimed_at_release,
             finish_reason="abort" if left else get_finish_reason_name(req.finished_reason),
-            # A release before these counters existed reports 0; the checks that compare
-            # them read the ghost, which a call event does not carry.
-            spec_verify_ct=int(getattr(req, "spec_verify_ct", 0)),
-            spec_num_correct_drafts=int(getattr(req, "spec_num_correct_drafts", 0)),
-            ghost=_NO_GHOST,
-            output_ids=_get_visible_output(req) if self.env_tokens else None,
-            last_prompt_token=int(req.origin_input_ids[-1]) if self.env_tokens else None)
+            ghost=_NO_GHOST)
 
     def _encode_request(self, track: _Track) -> dict[str, Any]:
         encoded: dict[str, Any] = encode_value(self.get_request_view(track))
         return encoded
 
-    def _get_row_slots(self, kv: Any) -> list[int]:
-        if kv.req_pool_idx is None:
-            return []
-        allocated = max(int(kv.kv_allocated_len), 0)
-        table = self.scheduler.req_to_token_pool.req_to_token
-        return _to_list(table[int(kv.req_pool_idx), :allocated]) or []
-
     def get_allocator_view(self) -> AllocatorView | None:
         """Free pages and pool rows; None when a tree cache holds pages the shim cannot
         enumerate (radix cache enabled): KV4 and KV7 are then not judged."""
-        sched = self.scheduler
-        tree = getattr(sched, "tree_cache", None)
-        if tree is not None and not getattr(tree, "disable", False):
-            return None
-        alloc, pool = sched.token_to_kv_pool_allocator, sched.req_to_token_pool
-        page_size = int(getattr(alloc, "page_size", 1))
-        if hasattr(alloc, "get_all_free_pages"):
-            free = _to_list(alloc.get_all_free_pages()) or []
-        else:
-            free = (_to_list(alloc.free_pages) or []) + (_to_list(alloc.release_pages) or [])
-        return AllocatorView(
-            total_pages=int(alloc.size) // page_size, page_size=page_size,
-            free_pages=tuple(PageId(p) for p in free), tree_pages=(),
-            free_pool_rows=tuple(PoolRow(int(r)) for r in pool.free_slots),
-            pool_rows=int(pool.size))
+        return read_allocator(self.scheduler)
 
     # -- what upstream does not count: releases, launched and prepared steps ----------
     def on_prepare_extend(self, batch: Any) -> None:
@@ -363,7 +281,7 @@ class TraceShim:
 
     def on_release(self, req: Any, checkpointed: bool) -> None:
         track = self._track(req)
-        kv = _get_kv(req)
+        kv = get_kv(req)
         track.release_count += 1
         track.inflight_at_release = len(track.inflight)
         track.claimed_at_release = len(track.inflight) + int(track.prepared)
@@ -388,7 +306,7 @@ class TraceShim:
                 track.inflight.discard(launch.step)
         self.spec_metrics = None
         before = [(_is_stale(req), bool(req.finished()), len(req.output_ids),
-                   int(_get_kv(req).kv_committed_len)) for req in batch.reqs]
+                   int(get_kv(req).kv_committed_len)) for req in batch.reqs]
         return launch, before
 
     def get_result_view(self, batch: Any, result: Any, token: Any) -> ResultView | None:
@@ -398,7 +316,7 @@ class TraceShim:
         if launch is None or (self.is_spec and self.spec_metrics is None):
             return None
         # A prefill or non-spec result has no accept lengths: one token per row.
-        accept_lens = _to_list(getattr(result, "accept_lens", None)) or []
+        accept_lens = to_ints(getattr(result, "accept_lens", None)) or []
         stride = int(getattr(result, "speculative_num_draft_tokens", None) or 1)
         entries = []
         for j, (req, (stale, finished, output, committed)) in enumerate(
@@ -409,7 +327,7 @@ class TraceShim:
                 accept_len=accept_lens[j] if j < len(accept_lens) else 1,
                 run_len=after - output, stride=stride,
                 output_before=output, output_after=after, committed_before=committed,
-                committed_after=int(_get_kv(req).kv_committed_len)))
+                committed_after=int(get_kv(req).kv_committed_len)))
         batch_size, correct = self.spec_metrics or (0, 0)
         previous, self.last_processed = self.last_processed, launch.step
         return ResultView(

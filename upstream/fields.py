@@ -1,0 +1,281 @@
+"""The one field map from a live scheduler with upstream's names to the spec's views.
+
+Two readers of a live scheduler use it: :mod:`upstream.adapter` (the upstream tier, sglang
+0.5.23 itself) and :mod:`harness.trace.shim` (a trace of any scheduler that keeps
+upstream's names: sglang, or ``reference/`` and ``gpu_impl/``, whose requests keep their KV
+fields on the request rather than in ``Req.kv``). What each field is read from is written
+once, here, as data (:data:`REQUEST_FIELDS`, :data:`BATCH_FIELDS`); the readers add only
+what a live scheduler does not keep (releases counted by a hook, the ghost).
+
+The reasons the tier gives for not driving a cell, or for an invariant it cannot judge on
+the release, live here too (:func:`get_undrivable_reason`, :data:`NOT_JUDGED_ON_RELEASE`):
+they are statements about what the release keeps.
+
+Readers fall back where the reference's objects name a field differently (``Req.kv`` or
+the request itself; a string ``forward_mode``); on 0.5.23 every name is the release's, and
+``upstream.compat.NEEDS`` checks them before a session starts.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from overlap_spec.spec.config import ModelConfig
+from overlap_spec.spec.state import AllocatorView
+from overlap_spec.spec.units import PageId, PoolRow, SlotId, TokenCount
+
+
+def to_ints(value: Any) -> list[int] | None:
+    """A device tensor (torch ``tolist``, the reference's ``values``) or a list, as ints."""
+    if value is None:
+        return None
+    if hasattr(value, "tolist"):
+        value = value.tolist()
+    elif hasattr(value, "values") and not callable(value.values):
+        value = value.values
+    return [int(v) for v in value]
+
+
+def get_kv(req: Any) -> Any:
+    """Where a request's KV fields live: ``req.kv`` (sglang's ``ReqKvInfo``) or the request."""
+    return getattr(req, "kv", req)
+
+
+def get_visible_output(req: Any) -> tuple[int, ...]:
+    """``output_ids_through_stop``: 0.5.23 commits a whole accepted run into ``output_ids``;
+    the visible output stops at ``finished_len``."""
+    visible = getattr(req, "output_ids_through_stop", None)
+    return tuple(int(t) for t in (visible if visible is not None else req.output_ids))
+
+
+def _get_max_new_tokens(req: Any) -> TokenCount:
+    limit = getattr(req.sampling_params, "max_new_tokens", None)
+    return TokenCount(int(limit) if limit is not None else sys.maxsize)
+
+
+def _get_row(req: Any) -> PoolRow | None:
+    row = get_kv(req).req_pool_idx
+    return None if row is None else PoolRow(int(row))
+
+
+def _holds_kv(req: Any) -> bool:
+    kv = get_kv(req)
+    return bool(getattr(kv, "holds_kv", kv.req_pool_idx is not None))
+
+
+@dataclass(frozen=True)
+class Field:
+    """One spec field: its name in the view, where upstream keeps it, how it is read."""
+
+    view: str
+    upstream: str
+    read: Callable[[Any], Any]
+
+
+REQUEST_FIELDS: Final[tuple[Field, ...]] = (
+    Field("prompt_len", "len(Req.origin_input_ids)",
+          lambda req: TokenCount(len(req.origin_input_ids))),
+    Field("output_len", "len(Req.output_ids_through_stop): the visible output "
+          "(output_ids may run past finished_len)",
+          lambda req: TokenCount(len(get_visible_output(req)))),
+    Field("max_new_tokens", "Req.sampling_params.max_new_tokens (None: unbounded)",
+          _get_max_new_tokens),
+    Field("kv_committed_len", "Req.kv.kv_committed_len",
+          lambda req: int(get_kv(req).kv_committed_len)),
+    Field("kv_allocated_len", "Req.kv.kv_allocated_len",
+          lambda req: int(get_kv(req).kv_allocated_len)),
+    Field("req_pool_idx", "Req.kv.req_pool_idx", _get_row),
+    Field("holds_kv", "Req.kv.holds_kv (absent: a row is held)", _holds_kv),
+    Field("is_retracted", "Req.is_retracted",
+          lambda req: bool(getattr(req, "is_retracted", False))),
+    # A release before these counters existed reports 0; the checks that compare them read
+    # the ghost, which a trace's call event does not carry.
+    Field("spec_verify_ct", "Req.spec_verify_ct",
+          lambda req: int(getattr(req, "spec_verify_ct", 0))),
+    Field("spec_num_correct_drafts", "Req.spec_num_correct_drafts",
+          lambda req: int(getattr(req, "spec_num_correct_drafts", 0))),
+    Field("prefix_len", "Req.prefix_len (chunked prefill)",
+          lambda req: int(getattr(req, "prefix_len", 0) or 0)),
+    Field("extend_end", "Req.extend_end (None: 0)",
+          lambda req: int(getattr(req, "extend_end", 0) or 0)),
+    Field("inflight_middle_chunks", "Req.inflight_middle_chunks",
+          lambda req: int(getattr(req, "inflight_middle_chunks", 0) or 0)),
+)
+"""Read from the request alone. ``finished`` and ``finish_reason`` are the readers': an
+abort of a waiting request leaves the scheduler with no finish reason, which only the
+calls around it show."""
+
+TOKEN_FIELDS: Final[tuple[Field, ...]] = (
+    Field("output_ids", "Req.output_ids_through_stop", get_visible_output),
+    Field("last_prompt_token", "Req.origin_input_ids[-1]",
+          lambda req: int(req.origin_input_ids[-1])),
+)
+"""Token values: read when the forward is the project's stand-in, whose tokens are the
+environment's (RP7); a real model's are not."""
+
+
+def read_request(req: Any, *, tokens: bool) -> dict[str, Any]:
+    """The :class:`~spec.state.RequestView` fields a live request holds, by view name."""
+    fields = REQUEST_FIELDS + (TOKEN_FIELDS if tokens else ())
+    return {f.view: f.read(req) for f in fields}
+
+
+def read_row_slots(sched: Any, req: Any) -> list[int]:
+    """``req_to_token[row, 0:kv_allocated_len]``: the slots the request's row reaches."""
+    kv = get_kv(req)
+    if kv.req_pool_idx is None:
+        return []
+    allocated = max(int(kv.kv_allocated_len), 0)
+    table = sched.req_to_token_pool.req_to_token
+    return to_ints(table[int(kv.req_pool_idx), :allocated]) or []
+
+
+def read_placement(sched: Any, req: Any, page_size: int) -> dict[str, Any]:
+    """What the scheduler's queues and pools say of a request: ``waiting`` (in
+    ``waiting_queue``), ``row_slots`` and ``owned_pages`` (the pages of those slots:
+    upstream keeps no owner table; a page no row reaches and no free list holds is a KV7
+    leak)."""
+    slots = read_row_slots(sched, req)
+    return {"waiting": any(r is req for r in sched.waiting_queue),
+            "row_slots": tuple(SlotId(s) for s in slots),
+            "owned_pages": tuple(dict.fromkeys(PageId(s // page_size) for s in slots))}
+
+
+def read_forward_mode(batch: Any, in_forward: bool = False) -> str:
+    """The spec's mode name. sglang's ``ForwardMode``: ``in_forward``, a spec decode's
+    relabelling (``TARGET_VERIFY``, ``DRAFT_EXTEND_V2``) reads as the decode it is; elsewhere
+    those modes read as what they are (so an isolation that fails to restore ``DECODE``
+    shows at ``run_batch``, SL9). The reference's and gpu_impl's modes are their names."""
+    mode = getattr(batch, "forward_mode", None)
+    if mode is None:
+        return "idle"
+    if not hasattr(mode, "is_mixed"):
+        return str(getattr(mode, "name", mode)).lower()
+    if in_forward and (mode.is_target_verify() or mode.is_draft_extend_v2()):
+        return "decode"
+    return ("mixed" if mode.is_mixed() else "extend" if mode.is_extend() else
+            "decode" if mode.is_decode() else "idle")
+
+
+def _get_future_indices(batch: Any) -> tuple[PoolRow, ...] | None:
+    spec_info = getattr(batch, "spec_info", None)
+    future = (getattr(spec_info, "future_indices", None) if spec_info is not None
+              else getattr(batch, "future_indices", None))
+    return None if future is None else tuple(PoolRow(v) for v in to_ints(future) or [])
+
+
+def _get_cpu_indices(batch: Any) -> tuple[PoolRow, ...]:
+    cpu = getattr(batch, "req_pool_indices_cpu", None)
+    return tuple(PoolRow(v) for v in to_ints(cpu if cpu is not None
+                                              else batch.req_pool_indices) or [])
+
+
+def _get_optional_ints(value: Any) -> tuple[int, ...] | None:
+    ints = to_ints(value)
+    return None if ints is None else tuple(ints)
+
+
+BATCH_FIELDS: Final[tuple[Field, ...]] = (
+    Field("seq_lens", "ScheduleBatch.seq_lens",
+          lambda batch: tuple(to_ints(batch.seq_lens) or [])),
+    Field("seq_lens_cpu", "ScheduleBatch.seq_lens_cpu (None: no host mirror)",
+          lambda batch: _get_optional_ints(batch.seq_lens_cpu)),
+    Field("seq_lens_sum", "ScheduleBatch.seq_lens_sum (None: not computed yet)",
+          lambda batch: None if batch.seq_lens_sum is None else int(batch.seq_lens_sum)),
+    Field("req_pool_indices", "ScheduleBatch.req_pool_indices",
+          lambda batch: tuple(PoolRow(v) for v in to_ints(batch.req_pool_indices) or [])),
+    Field("req_pool_indices_cpu", "ScheduleBatch.req_pool_indices_cpu "
+          "(absent: req_pool_indices)", _get_cpu_indices),
+    Field("future_indices", "ScheduleBatch.spec_info.future_indices", _get_future_indices),
+    # The field exists only in the closed PR #27979 (and in this model's cpu_ub cells).
+    Field("seq_len_cpu_ub", "ScheduleBatch.seq_len_cpu_ub (absent: None)",
+          lambda batch: getattr(batch, "seq_len_cpu_ub", None)),
+    Field("is_prefill_only", "ScheduleBatch.is_prefill_only",
+          lambda batch: bool(getattr(batch, "is_prefill_only", False))),
+)
+"""A :class:`~spec.state.BatchView` but its mode (:func:`read_forward_mode`) and its rids
+(each reader numbers requests its own way)."""
+
+
+def read_batch(batch: Any) -> dict[str, Any]:
+    return {f.view: f.read(batch) for f in BATCH_FIELDS}
+
+
+def read_free_pages(alloc: Any, page_size: int) -> list[int]:
+    """The allocator's free pages: ``get_all_free_pages()`` on a paged allocator, else
+    ``free_pages`` + ``release_pages``."""
+    if hasattr(alloc, "get_all_free_pages") and page_size > 1:
+        return to_ints(alloc.get_all_free_pages()) or []
+    return (to_ints(alloc.free_pages) or []) + (to_ints(getattr(alloc, "release_pages", None))
+                                                or [])
+
+
+def read_allocator(sched: Any) -> AllocatorView | None:
+    """Free pages and pool rows; None when a tree cache may hold pages (a ``tree_cache``
+    not marked ``disable``: the radix cache enabled), which this view cannot enumerate: KV4
+    and KV7 are then not judged. The tier builds its tree with ``disable=True``."""
+    tree = getattr(sched, "tree_cache", None)
+    if tree is not None and not getattr(tree, "disable", False):
+        return None
+    alloc, pool = sched.token_to_kv_pool_allocator, sched.req_to_token_pool
+    page_size = int(getattr(alloc, "page_size", 1))
+    table = getattr(pool, "req_to_token", None)
+    return AllocatorView(
+        total_pages=int(alloc.size) // page_size, page_size=page_size,
+        free_pages=tuple(PageId(p) for p in read_free_pages(alloc, page_size)),
+        tree_pages=(),
+        free_pool_rows=tuple(PoolRow(int(r)) for r in pool.free_slots),
+        pool_rows=int(pool.size),
+        row_width=0 if table is None else int(table.shape[1]))
+
+
+def get_undrivable_reason(config: ModelConfig) -> str | None:
+    """None when the tier drives this cell on 0.5.23, else why it is n/a: the cell's
+    switch names an earlier era or a proposal the release does not have."""
+    cell = config.cell
+    if cell.preclaim:
+        return "the bonus pre-claim is an earlier era (#28754 removed it); 0.5.23 has no such path"
+    if cell.overshoot:
+        return ("the overshoot decode is an earlier era: 0.5.23's overlap loop sets "
+                "enable_skip_finishing_decode (scheduler.py:2063)")
+    if cell.trimmed_finish:
+        return ("the trimmed finish is a proposal (#35694, open; #24745, closed); 0.5.23 "
+                "commits the whole accepted run and caches Req.owned_kv_len() "
+                "(schedule_batch.py:1552)")
+    if cell.cpu_ub:
+        return ("seq_len_cpu_ub is a proposal (the closed PR #27979); 0.5.23 keeps no host "
+                "length without the mirror")
+    if cell.early_fence:
+        return ("the early fence is a proposal (this model's placement before 2026-11-26); "
+                "0.5.23 records read-done after the draft-extend, whose attention metadata "
+                "re-reads req_to_token (eagle_worker_v2.py:1365)")
+    if cell.rung_reserve:
+        return ("the rung reserve is a proposal (a fork's task #486); 0.5.23 reserves 2 * A "
+                "of the widest rung (#26354)")
+    return None
+
+
+_CPU_STREAMS = ("streams and events are no-ops on CPU (torch.cpu.Stream, "
+                "_war_barrier_enabled=False): no ordering exists to check; needs CUDA")
+NOT_JUDGED_ON_RELEASE: Final[dict[str, str]] = {
+    "SL8": ("the published values are the stand-in worker's: the release computes a "
+            "verify's new_seq_lens inside run_eagle_verify (speculative/"
+            "eagle_worker_common.py:716, seq_lens + accept_lens off CUDA; the triton "
+            "prepare_verify_commit_outputs at :702/:712 on CUDA) after the target forward and "
+            "eagle_sample, and a prefill's in _forward_prefill_batch (eagle_worker_v2.py:1567), "
+            "which the stand-in replaces; running them is step 3 of the plan in "
+            "docs/upstream-model-runner.md"),
+    "KV10": "the bonus pre-claim is an earlier era (#28754); no 0.5.23 cell has it",
+    "FM1": _CPU_STREAMS,
+    "FM2": _CPU_STREAMS,
+    "FM3": _CPU_STREAMS,
+    "ST1": _CPU_STREAMS,
+    "ST2": _CPU_STREAMS,
+    "ST3": "host syncs are not counted on CPU (every copy is synchronous there)",
+    "ST4": _CPU_STREAMS,
+}
+"""Invariants the tier cannot judge on the release, with why: what the release computes
+sits in code the stand-in replaces, or needs CUDA."""
