@@ -29,14 +29,18 @@ Torch versions: nothing here asks for a version. What is used of the sanitizer's
 API (:data:`SANITIZER_API`: classes, methods, the fields of ``Access`` in order, the
 parameters of the constructors and handlers we call or override, the per-instance
 state) is looked for at import by :func:`check_sanitizer_api`, which names each missing
-internal and the torch version in one ``ImportError``. :data:`TESTED_TORCH` is the
-series the suite ran on (``pyproject.toml`` pins it; ``tests/test_race_detector.py``
-asserts both). The GPU evidence run (``harness/measure/gpu_evidence.py``) runs on the
-device machine's own torch (2.11 there): that these internals are the same in 2.11 is
-what the check decides on that machine, not a claim made here. Read against PyTorch's
-source, every name in :data:`SANITIZER_API` is also in ``torch/cuda/_sanitizer.py`` of
-the main-branch copy the project's code search holds (commit 01c9f4fc; the file differs
-from 2.13.0's only in where ``TypeVar`` is imported from).
+internal and the torch version in one ``ImportError``. :data:`TESTED_TORCH` lists the
+releases this module's CPU tests passed on, each in a venv of its own
+(``bench/bench_torch_matrix.py``; ``bench/results/2026-11-28-torch-matrix.md``): 2.11.0
+(the GPU machine's own torch), 2.12.0, 2.13.0 (the CPU build), 2.14.1 (sglang 0.5.23's
+pin) and 2.15.0, the CUDA builds run on the CPU. ``pyproject.toml``'s torch range covers
+them; ``tests/test_race_detector.py`` asserts that, and that this list is the newest
+committed matrix's. On a device, the GPU evidence run (``harness/measure/gpu_evidence.py``)
+decides on the machine's own torch whether the internals behave as on CPU; that is not a
+claim made here. Read against PyTorch's source, every name in :data:`SANITIZER_API` is
+also in ``torch/cuda/_sanitizer.py`` of the main-branch copy the project's code search
+holds (commit 01c9f4fc; the file differs from 2.13.0's only in where ``TypeVar`` is
+imported from).
 """
 
 from __future__ import annotations
@@ -57,7 +61,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from overlap_spec.spec.happens_before import COPY, D2H, FORWARD, HOST, SCHEDULE, Access, Race
 from overlap_spec.spec.invariants import classify_race
 
-TESTED_TORCH = ("2.13",)  # the major.minor series this module's tests ran on
+# The torch releases this module's tests passed on (bench/results/2026-11-28-torch-matrix.md).
+TESTED_TORCH = ("2.11.0", "2.12.0", "2.13.0", "2.14.1", "2.15.0")
 STREAM_IDS: dict[str, int] = {SCHEDULE: 1, FORWARD: 2, COPY: 3, D2H: 4, HOST: 5}
 STREAM_NAMES = {number: name for name, number in STREAM_IDS.items()}
 _SKIPPED_OPS = {"aten::record_stream", "aten::detach"}

@@ -10,6 +10,8 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import hypothesis
+
 from overlap_spec.harness.drive.cells import CONFIG_WIDTH
 from overlap_spec.harness.drive.mechanisms import MECHANISMS, render_mechanisms
 from overlap_spec.harness.drive.stateful import CellResult, describe_failure
@@ -258,6 +260,9 @@ def build_section(results: list[CellResult]) -> dict[str, Any]:
         "details": details,
         # operations per mechanism over the whole run (harness.drive.mechanisms)
         "mechanisms": get_mechanism_counts(results),
+        # A seed replays the same search only under the same Hypothesis version
+        # (requirements.lock pins the one ./dev installs): the report says which searched.
+        "hypothesis_version": hypothesis.__version__,
     }
 
 

@@ -4,12 +4,17 @@ when the accesses are ordered by an event, a wait_stream or a host synchronize."
 from __future__ import annotations
 
 import gc
+import json
 import random
+import tomllib
+from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 import torch.cuda._sanitizer as csan
+from packaging.requirements import Requirement
+from packaging.specifiers import SpecifierSet
 
 from overlap_spec.gpu_impl import race
 from overlap_spec.gpu_impl.race import TESTED_TORCH, RaceDetector, RaceError, check_sanitizer_api
@@ -26,10 +31,40 @@ def _setup() -> tuple[RaceDetector, Streams]:
     return detector, Streams(torch.device("cpu"), detector)
 
 
-def test_torch_version_is_one_the_detector_was_tested_with() -> None:
-    major_minor = ".".join(torch.__version__.split("+")[0].split(".")[:2])
-    assert major_minor in TESTED_TORCH, (torch.__version__, TESTED_TORCH)
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _get_torch_requirement() -> SpecifierSet:
+    """pyproject.toml's torch range."""
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    (requirement,) = [Requirement(text) for text in project["dependencies"]
+                      if Requirement(text).name == "torch"]
+    return requirement.specifier
+
+
+def test_torch_version_is_in_the_range_the_detector_was_tested_over() -> None:
+    release = torch.__version__.split("+")[0]
+    assert _get_torch_requirement().contains(release, prereleases=True), (
+        torch.__version__, str(_get_torch_requirement()))
     check_sanitizer_api()
+
+
+def test_tested_torch_is_the_committed_matrix_result() -> None:
+    """TESTED_TORCH lists exactly the releases the newest committed torch matrix
+    (bench/bench_torch_matrix.py) passed on; pyproject's range covers each of them and
+    none the matrix saw fail."""
+    results = sorted((ROOT / "bench" / "results").glob("*-torch-matrix.json"))
+    assert results, "no bench/results/*-torch-matrix.json: run bench/bench_torch_matrix.py"
+    matrix = json.loads(results[-1].read_text())["versions"]
+    passed = [entry["torch_version"].split("+")[0] for entry in matrix
+              if entry["result"] == "pass"]
+    assert sorted(TESTED_TORCH) == sorted(passed), (TESTED_TORCH, passed, results[-1].name)
+    supported = _get_torch_requirement()
+    assert all(supported.contains(version) for version in TESTED_TORCH), str(supported)
+    failed = [entry["requested"] for entry in matrix
+              if entry["result"] not in ("pass", "absent")]
+    assert not [version for version in failed if supported.contains(version)], (
+        failed, str(supported))
 
 
 def test_unsynchronised_cross_stream_read_is_a_race_naming_both_accesses() -> None:

@@ -11,6 +11,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import hypothesis
 import pytest
 
 from overlap_spec.harness.cli import main
@@ -33,6 +34,9 @@ def test_review_of_the_reference_passes(tmp_path: Path,
     report = json.loads((tmp_path / "r.json").read_text())
     assert report["ok"] and report["profile"] == "quick"
     assert set(report["tiers"]) == {"hypothesis"}
+    # A seed replays the same search only under the Hypothesis version that ran it.
+    assert report["hypothesis_version"] == hypothesis.__version__, report.get(
+        "hypothesis_version")
 
 
 def test_review_groups_one_bug_seen_in_several_cells_into_one_block(

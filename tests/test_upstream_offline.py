@@ -24,6 +24,7 @@ from overlap_spec.harness.conformance.findings import (
     match_finding,
 )
 from overlap_spec.harness.conformance.tier import UpstreamChecker, explain, get_differences
+from overlap_spec.harness.drive.cells import UsageError as CommandUsageError
 from overlap_spec.harness.drive.cells import make_preset
 from overlap_spec.spec.config import (
     MINIMAL,
@@ -57,6 +58,37 @@ def test_without_an_upstream_environment_the_tier_exits_2_with_one_line(tmp_path
     assert done.returncode == 2
     assert done.stderr.count("\n") == 1 and "Traceback" not in done.stderr
     assert "cannot run the upstream interpreter" in done.stderr
+
+
+@pytest.mark.parametrize("here,venv,chosen", [
+    ("0.5.23", True, "this environment"),     # the sglang installed here, supported
+    ("0.5.22", True, ".venv-upstream"),       # another version here: the frozen copy
+    ("0.5.22", False, "this environment"),    # ... or, without one, this (cannot drive)
+    (None, True, ".venv-upstream"),           # none here: ./dev upstream's copy
+    (None, False, None),                      # none anywhere: a usage error
+])
+def test_the_tier_drives_the_sglang_of_this_environment_when_it_is_supported(
+        here: str | None, venv: bool, chosen: str | None, tmp_path: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from overlap_spec.harness.conformance import cli
+
+    monkeypatch.delenv("OVERLAP_SPEC_UPSTREAM_PYTHON", raising=False)
+    monkeypatch.setattr(cli, "get_installed_sglang_version", lambda: here)
+    monkeypatch.setattr(cli, "REPO_ROOT", tmp_path)
+    if venv:
+        (tmp_path / ".venv-upstream" / "bin").mkdir(parents=True)
+        (tmp_path / ".venv-upstream" / "bin" / "python").touch()
+    python, environment = cli.find_upstream_python()
+    if chosen is None:
+        assert python is None and environment.startswith("none")
+        with pytest.raises(CommandUsageError, match="no sglang to drive"):
+            cli._require_python()
+        return
+    assert environment.startswith(chosen), environment
+    assert python == (sys.executable if chosen == "this environment"
+                      else str(tmp_path / ".venv-upstream" / "bin" / "python"))
+    if here is not None and here != "0.5.23":
+        assert f"sglang {here}" in environment  # says why it is not this one's
 
 
 FAKE_SERVER = """#!/bin/sh

@@ -21,6 +21,7 @@ on ``PYTHONPATH``, else the installed release.
 from __future__ import annotations
 
 import argparse
+import importlib.metadata
 import importlib.util
 import json
 import os
@@ -61,22 +62,55 @@ class UsageError(CommandUsageError):
     """Bad input to ``overlap-spec upstream``: exit 2 with this one line."""
 
 
-def get_upstream_python() -> str | None:
-    """The interpreter that can import sglang, or None when there is no upstream env."""
+def get_installed_sglang_version() -> str | None:
+    """The version of the sglang installed in this interpreter's environment (read from its
+    metadata, without importing it), or None when there is none."""
+    if importlib.util.find_spec("sglang") is None:
+        return None
+    try:
+        return importlib.metadata.version("sglang")
+    except importlib.metadata.PackageNotFoundError:  # importable, not installed: a tree
+        return "unknown"
+
+
+def find_upstream_python() -> tuple[str | None, str]:
+    """The interpreter that drives sglang, and which environment that is, in words.
+
+    In order: ``OVERLAP_SPEC_UPSTREAM_PYTHON``; this environment, when the sglang it has is
+    the version the tier drives (``upstream.bootstrap.SUPPORTED_VERSION``); the project's
+    ``.venv-upstream`` (``./dev upstream env``); this environment's other sglang (the tier
+    then says it cannot drive it, exit 3). None when no environment has sglang."""
+    from overlap_spec.upstream.bootstrap import SUPPORTED_VERSION
+
     explicit = os.environ.get("OVERLAP_SPEC_UPSTREAM_PYTHON")
     if explicit:
-        return explicit
-    if importlib.util.find_spec("sglang") is not None:
-        return sys.executable
+        return explicit, f"OVERLAP_SPEC_UPSTREAM_PYTHON ({explicit})"
+    here = get_installed_sglang_version()
+    if here == SUPPORTED_VERSION:
+        return sys.executable, f"this environment ({sys.executable})"
     candidate = REPO_ROOT / ".venv-upstream" / "bin" / "python"
-    return str(candidate) if candidate.exists() else None
+    if candidate.exists():
+        why = ("" if here is None
+               else f"; this environment's sglang {here} is not {SUPPORTED_VERSION}")
+        return str(candidate), f".venv-upstream ({candidate}{why})"
+    if here is not None:
+        return sys.executable, f"this environment ({sys.executable}; sglang {here})"
+    return None, "none: no sglang in this environment and no .venv-upstream"
+
+
+def get_upstream_python() -> str | None:
+    """The interpreter that can import sglang, or None when there is no upstream env."""
+    return find_upstream_python()[0]
 
 
 def _require_python() -> str:
     python = get_upstream_python()
     if python is None:
-        raise UsageError("no upstream environment: build it with './dev upstream' "
-                         "(or set OVERLAP_SPEC_UPSTREAM_PYTHON)")
+        from overlap_spec.upstream.bootstrap import SUPPORTED_VERSION
+
+        raise UsageError(f"no sglang to drive: install sglang {SUPPORTED_VERSION} in this "
+                         "environment, or build the upstream environment with './dev upstream "
+                         "env' (or set OVERLAP_SPEC_UPSTREAM_PYTHON)")
     return python
 
 
@@ -177,7 +211,7 @@ def start_cell_server(python: str, cells: list[str], args: argparse.Namespace, o
 
 
 def collect_cell_server(server: CellServer, python: str, cells: list[str], out: Path,
-                        progress: bool
+                        progress: bool, environment: str = ""
                         ) -> tuple[dict[str, Any], dict[str, dict[str, Any]],
                                    list[dict[str, str]]]:
     """sglang's version, source and commit, each cell's result, and what the tier cannot
@@ -209,6 +243,9 @@ def collect_cell_server(server: CellServer, python: str, cells: list[str], out: 
                 sglang = event["sglang"] or {"version": "unknown", "source": "unknown"}
             elif kind == "sglang":
                 sglang = {k: v for k, v in event.items() if k != "event"}
+                if progress and environment:  # which sglang this run drives, first
+                    print(f"  upstream: sglang {sglang.get('version')} of {environment}",
+                          file=sys.stderr, flush=True)
             elif kind == "start" and progress:
                 print(f"  upstream {event['cell']} ...", file=sys.stderr, flush=True)
             elif kind == "done":
@@ -300,6 +337,8 @@ def render_report(report: dict[str, Any]) -> str:
     lines = [f"{describe_sglang(report['sglang'])}, "
              f"seed {report['seed']}, profile {report['profile']}, preset {report['preset']}"
              + (f", sizes {format_sizes(report['sizes'])}" if report.get("sizes") else "")]
+    if report["sglang"].get("environment"):
+        lines.append(f"driven in {report['sglang']['environment']}")
     width = max(len(c) for c in report["cells"])
     wide = max(7, *(len(r["verdict"]) for r in report["cells"].values()))
     lines.append(f"{'cell':<{width}}  {'verdict':<{wide}}  invariants                 "
@@ -398,6 +437,7 @@ class UpstreamPlan:
     results: dict[str, dict[str, Any]]
     python: str
     out: Path
+    environment: str = ""  # which environment's sglang is driven, in words
 
 
 def plan_upstream_check(args: argparse.Namespace) -> UpstreamPlan:
@@ -417,6 +457,7 @@ def plan_upstream_check(args: argparse.Namespace) -> UpstreamPlan:
         raise UsageError("--jobs must be >= 1")
     cells = select_cells(args.cells)
     python = _require_python()
+    environment = find_upstream_python()[1]
     out = Path(args.out or os.environ.get("OVERLAP_SPEC_OUT", ".overlap-spec")) / "upstream"
     out.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
@@ -435,7 +476,7 @@ def plan_upstream_check(args: argparse.Namespace) -> UpstreamPlan:
                              "findings": [], "differential": {"verdict": "n/a",
                                                               "reason": reason,
                                                               "divergences": []}}
-    return UpstreamPlan(args, cells, runnable, results, python, out)
+    return UpstreamPlan(args, cells, runnable, results, python, out, environment)
 
 
 def start_upstream_check(plan: UpstreamPlan) -> CellServer:
@@ -453,7 +494,9 @@ def run_upstream_check(args: argparse.Namespace, progress: bool = True,
     started = time.perf_counter()
     server = server or start_cell_server(plan.python, plan.runnable, plan.args, plan.out)
     sglang, ran, mismatches = collect_cell_server(server, plan.python, plan.runnable, plan.out,
-                                                  progress)
+                                                  progress, plan.environment)
+    # Which environment's sglang was driven (this one's, or .venv-upstream's).
+    sglang = {**sglang, "python": plan.python, "environment": plan.environment}
     results = {**plan.results, **ran}
     ordered = {c: results[c] for c in plan.cells}
     return build_report(ordered, sglang, plan.args, time.perf_counter() - started, mismatches)

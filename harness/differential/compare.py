@@ -351,14 +351,14 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
         try:
             test()
         except DifferentialFailure as failure:
-            failure.script.seed = seed
+            failure.script.set_search_seed(seed)
             result.failure = failure
             break
         except Exception as error:  # a crash is inconclusive, never a pass
             result.error = error
             result.unreplayed = find_differential_failure(error)
             if result.unreplayed is not None:
-                result.unreplayed.script.seed = seed
+                result.unreplayed.script.set_search_seed(seed)
             break
         if (counter["compared_ops"] >= MIN_COMPARED_OPS
                 and counter["launches"] >= MIN_LAUNCHES):

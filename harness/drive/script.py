@@ -3,7 +3,8 @@
 A script is JSON::
 
     {"version": 1, "cell": "ov-p1-v2chain-cpu-honest", "preset": "minimal",
-     "faults": ["B3"], "seed": 12345, "implementation": "reference",
+     "faults": ["B3"], "seed": 12345, "hypothesis_version": "6.170.15",
+     "implementation": "reference",
      "ops": [{"op": "admit", "prompt_len": 3, "max_new_tokens": 4},
              {"op": "iterate", "allow_prefill": true, "retract": 0,
               "accept_lens": [2, 1, 1], "eos_positions": [0]},
@@ -11,7 +12,9 @@ A script is JSON::
 
 An optional ``"sizes"`` object sets sizes in place of the preset's (the KV pool,
 the request rows, the chain's draft steps; ``harness.drive.cells.SIZE_LIMITS`` holds
-their ranges): ``"sizes": {"kv_tokens": 16, "chain_steps": 2}``.
+their ranges): ``"sizes": {"kv_tokens": 16, "chain_steps": 2}``. ``"hypothesis_version"``,
+optional, is the Hypothesis that searched with ``seed``: the seed replays the same search
+only under that version (a script without it loads as before).
 
 ``overlap-spec replay FILE`` runs it and reports the first violation. Loading checks every
 field's type and every number against the cell's and preset's limits (the ranges the
@@ -26,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import hypothesis
 
 from overlap_spec.harness.crash import Crash
 from overlap_spec.harness.drive.cells import UsageError, check_sizes, make_preset, split_preset
@@ -78,6 +83,7 @@ class Script:
     seed: int | None = None
     implementation: str = "reference"
     sizes: dict[str, int] = field(default_factory=dict)  # in place of the preset's
+    hypothesis_version: str | None = None  # the Hypothesis that searched with ``seed``
 
     @classmethod
     def for_config(cls, config: ModelConfig, ops: list[Op] | None = None,
@@ -89,6 +95,12 @@ class Script:
 
     def get_config(self) -> ModelConfig:
         return ModelConfig(get_cell(self.cell), make_preset(self.preset, self.sizes))
+
+    def set_search_seed(self, seed: int) -> None:
+        """Record the seed the search that found this script ran with, and the Hypothesis
+        version that ran it: the seed replays the same search only under that version."""
+        self.seed = seed
+        self.hypothesis_version = hypothesis.__version__
 
     def count_requests(self) -> int:
         return sum(1 for op in self.ops if isinstance(op, Admit | AdmitPrebuilt))
@@ -157,6 +169,8 @@ def script_to_json(script: Script) -> dict[str, Any]:
     return {"version": SCRIPT_VERSION, "cell": script.cell, "preset": script.preset,
             **({"sizes": dict(sorted(script.sizes.items()))} if script.sizes else {}),
             "faults": list(script.faults), "seed": script.seed,
+            **({"hypothesis_version": script.hypothesis_version}
+               if script.hypothesis_version is not None else {}),
             "implementation": script.implementation,
             "ops": [op_to_json(op) for op in script.ops]}
 
@@ -197,11 +211,16 @@ def script_from_json(raw: Any) -> Script:
     seed = raw.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
         raise ScriptError(f"script: field 'seed' must be an integer or null, got {seed!r}")
+    hypothesis_version = raw.get("hypothesis_version")
+    if hypothesis_version is not None and not isinstance(hypothesis_version, str):
+        raise ScriptError("script: field 'hypothesis_version' must be a string such as "
+                          f"\"6.170.15\", got {hypothesis_version!r}")
     implementation = raw.get("implementation", "reference")
     if implementation not in IMPLEMENTATIONS:
         raise ScriptError(f"script: unknown implementation {implementation!r} "
                           f"(available: {', '.join(IMPLEMENTATIONS)})")
-    return Script(cell, preset, ops, tuple(faults), seed, implementation, dict(sizes))
+    return Script(cell, preset, ops, tuple(faults), seed, implementation, dict(sizes),
+                  hypothesis_version)
 
 
 @dataclass(frozen=True)

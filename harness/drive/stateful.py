@@ -316,7 +316,7 @@ def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
             # The report describes the script that is saved.
             result.violation = run_script(script).violation or violation
         if script is not None:
-            script.seed = run_seed
+            script.set_search_seed(run_seed)
             result.script = script
             name = "-".join([config.name.replace("@", "-"), *sorted(faults)])
             directory = save_dir or get_failure_dir()
@@ -328,7 +328,7 @@ def check_cell(config: ModelConfig, profile: Profile, run_seed: int,
         result.error = error
         script = log.last_script
         if script is not None:  # the crash, like a violation, is saved and replayable
-            script.seed = run_seed
+            script.set_search_seed(run_seed)
             result.script = script
             name = "-".join([config.name.replace("@", "-"), *sorted(faults), "crash"])
             directory = save_dir or get_failure_dir()

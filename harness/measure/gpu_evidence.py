@@ -67,7 +67,21 @@ SUMMARY_VERSION = 1
 ROOT = Path(__file__).resolve().parent.parent.parent
 STEPS = ("environment", "diff", "sanitizer-control", "syncs", "bench", "upstream")
 STATUSES = ("ok", "failed", "skipped")
-HYPOTHESIS_PIN = "6.170.15"  # pyproject.toml's: a seed replays the same search only under it
+
+def get_locked_version(package: str) -> str | None:
+    """``package``'s exact version in requirements.lock (what ./dev installs), or None."""
+    lock = ROOT / "requirements.lock"
+    if not lock.is_file():
+        return None
+    for line in lock.read_text().splitlines():
+        name, _, version = line.partition("==")
+        if name.strip().lower() == package and version:
+            return version.strip()
+    return None
+
+
+# requirements.lock's: a seed replays the same search only under the Hypothesis it names
+HYPOTHESIS_PIN = get_locked_version("hypothesis")
 CONTROL_FAULT = "B8"  # no WAR fence after launch: a cross-stream race the sanitizer must see
 CONTROL_CELL = "ov-p1-v2chain-cpu-honest"
 DRY_RUN_CELLS = ("ov-p1-v2chain-cpu-honest", "nov-p4-none")  # one overlap cell, one not
