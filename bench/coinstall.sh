@@ -36,7 +36,7 @@ venv_pip() { "$PY" -m pip "$@" 2> >(grep -v "^WARNING: Location" >&2); }
 torch_packages() { "$PY" -m pip freeze | grep -iE '^(torch|triton|nvidia|cuda)' || true; }
 
 echo "[coinstall] $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(python3 --version)," \
-     "overlap-spec from $ROOT"
+     "overlap-spec from $ROOT at $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo '?')"
 rm -rf "$VENV"
 run python3 -m venv "$VENV"
 run venv_pip install -q "torch==2.14.1" "${LINKS[@]}"
