@@ -56,3 +56,20 @@ def test_hypofuzz_runs_a_target(tmp_path: Path) -> None:
     done = _run(["-c", _PROBE.format(targets=str(TARGETS))], tmp_path)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
     assert "fuzzed tests/fuzz_targets.py::Test_ov_p4_none::runTest" in done.stdout
+
+
+def test_each_fuzz_target_has_its_own_database_key() -> None:
+    """Hypothesis keys a state machine by its class's source, the same for every cell: the
+    targets add their cell to the key, so one cell's replay cannot delete a failure another
+    cell saved in a shared (or local) example database."""
+    from hypothesis.internal.reflection import function_digest
+
+    sys.path.insert(0, str(ROOT / "tests"))
+    try:
+        import fuzz_targets
+    finally:
+        sys.path.remove(str(ROOT / "tests"))
+    machines = [getattr(fuzz_targets, name).runTest._hypothesis_state_machine_class
+                for name in dir(fuzz_targets) if name.startswith("Test_")]
+    assert len(machines) == len(enumerate_cells())
+    assert len({function_digest(machine) for machine in machines}) == len(machines)
