@@ -9,11 +9,16 @@ say "n/a".
 
 Families: SL (sequence-length mirror), KV (KV accounting), FM (FutureMap relay),
 ST (stream ordering), RP (result processing).
+
+``INVARIANTS`` is a tuple of :class:`Invariant` (ID, one-line claim, upstream source,
+``applies``, ``check``) in definition order, the order checkers report them in; for the
+claims by ID use ``INVARIANTS_BY_ID`` (a mapping from ID to :class:`Invariant`) or
+``get_invariant(ID)``, which names the known IDs when given an unknown one.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Final
 
@@ -1250,12 +1255,15 @@ def check_rp9(config: ModelConfig, obs: Observation) -> int:
     return count
 
 
+# The claims in definition order (a tuple: iterate it); INVARIANTS_BY_ID, the same by ID.
 INVARIANTS: Final[tuple[Invariant, ...]] = tuple(_REGISTERED)
-INVARIANT_IDS: Final = tuple(inv.id for inv in INVARIANTS)
+INVARIANTS_BY_ID: Final[Mapping[str, Invariant]] = {inv.id: inv for inv in INVARIANTS}
+INVARIANT_IDS: Final = tuple(INVARIANTS_BY_ID)
 
 
 def get_invariant(invariant_id: str) -> Invariant:
-    for inv in INVARIANTS:
-        if inv.id == invariant_id:
-            return inv
-    raise KeyError(f"unknown invariant {invariant_id!r}; known: {', '.join(INVARIANT_IDS)}")
+    """The invariant of ``invariant_id`` (``INVARIANTS_BY_ID``); a :class:`KeyError` naming
+    the known IDs when there is none."""
+    if invariant_id not in INVARIANTS_BY_ID:
+        raise KeyError(f"unknown invariant {invariant_id!r}; known: {', '.join(INVARIANT_IDS)}")
+    return INVARIANTS_BY_ID[invariant_id]

@@ -12,6 +12,7 @@ Profiles (``HYPOTHESIS_PROFILE`` or ``--profile``): ``quick`` (``overlap-spec re
 from __future__ import annotations
 
 import os
+import textwrap
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -45,10 +46,11 @@ from overlap_spec.harness.drive.script import (
     save_script,
 )
 from overlap_spec.harness.drive.witness import Witness, WitnessPlan, get_plan, replay_witnesses
-from overlap_spec.harness.trace.check import TraceVerdict, record_script_trace
+from overlap_spec.harness.trace.check import TraceVerdict, get_claim, record_script_trace
 from overlap_spec.harness.trace.format import get_trace_path
+from overlap_spec.harness.trace.plot import is_plottable
 from overlap_spec.spec.config import ModelConfig
-from overlap_spec.spec.invariants import InvariantViolation
+from overlap_spec.spec.invariants import INVARIANTS_BY_ID, InvariantViolation
 from overlap_spec.spec.state import IterationChoices
 from overlap_spec.spec.units import RequestId
 
@@ -367,8 +369,30 @@ def _count(number: int, noun: str) -> str:
     return f"{number} {noun}{'s' * (number != 1)}"
 
 
+# The width of a failure block's wrapped lines (report.render_failures indents it by 4).
+CLAIM_WIDTH = 96
+
+
+def describe_claim(invariant_id: str) -> list[str]:
+    """``claim: ID (its one-line claim): what spec/invariants.py states``, wrapped."""
+    inv = INVARIANTS_BY_ID.get(invariant_id)
+    if inv is None:
+        return []
+    return textwrap.wrap(f"claim: {inv.id} ({inv.claim}): {get_claim(inv.id)}", CLAIM_WIDTH,
+                         subsequent_indent="  ", break_on_hyphens=False)
+
+
+def describe_picture(trace: Path, verdict: TraceVerdict) -> str:
+    """The command that draws ``trace``'s picture beside it: the length plot of an
+    arithmetic violation (with the bound broken), else the timeline (a race's pair linked)."""
+    if is_plottable(verdict):
+        return f"picture (lengths and bound): overlap-spec trace plot {trace}"
+    return f"picture (timeline): overlap-spec trace render {trace}"
+
+
 def describe_failure(result: CellResult) -> str:
-    """The lines a user needs: which ID, where, the seed and the replay command."""
+    """The lines a user needs: which ID, where, the seed and the replay command; then the
+    invariant's claim and the command that draws the saved trace's picture."""
     lines = [f"cell {result.config.name}, seed {result.seed}, profile {result.profile}"]
     if result.violation is not None:
         lines.append(str(result.violation))
@@ -377,9 +401,14 @@ def describe_failure(result: CellResult) -> str:
                          f"{_count(result.script.count_requests(), 'request')}")
         if result.script_path is not None:
             lines.append(f"replay: overlap-spec replay {result.script_path}")
-        if result.trace_verdict is not None:
-            lines.append(f"trace: {get_trace_path(result.script_path or Path('.'))} "
-                         f"(trace checker: {result.trace_verdict.status})")
+        verdict = result.trace_verdict
+        trace = (get_trace_path(result.script_path or Path("."))
+                 if verdict is not None else None)
+        if verdict is not None:
+            lines.append(f"trace: {trace} (trace checker: {verdict.status})")
+        lines += describe_claim(result.violation.invariant_id)
+        if verdict is not None and trace is not None:
+            lines.append(describe_picture(trace, verdict))
     if result.error is not None:
         lines.append(f"implementation crashed: {type(result.error).__name__}: {result.error}")
         if result.script is not None:

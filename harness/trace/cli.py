@@ -1,6 +1,6 @@
 """``overlap-spec trace``: record a script's trace (reference or gpu_impl), check a trace
 file, draw one: its timeline as Mermaid and SVG (``render``), the lengths behind an
-arithmetic violation (``plot``).
+arithmetic violation and the bound it broke (``plot``).
 
 The parser needs none of the trace machinery (imported when a command runs); the render
 window's default is restated here (``harness.trace.render.DEFAULT_WINDOW``, checked by
@@ -61,8 +61,13 @@ def add_trace_arguments(parser: argparse.ArgumentParser) -> None:
         description="For a KV, SL or RP violation: each request it involves, its seq_lens, "
         "kv_committed_len, kv_allocated_len and ghost kv_len_true (RP: output_len and the "
         "ghost output_len_true) at every observation point as step lines, the violating "
-        "point marked with the invariant ID and values. A trace without such a violation "
-        "(passing, inconclusive, a race) exits 2.")
+        "point marked with the invariant ID and values, and the bound the invariant "
+        "compares against: KV3's reserve kv_len_true + W at each spec decode launch, KV1's "
+        "row width, KV8's settled length + lead, SL7's expected seq_lens, RP2's "
+        "max_new_tokens; for KV4 and KV7 the page and pool-row map, the page or row in two "
+        "places red. A line in the picture says what it draws as the bound, or that it "
+        "draws none for that ID. A trace without such a violation (passing, inconclusive, "
+        "a race) exits 2.")
     plot.add_argument("file", type=input_file)
     plot.add_argument("-o", "--output", type=output_file, default=None,
                       help="the SVG to write (default: FILE's stem + .lengths.svg beside it)")

@@ -16,6 +16,14 @@ observation index, with the ops marked; the violating observation is a red line,
 series the message names carry a red marker there, and the label gives the invariant
 ID and the values the spec saw.
 
+Each picture also draws the bound the invariant compares against (``bounds.py``): KV3's
+reserve ``kv_len_true + W`` at each spec decode launch, KV1's row width, KV8's settled
+length plus lead, SL7's expected ``seq_lens``, RP2's ``max_new_tokens`` as series of their
+own (marked at the violation); for KV4 and KV7 (ownership, not lengths) the page and
+pool-row map at the violation and the observation before it, the page or row in two
+places red. A line under the claim says which, or that the picture draws no bound for
+that ID.
+
 The state comes from the trace's snapshots, from a shim trace's call events (no ghost
 truth: a live process has none), or, for a trace without snapshots, from re-executing
 its ops on the reference (as ``trace check`` does). Written by hand as SVG, with the
@@ -28,6 +36,14 @@ import re
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from overlap_spec.harness.trace.bounds import (
+    BOUND_NAMES,
+    OwnershipMap,
+    describe_bound,
+    draw_ownership,
+    get_bound,
+    get_bound_value,
+)
 from overlap_spec.harness.trace.check import TraceVerdict, TraceViolation, check_trace
 from overlap_spec.harness.trace.format import (
     INCONCLUSIVE,
@@ -75,6 +91,14 @@ STYLES: dict[str, Style] = {
     "seq_lens_cpu": Style("#9467bd", 1.3, "3 2"),
     "kv_len_true": Style("#000000", 1.3, "6 3"),
     "output_len_true": Style("#000000", 1.3, "6 3"),
+    # The bounds (bounds.py), drawn last: on top of the lengths they bound.
+    "written position + 1": Style("#f7b6d2", 7),
+    "kv_len_true + W": Style("#d62728", 3, "5 2"),
+    "page-aligned kv_allocated_len": Style("#8c564b", 2, "2 2"),
+    "row width": Style("#d62728", 2, "8 3"),
+    "settled_len + lead": Style("#d62728", 2.5, "5 2"),
+    "prompt + output + k": Style("#d62728", 2.5, "5 2"),
+    "max_new_tokens": Style("#d62728", 2, "8 3"),
 }
 STATUS_FILLS = {"finished": "#e8e8e8", "retracted": "#fde3cf"}
 # Words of a violation message that name a series without its field name.
@@ -115,6 +139,9 @@ class LengthPlot:
     violation_index: int
     source: str  # where the states come from
     left_out: int  # requests involved but not drawn
+    bound: str = ""  # what the picture draws as the bound broken, or that it draws none
+    # KV4, KV7: the page and pool-row map before and at the violation
+    ownership: tuple[OwnershipMap, ...] = ()
 
     @property
     def plot_width(self) -> float:
@@ -248,6 +275,8 @@ def compute_length_plot(parsed: ParsedTrace, verdict: TraceVerdict) -> LengthPlo
     names = ["output_len", "kv_committed_len", "output_len_true"] if family_rp else \
         ["kv_allocated_len", "kv_committed_len", "seq_lens", "seq_lens_cpu", "kv_len_true"]
     panels: list[Panel] = []
+    config = parsed.script.get_config()
+    bound = get_bound(violation.invariant_id)
     forward = "ForwardBatch" in message
     if forward or "for the batch" in message:
         sums = tuple(Series(name, tuple(_batch_value(obs, name, forward) for obs in states))
@@ -260,23 +289,41 @@ def compute_length_plot(parsed: ParsedTrace, verdict: TraceVerdict) -> LengthPlo
     for rid in rids[:MAX_REQUEST_PANELS]:
         series = [Series(name, tuple(_request_value(obs, rid, name) for obs in states))
                   for name in names]
+        bounds = [Series(b.name, tuple(get_bound_value(b, config, obs, rid) for obs in states))
+                  for b in (bound.series if bound else ())]
         by_name = {s.name: s for s in series}
         if "seq_lens_cpu" in by_name and by_name["seq_lens_cpu"].values == \
                 by_name["seq_lens"].values:
             series.remove(by_name["seq_lens_cpu"])
         present = [s for s in series if any(v is not None for v in s.values)]
         marked = get_named_series(message, [s.name for s in present])
-        if not marked and re.search(rf"\br{rid}\b", message):
-            marked = tuple(s.name for s in present)  # about this request: mark all of it
+        # About this request: mark all of it, unless the claim is about ownership (the
+        # page map below draws it; the lengths are context).
+        if not marked and re.search(rf"\br{rid}\b", message) and not (
+                bound and bound.ownership):
+            marked = tuple(s.name for s in present)
+        # The bound at the violation, where the claim was checked for this request.
+        drawn = [b for b in bounds if any(v is not None for v in b.values)]
+        present += drawn
+        marked += tuple(b.name for b in drawn if b.values[index] is not None)
         status = tuple(_request_status(obs, rid) for obs in states)
         panels.append(Panel(f"request r{rid}", tuple(present), marked, status))
     header = parsed.header
     title = (f"{header.cell}@{header.preset}  faults={','.join(header.faults) or 'none'}: "
              f"{violation.invariant_id} violated"
              + (f" for request {violation.request}" if violation.request else ""))
+    ownership: tuple[OwnershipMap, ...] = ()
+    bound_line = describe_bound(violation.invariant_id)
+    if bound is not None and bound.ownership:
+        try:
+            ownership = tuple(OwnershipMap.of(states[k], k, message if k == index else "")
+                              for k in (index - 1, index) if k >= 0)
+        except NotRecorded:  # a shim's call without the allocator or the pages
+            bound_line = (f"no bound drawn for {violation.invariant_id}: the trace does not "
+                          "carry the page ownership its claim is about")
     return LengthPlot(title, violation, tuple(obs.point.value for obs in states),
                       tuple(obs.step_index for obs in states), tuple(panels), index, source,
-                      max(0, len(rids) - MAX_REQUEST_PANELS))
+                      max(0, len(rids) - MAX_REQUEST_PANELS), bound_line, ownership)
 
 
 # ----------------------------------------------------------------------------- SVG
@@ -293,6 +340,10 @@ def draw_length_plot(plot: LengthPlot) -> str:
     y = 38.0
     for line in wrap(f"claim: {violation.expected}", wrap_px):
         canvas.text(MARGIN, y, line, attrs=f' fill="{INK}"')
+        y += 15
+    for line in wrap(plot.bound, wrap_px) if plot.bound else ():
+        colour = INK if plot.bound.startswith("bound") else RED
+        canvas.text(MARGIN, y, line, attrs=f' fill="{colour}" class="bound"')
         y += 15
     states_line = (f"{len(plot.points)} observation points, from {plot.source}; ops "
                    "marked by dotted lines")
@@ -324,6 +375,9 @@ def draw_length_plot(plot: LengthPlot) -> str:
     canvas.text(PLOT_X0, bottom + 38, "observation index (one step per observation point); "
                 f"red: the violating observation, index {plot.violation_index}",
                 attrs=f' fill="{GREY}"')
+    if plot.ownership:
+        draw_ownership(canvas, list(plot.ownership), float(MARGIN), bottom + 70,
+                       plot.plot_width + PLOT_X0 - MARGIN)
     return canvas.to_svg()
 
 
@@ -336,7 +390,12 @@ def _violation_label(plot: LengthPlot) -> list[str]:
     # The message without its ID and its place, which the first line gives.
     core = violation.actual.split(" violated ", 1)[-1]
     core = re.sub(r" at [a-z_]+( \(op -?\d+, cell [^)]*\))?$", "", core)
-    return [first, *wrap(core, max(300.0, plot.plot_width * 0.7))]
+    # The bound's values there (bounds.py), beside the values the message gives.
+    at = [f"{s.name}={s.values[index]}" + (f" ({panel.title})" if len(plot.panels) > 1 else "")
+          for panel in plot.panels for s in panel.series
+          if s.name in BOUND_NAMES and s.values[index] is not None]
+    bound = wrap("bound here: " + ", ".join(at), max(300.0, plot.plot_width * 0.7)) if at else []
+    return [first, *wrap(core, max(300.0, plot.plot_width * 0.7)), *bound]
 
 
 def _legend(canvas: Canvas, plot: LengthPlot, y: float) -> float:
@@ -344,7 +403,8 @@ def _legend(canvas: Canvas, plot: LengthPlot, y: float) -> float:
     states = [s for s in STATUS_FILLS if any(s in p.status for p in plot.panels)]
     x = float(MARGIN)
     for name in [*names, *states]:
-        label = name + (" (ghost truth)" if name.endswith("_true") else "")
+        label = name + (" (ghost truth)" if name.endswith("_true") else
+                        " (bound)" if name in BOUND_NAMES else "")
         if x + 40 + text_width(label) > PLOT_X0 + plot.plot_width and x > MARGIN:
             x, y = float(MARGIN), y + 18
         if name in STATUS_FILLS:
