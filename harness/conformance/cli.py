@@ -528,6 +528,13 @@ def cmd_upstream(args: argparse.Namespace) -> int:
         return cmd_upstream_replay(args)
     if args.action == "compat":
         return cmd_upstream_compat(args)
+    if args.action == "export":  # writes text only: sglang is not needed
+        from overlap_spec.harness.conformance.export import ExportError, run_export
+
+        try:
+            return run_export(args.file, args.out)
+        except ExportError as error:
+            raise UsageError(str(error)) from None
     report = run_upstream_check(args, progress=not args.quiet)
     print(render_report(report))
     if args.json is not None:
@@ -663,13 +670,16 @@ def cmd_upstream_replay(args: argparse.Namespace) -> int:
 
 def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("action", choices=["check", "replay", "compat", "stand-ins",
-                                           "findings"],
+                                           "findings", "export"],
                         help="check: run the tier; replay FILE: re-run a saved upstream "
                              "script; compat: every sglang name the tier relies on and "
                              "whether this sglang has it; stand-ins: what the tier replaces "
                              "in sglang; findings: the listed findings and allowed "
-                             "divergences")
-    parser.add_argument("file", nargs="?", help="the script, for 'replay'")
+                             "divergences; export FINDING: the finding as a standalone "
+                             "pytest file (stdout, or into --out DIR)")
+    parser.add_argument("file", nargs="?",
+                        help="the script, for 'replay'; the finding (U5, U6, U7, or all "
+                             "with --out), for 'export'")
     parser.add_argument("--cells", type=cell_patterns, default=None,
                         help="comma-separated cell names or globs (default: every cell; "
                              "cells the adapter cannot drive report n/a)")
@@ -679,7 +689,8 @@ def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", type=output_file, metavar="PATH",
                         help="write the JSON report here")
     parser.add_argument("--out", type=output_dir, metavar="DIR",
-                        help="scripts are saved under DIR/upstream (default: .overlap-spec)")
+                        help="scripts are saved under DIR/upstream (default: .overlap-spec); "
+                             "for 'export', the folder the test file is written into")
     parser.add_argument("--seed", type=int, default=DEFAULT_SEED,
                         help=f"hypothesis seed (default {DEFAULT_SEED})")
     parser.add_argument("--profile", choices=PROFILE_NAMES, default="ci",
