@@ -1,9 +1,9 @@
 """FutureMap in torch: the relay from the forward stream back to the schedule side.
 
 Upstream: ``managers/overlap_utils.py`` of sglang 0.5.23 (PRs 25879, 26020, 26128, 26380,
-26463, 35748; the digest's S1 snapshot is the closed PR 27979's branch, README "The
-FutureMap's source"). Buffers are device tensors indexed by future index, which is the pool row
-(``req_pool_idx``); row 0 is the padding row.
+26463, 35748; the digest's S1 snapshot is the closed PR 27979's branch,
+docs/modelling-choices.md, "The FutureMap's source"). Buffers are device tensors indexed by
+future index, which is the pool row (``req_pool_idx``); row 0 is the padding row.
 
 - ``publish`` (on F): ``new_seq_lens_buf[rows] = new_seq_lens``, then record
   ``publish_ready`` (spec only; the non-spec publish is written and never read).

@@ -12,7 +12,7 @@ Every stream operation goes through :class:`Streams`, for two reasons:
   :class:`gpu_impl.race.RaceDetector` (vector clocks, the engine of
   ``torch.cuda._sanitizer``), which must be told about every record, wait and
   synchronize;
-- the sync contract (README) counts host-blocking synchronisations and device-to-host
+- the sync contract (docs/gpu-impl.md) counts host-blocking synchronisations and device-to-host
   copies per iteration, and only calls made here are counted. A raw ``.item()``,
   ``.tolist()`` or ``.cpu()`` on a device tensor elsewhere in gpu_impl is a defect
   (``tests/test_gpu_impl.py`` asserts there is none), and so is an ``int()`` or ``bool()``

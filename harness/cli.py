@@ -304,7 +304,7 @@ def cmd_cells(args: argparse.Namespace) -> int:
                          "; ".join(departures) or "release"))
         _print_table(rows)
         print("release: sglang 0.5.23's design; the differences the model keeps from it are "
-              "in the README (the coverage table, and the upstream tier's allowed list)")
+              "in docs/coverage.md and docs/upstream-tier.md")
         return 0
     if not args.limits:
         from overlap_spec.harness.drive.cells import is_serving_default

@@ -14,6 +14,7 @@ import pytest
 from overlap_spec.harness.cli import main
 
 README = Path(__file__).resolve().parents[1] / "README.md"
+MUTANTS = README.parent / "docs" / "mutants.md"  # the mutant matrix's table
 
 
 def get_console_examples(text: str) -> list[tuple[str, list[str]]]:
@@ -68,12 +69,12 @@ def test_readme_example_prints_what_the_readme_shows(
     assert not any(line.startswith("no witness") for line in printed), "\n".join(printed)
 
 
-def test_the_readme_mutant_table_lists_the_catalogues_invariants() -> None:
-    """Each row of the README's mutant table names exactly the invariants harness/catalogue.py
+def test_the_mutant_table_lists_the_catalogues_invariants() -> None:
+    """Each row of docs/mutants.md's table names exactly the invariants harness/catalogue.py
     lists for that bug (a kill outside them is ``other-id`` and fails the matrix)."""
     from overlap_spec.harness.catalogue import BUGS
 
-    found = re.findall(r"^\| (B\d+) \| .*? \| ([^|\n]*) \| ([^|\n]*) \|$", README.read_text(),
+    found = re.findall(r"^\| (B\d+) \| .*? \| ([^|\n]*) \| ([^|\n]*) \|$", MUTANTS.read_text(),
                        flags=re.M)
     rows = {bug_id: invariants for bug_id, _, invariants in found}
     assert sorted(rows) == sorted(bug.id for bug in BUGS)
@@ -85,3 +86,22 @@ def test_the_readme_mutant_table_lists_the_catalogues_invariants() -> None:
     status = {bug_id: state for bug_id, state, _ in found}
     for bug in BUGS:
         assert ("current upstream" in status[bug.id]) == bool(bug.current_upstream), bug.id
+
+
+def test_the_readme_is_a_manual_that_cites_only_the_repository() -> None:
+    """At most about 400 lines; every relative link resolves inside the repository; nothing
+    points outside it (no ../shared, no "the digest")."""
+    text = README.read_text()
+    assert len(text.splitlines()) <= 400
+    assert "../" not in text and "the digest" not in text
+    for target in re.findall(r"\]\(([^)\s#]+)\)", text):
+        if not target.startswith(("http://", "https://")):
+            assert (README.parent / target).exists(), target
+
+
+def test_the_moved_docs_links_resolve() -> None:
+    """The design notes moved out of the README link to files that exist."""
+    for page in (README.parent / "docs").glob("*.md"):
+        for target in re.findall(r"\]\(([^)\s#]+)\)", page.read_text()):
+            if not target.startswith(("http://", "https://")):
+                assert (page.parent / target).exists(), (page.name, target)

@@ -262,7 +262,7 @@ class Session:
 
 
 def configure_chunking(config: ModelConfig, sched: Any) -> None:
-    """Chunked prefill and mixed chunks as the preset says (README, coverage).
+    """Chunked prefill and mixed chunks as the preset says (docs/coverage.md).
 
     ``chunked_prefill_size`` > 0: the built scheduler chunks at that size. ``ServerArgs``
     alone does not do it (0.5.23 resolves the size again from the memory tier,

@@ -223,7 +223,7 @@ def run_operations(state: bytes, admitted_count: int, depth: int, alphabet: Alph
     distinguishable iteration, then the admissions (below the request bound), then an
     abort of each admitted request. The order leaves each level's states unchanged; it
     only decides which shortest counterexample is met first, and iterations first meet
-    one sooner (README, "Every short sequence")."""
+    one sooner (docs/exhaust.md)."""
     decisions: list[int] | None = []
     while decisions is not None:
         oracle = ChoiceOracle(alphabet, decisions)
