@@ -346,7 +346,8 @@ def test_plot_and_render_cli_write_the_length_plot(
 
 # --------------------------------------------------------------------------- docs/pictures
 def test_docs_pictures_are_what_the_readme_commands_write(tmp_path: Path) -> None:
-    """docs/pictures holds the output of the commands in the README's trace section."""
+    """docs/pictures holds the output of the commands in docs/traces.md (moved there from the
+    README, which shows the pictures)."""
     race = tmp_path / "race-fm1-b5.ndjson"
     record_script_trace(load_script(CORPUS / "ov-p1-v2chain-cpu-honest-minimal-B5.json"), race)
     assert main(["render", str(race), "--out", str(tmp_path)]) == 0
@@ -356,7 +357,15 @@ def test_docs_pictures_are_what_the_readme_commands_write(tmp_path: Path) -> Non
     assert main(["plot", str(lengths), "-o", str(tmp_path / "lengths-kv3-b16.svg")]) == 0
     for name in ("race-fm1-b5.svg", "race-fm1-b5.mmd", "lengths-kv3-b16.svg"):
         assert (tmp_path / name).read_text() == (PICTURES / name).read_text(), (
-            f"docs/pictures/{name} is stale: rerun the commands in the README")
+            f"docs/pictures/{name} is stale: rerun the commands in docs/traces.md")
     readme = (ROOT / "README.md").read_text()
     assert "docs/pictures/race-fm1-b5.svg" in readme
     assert "docs/pictures/lengths-kv3-b16.svg" in readme
+    # The commands that wrote them, as the docs show them.
+    commands = (ROOT / "docs" / "traces.md").read_text()
+    scripts = "tests/data/mutant_scripts/ov-p1-v2chain-cpu-honest-minimal"
+    for shown in (f"trace record {scripts}-B5.json -o /tmp/race-fm1-b5.ndjson",
+                  "trace render /tmp/race-fm1-b5.ndjson --out docs/pictures",
+                  f"trace record {scripts}-B16.json -o /tmp/lengths-kv3-b16.ndjson",
+                  "trace plot /tmp/lengths-kv3-b16.ndjson -o docs/pictures/lengths-kv3-b16.svg"):
+        assert f"overlap-spec {shown}" in commands, shown

@@ -57,8 +57,10 @@ def test_the_corpus_has_no_stale_file() -> None:
 
 
 def _documented_sizes() -> set[str]:
-    """Every ``--sizes`` example in the README and the command line's help texts."""
+    """Every ``--sizes`` example in the README, the notes moved out of it into docs/ and the
+    command line's help texts."""
     texts = [(ROOT / "README.md").read_text()]
+    texts += [p.read_text() for p in sorted((ROOT / "docs").glob("*.md"))]
     texts += [p.read_text() for p in (ROOT / "harness").rglob("cli.py")]
     found = set()
     for text in texts:
