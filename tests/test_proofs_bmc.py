@@ -235,16 +235,15 @@ def test_allocation_lemma_check_can_fail() -> None:
     """The lemma's proof is not vacuous: one page more in the post-state, or no guard
     premise (a request holding no row), gives a counterexample."""
     ctx = Context(ModelConfig(get_cell("ov-p4-v2chain-cpu-honest"), MINIMAL))
-    builder = bmc._Builder(ctx, 0, 0)
     r = make_record("t")
     rung = zs.Int("t.rung")
-    step = builder.decode_step(r, rung)
+    step = bmc.decode_step(ctx, r, rung)
     one_more = dataclasses.replace(
         step, post={**step.post, "page_count": step.post["page_count"] + 1}
     )
     unguarded = dataclasses.replace(step, guard=zs.BoolVal(True))
     for wrong in (one_more, unguarded):
-        outcome = zs.prove([builder.rung_domain(rung)], builder.allocation_lemma(r, rung, wrong))
+        outcome = zs.prove([bmc.rung_domain(ctx, rung)], bmc.allocation_lemma(ctx, r, rung, wrong))
         assert outcome.verdict == zs.COUNTEREXAMPLE
 
 
