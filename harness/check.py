@@ -19,9 +19,11 @@ from overlap_spec.harness.conformance.cli import (
     UsageError,
     get_upstream_python,
     plan_upstream_check,
-    render_report,
     run_upstream_check,
     start_upstream_check,
+)
+from overlap_spec.harness.conformance.report import (
+    render_report,
     upstream_tier_error,
     upstream_tier_report,
 )

@@ -15,12 +15,8 @@ import time
 from pathlib import Path
 
 from overlap_spec.harness.check import get_faults_and_check_jobs, run_hypothesis_cells
-from overlap_spec.harness.conformance.cli import (
-    UsageError,
-    render_report,
-    run_upstream_check,
-    upstream_tier_report,
-)
+from overlap_spec.harness.conformance.cli import UsageError, run_upstream_check
+from overlap_spec.harness.conformance.report import render_report, upstream_tier_report
 from overlap_spec.harness.drive.cells import (
     describe_variants,
     format_sizes,

@@ -710,7 +710,8 @@ def test_a_tree_is_labelled_by_its_own_version_and_commit(tmp_path: Path) -> Non
 
 
 def _report_with(mismatches: list[dict[str, str]]) -> dict[str, Any]:
-    from overlap_spec.harness.conformance.cli import _undrivable_cell, build_report
+    from overlap_spec.harness.conformance.cli import _undrivable_cell
+    from overlap_spec.harness.conformance.report import build_report
 
     args = SimpleNamespace(sglang_src=Path("/src"), seed=1, profile="ci", preset="minimal",
                            sizes=None)
@@ -722,7 +723,7 @@ def _report_with(mismatches: list[dict[str, str]]) -> dict[str, Any]:
 
 
 def test_an_undrivable_sglang_is_reported_per_cell_and_exits_3() -> None:
-    from overlap_spec.harness.conformance.cli import render_report, upstream_tier_report
+    from overlap_spec.harness.conformance.report import render_report, upstream_tier_report
     from overlap_spec.harness.verdict import CheckReport, TierReport, Verdict
 
     mismatch = {"hook": "Scheduler.run_batch", "change": "missing: ..."}

@@ -33,6 +33,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
+# The report's building and rendering (harness/conformance/report.py), named here too:
+# check and review import them from this module.
+from overlap_spec.harness.conformance.report import (
+    CANNOT_DRIVE,
+    build_report,
+    render_report,
+    upstream_tier_report,
+)
 from overlap_spec.harness.drive.cells import (
     DEFAULT_SEED,
     PROFILE_NAMES,
@@ -50,9 +58,8 @@ from overlap_spec.harness.drive.cells import (
 )
 from overlap_spec.harness.drive.cells import UsageError as CommandUsageError
 from overlap_spec.harness.drive.cells import select_cells as select_cell_records
-from overlap_spec.harness.verdict import EXIT_CANNOT_DRIVE, CheckReport, TierReport, Verdict
+from overlap_spec.harness.verdict import EXIT_CANNOT_DRIVE, CheckReport
 from overlap_spec.spec.config import PRESETS, enumerate_cells
-from overlap_spec.upstream.standins import STAND_INS
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # harness/conformance/cli.py
 CELL_TIMEOUT_S = 900
@@ -137,7 +144,6 @@ def _failed_cell(reason: str) -> dict[str, Any]:
             "differential": {"verdict": "n/a", "divergences": []}}
 
 
-CANNOT_DRIVE = "cannot-drive"  # a cell's verdict when the tier cannot drive this sglang
 
 
 def _undrivable_cell(mismatches: list[dict[str, str]]) -> dict[str, Any]:
@@ -278,152 +284,6 @@ def collect_cell_server(server: CellServer, python: str, cells: list[str], out: 
                 f"the cell server exited ({code}) before this cell finished: "
                 f"{_last_line(stderr)}"))
     return sglang, results, mismatches
-
-
-def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, Any],
-                 args: argparse.Namespace, elapsed: float,
-                 mismatches: list[dict[str, str]] | None = None) -> dict[str, Any]:
-    from overlap_spec.harness.conformance.findings import (
-        ALLOWED_DIVERGENCES,
-        UPSTREAM_NOT_APPLICABLE,
-    )
-
-    findings = [f for r in results.values() for f in r.get("findings", [])]
-    driven = [c for c, r in results.items() if r["verdict"] != "n/a"]
-    ok = bool(driven) and all(results[c]["verdict"] == "pass" for c in driven)
-    return {
-        "version": 1,
-        "ok": ok,
-        "sglang": {**sglang, "tree": None if args.sglang_src is None else str(args.sglang_src)},
-        # What the tier cannot drive in this sglang (upstream/compat.py): no cell ran.
-        "cannot_drive": list(mismatches or []),
-        "seed": args.seed,
-        "profile": args.profile,
-        "preset": args.preset,
-        **({"sizes": dict(args.sizes)} if getattr(args, "sizes", None) else {}),
-        "elapsed_s": round(elapsed, 1),
-        "cells": {c: {"verdict": r["verdict"], "reason": r.get("reason"),
-                      "invariants": r.get("invariants", {}),
-                      "exercised": r.get("exercised", {}), "runs": r.get("runs", 0),
-                      **({"sizes": r["sizes"]} if r.get("sizes") else {}),
-                      **({"mechanisms": r["mechanisms"]} if "mechanisms" in r else {}),
-                      **({"witnesses": r["witnesses"]} if "witnesses" in r else {}),
-                      "seconds": r.get("seconds"), "wall_s": r.get("wall_s")}
-                  for c, r in results.items()},
-        "differential": {
-            "cells": {c: r.get("differential", {"verdict": "n/a", "divergences": []})
-                      for c, r in results.items()},
-            "allowed": [a.to_json() for a in ALLOWED_DIVERGENCES],
-        },
-        "findings": findings,
-        "not_applicable": dict(UPSTREAM_NOT_APPLICABLE),
-        "stand_ins": [{"target": x.target, "kind": x.kind, "reason": x.reason}
-                      for x in STAND_INS],
-    }
-
-
-def describe_sglang(sglang: dict[str, Any]) -> str:
-    """``sglang 0.5.23 (release)``, ``sglang 0.5.24 at commit abc1234 (modified) (/src)``:
-    :meth:`SglangSource.describe` of a report's ``sglang`` entry."""
-    from overlap_spec.upstream.bootstrap import SglangSource
-
-    return SglangSource(sglang["version"], sglang["source"], "", sglang.get("commit") or None,
-                        bool(sglang.get("modified"))).describe()
-
-
-def render_report(report: dict[str, Any]) -> str:
-    tree = report["sglang"].get("tree")
-    replay = "overlap-spec upstream replay {}" + (f" --sglang-src {tree}" if tree else "")
-    lines = [f"{describe_sglang(report['sglang'])}, "
-             f"seed {report['seed']}, profile {report['profile']}, preset {report['preset']}"
-             + (f", sizes {format_sizes(report['sizes'])}" if report.get("sizes") else "")]
-    if report["sglang"].get("environment"):
-        lines.append(f"driven in {report['sglang']['environment']}")
-    width = max(len(c) for c in report["cells"])
-    wide = max(7, *(len(r["verdict"]) for r in report["cells"].values()))
-    lines.append(f"{'cell':<{width}}  {'verdict':<{wide}}  invariants                 "
-                 "differential")
-    for cell, r in report["cells"].items():
-        inv = r["invariants"]
-        counts: dict[str, int] = {}
-        for verdict in inv.values():
-            counts[verdict] = counts.get(verdict, 0) + 1
-        summary = " ".join(f"{k} {v}" for k, v in sorted(counts.items()))
-        diff = report["differential"]["cells"][cell]
-        diff_text = diff.get("verdict", "n/a")
-        if "operations_agreed" in diff:
-            aborts = diff.get("operations_by_kind", {}).get("abort", 0)
-            diff_text += f" ({diff['operations_agreed']} ops agreed, {aborts} aborts)"
-        lines.append(f"{cell:<{width}}  {r['verdict']:<{wide}}  {summary:<25}  {diff_text}")
-        if r["verdict"] == CANNOT_DRIVE:
-            lines += [f"{'':<{width}}    cannot drive this sglang: {m['hook']}: {m['change']}"
-                      for m in report.get("cannot_drive", [])]
-        elif r["verdict"] != "pass" and r.get("reason"):
-            lines.append(f"{'':<{width}}    {r['reason']}")
-    sized: dict[str, list[str]] = {}
-    for cell, r in report["cells"].items():
-        if r.get("sizes") and not report.get("sizes"):
-            sized.setdefault(format_sizes(r["sizes"]), []).append(cell)
-    for sizes, cells in sized.items():
-        lines.append(f"at {sizes} (chunked prefill on, as the release serves its default "
-                     f"configuration): {', '.join(cells)}")
-    from overlap_spec.harness.drive.witness import group_reasons
-
-    na = group_reasons({cell: r.get("witnesses", {}).get("not_applicable", {})
-                        for cell, r in report["cells"].items()})
-    if na:
-        lines.append("\nn/a for want of a witness the release can be driven through (not a "
-                     "pass):")
-        lines += [f"  {inv} in {', '.join(cells)}: {why}" for inv, why, cells in na]
-    for cell, r in report["cells"].items():
-        for index, claims in r.get("witnesses", {}).get("lost", {}).items():
-            lines.append(f"\nwitness {index} of {cell} no longer exercises "
-                         f"{', '.join(claims)} on this sglang (the reference's run of it "
-                         "does; vacuous unless the search reached it)")
-    listed: dict[str, list[dict[str, Any]]] = {}
-    new = []
-    for f in report["findings"]:
-        if f["listed"]:
-            listed.setdefault(f["id"], []).append(f)
-        else:
-            new.append(f)
-    if listed:
-        lines.append("\nlisted upstream findings (docs/upstream-findings.md), seen in:")
-        for fid, group in listed.items():
-            first = min(group, key=lambda f: f["ops"])
-            lines.append(f"  {fid} {first['invariant']}: {', '.join(f['cell'] for f in group)}")
-            lines.append(f"     e.g. {first['actual']}")
-            lines.append(f"     replay: {replay.format(first['script'])}")
-    for f in new:
-        lines.append(f"\nNEW upstream finding in {f['cell']}: {f['actual']}")
-        if f.get("upstream"):
-            lines.append(f"  where sglang was: {f['upstream']}")
-        lines.append(f"  the spec expects: {f['expected']}")
-        if f.get("script"):
-            lines.append(f"  replay: {replay.format(f['script'])}")
-    for cell, diff in report["differential"]["cells"].items():
-        for div in diff.get("divergences", []):
-            lines.append(f"\nunexplained divergence in {cell} at op {div['step']}: "
-                         f"{div['field']}: reference {div['reference']}, upstream "
-                         f"{div['upstream']}")
-            lines.append(f"  replay: {replay.format(div['script'])}")
-            if div.get("replays") is False:
-                lines.append("  (the saved script alone did not show it again: still a "
-                             "failure; the run's own sequence diverged)")
-        if diff.get("error"):
-            lines.append(f"\ndifferential crashed in {cell}: {diff['error']}")
-    driven = [c for c, r in report["cells"].items() if r["verdict"] != "n/a"]
-    passed = sum(report["cells"][c]["verdict"] == "pass" for c in driven)
-    if report.get("cannot_drive"):
-        lines.append(f"\nCANNOT DRIVE {describe_sglang(report['sglang'])}: "
-                     f"{len(report['cannot_drive'])} name(s) the tier relies on are missing "
-                     "or changed ('overlap-spec upstream compat' lists them); no cell ran, "
-                     f"{report['elapsed_s']:.1f}s")
-        return "\n".join(lines)
-    lines.append(f"\n{'OK' if report['ok'] else 'FAILED'}: {passed}/{len(driven)} driven cells "
-                 f"pass ({len(report['cells']) - len(driven)} n/a), {len(new)} new finding(s), "
-                 f"{report['elapsed_s']:.1f}s")
-    return "\n".join(lines)
 
 
 @dataclass
@@ -721,26 +581,6 @@ def main(argv: list[str] | None = None) -> int:
         return cmd_upstream(parser.parse_args(argv))
     except CommandUsageError as error:
         return report_usage_error(error)
-
-
-def upstream_tier_report(report: dict[str, Any]) -> TierReport:
-    """The upstream tier's merged report as a tier of ``check``: cannot-drive when the
-    sglang given lacks a name the tier relies on (or does not import), never a pass."""
-    if report.get("cannot_drive"):
-        first = report["cannot_drive"][0]
-        reason = f"cannot drive this sglang: {first['hook']}: {first['change']}"
-        return TierReport("upstream", Verdict.CANNOT_DRIVE, "UPSTREAM CANNOT DRIVE SGLANG",
-                          {"upstream": report}, reason)
-    verdict = Verdict.PASS if report.get("ok") else Verdict.FAIL
-    return TierReport("upstream", verdict,
-                      "upstream ok" if verdict is Verdict.PASS else "UPSTREAM FAILED",
-                      {"upstream": report})
-
-
-def upstream_tier_error(reason: str) -> TierReport:
-    """The tier could not run (a usage error inside ``check``): inconclusive, not a pass."""
-    return TierReport("upstream", Verdict.INCONCLUSIVE, "UPSTREAM FAILED",
-                      {"upstream": {"status": "error", "ok": False, "reason": reason}}, reason)
 
 
 if __name__ == "__main__":
