@@ -31,7 +31,8 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMANDS: dict[str, list[str]] = {
     "review": [sys.executable, "-m", "overlap_spec", "review", "-q"],
     "check": [sys.executable, "-m", "overlap_spec", "check", "-q"],
-    "test": [sys.executable, "-m", "pytest", "-q"],
+    # as `./dev test` runs it: on every CPU (pytest-xdist)
+    "test": [sys.executable, "-m", "pytest", "-q", "-n", "auto"],
 }
 
 
@@ -141,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                         help="comma-separated: review, check, test (default: review, the "
                              "short one; check and test take about 10 minutes each)")
     parser.add_argument("--test-args", default="",
-                        help="extra pytest arguments, e.g. '-n 2' (quoted)")
+                        help="extra pytest arguments, e.g. '--durations=20' (quoted)")
     parser.add_argument("--out", metavar="DIR", help="write speed-<date>.json here and "
                         "rewrite DIR/speed-current.md")
     args = parser.parse_args(argv)

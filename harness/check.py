@@ -55,7 +55,12 @@ from overlap_spec.harness.mutants.matrix import (
     run_mutants,
 )
 from overlap_spec.harness.mutants.select import CHECKERS
-from overlap_spec.harness.pool import catching_interrupts, raise_if_interrupted, run_tasks
+from overlap_spec.harness.pool import (
+    catching_interrupts,
+    raise_if_interrupted,
+    run_tasks,
+    sharing_workers,
+)
 from overlap_spec.harness.prove.tier import proofs_tier_report, run_proofs_for_check
 from overlap_spec.harness.report import hypothesis_tier_report, render_table, write_json
 from overlap_spec.harness.verdict import CheckReport, TierReport, Verdict
@@ -79,7 +84,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     tiers = (("hypothesis", _hypothesis_tier), ("differential", _differential_tier),
              ("proofs", _proofs_tier), ("upstream", _upstream_tier), ("mutants", _mutant_tier))
     _start_upstream(run)
-    with catching_interrupts(), run:
+    with catching_interrupts(), run, sharing_workers(args.jobs):
         for name, tier in tiers:
             tier_started = time.perf_counter()
             try:

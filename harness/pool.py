@@ -98,12 +98,49 @@ def _call(function: Callable[[Any], Any], task: Any) -> Any:
     return _picklable(function(task))
 
 
+# The workers of a `sharing_workers` block: (jobs, executor), or None.
+_shared: tuple[int, ProcessPoolExecutor] | None = None
+
+
+def _new_pool(workers: int) -> ProcessPoolExecutor:
+    spawn = multiprocessing.get_context("spawn")
+    return ProcessPoolExecutor(max_workers=workers, mp_context=spawn,
+                               initializer=_ignore_interrupts)
+
+
+@contextmanager
+def sharing_workers(jobs: int) -> Iterator[None]:
+    """Inside: every :func:`run_tasks` with these ``jobs`` runs on the same ``jobs``
+    spawned workers (``check``'s tiers, one after another), so each worker imports torch,
+    Hypothesis and z3 once, not once per tier. A task still shares nothing with the
+    parent, and a tier's tasks already shared their workers."""
+    global _shared
+    if jobs <= 1 or _shared is not None:
+        yield
+        return
+    pool = _new_pool(jobs)
+    _shared = (jobs, pool)
+    try:
+        yield
+    except BaseException:
+        for process in list((pool._processes or {}).values()):
+            process.terminate()
+        pool.shutdown(wait=False, cancel_futures=True)
+        raise
+    else:
+        pool.shutdown()
+    finally:
+        _shared = None
+
+
 def run_tasks(function: Callable[[Task], Result], tasks: Iterable[Task], jobs: int,
               on_done: Callable[[Task, Result], None] | None = None) -> list[Result]:
     """``function(task)`` for every task, on ``jobs`` spawned processes (1: in this
-    process, in order). ``on_done`` sees each result as it arrives (progress lines); the
-    list comes back in task order whatever the finish order. ``function`` must be a
-    module-level function (it is pickled by name)."""
+    process, in order; inside :func:`sharing_workers`, its workers). ``on_done`` sees
+    each result as it arrives (progress lines); the list comes back in task order
+    whatever the finish order. ``function`` must be a module-level function (it is
+    pickled by name)."""
+    global _shared
     todo = list(tasks)
     results: dict[int, Result] = {}
     if jobs <= 1 or len(todo) <= 1:
@@ -113,9 +150,8 @@ def run_tasks(function: Callable[[Task], Result], tasks: Iterable[Task], jobs: i
             if on_done is not None:
                 on_done(task, results[index])
     else:
-        spawn = multiprocessing.get_context("spawn")
-        pool = ProcessPoolExecutor(max_workers=min(jobs, len(todo)), mp_context=spawn,
-                                   initializer=_ignore_interrupts)
+        shared = _shared is not None and _shared[0] == jobs
+        pool = _shared[1] if _shared is not None and shared else _new_pool(min(jobs, len(todo)))
         try:
             futures = {pool.submit(_call, function, task): index
                        for index, task in enumerate(todo)}
@@ -131,6 +167,9 @@ def run_tasks(function: Callable[[Task], Result], tasks: Iterable[Task], jobs: i
             for process in list((pool._processes or {}).values()):
                 process.terminate()
             pool.shutdown(wait=False, cancel_futures=True)
+            if shared:
+                _shared = None  # the later tiers get their own workers
             raise
-        pool.shutdown()
+        if not shared:
+            pool.shutdown()
     return [results[index] for index in range(len(todo))]

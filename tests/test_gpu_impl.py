@@ -236,6 +236,26 @@ def test_gpu_impl_checker_kills_every_bug_living_in_its_code(
         assert not run_differential(script).ok
 
 
+def test_the_gpu_columns_search_watches_races_for_every_bug_that_needs_it() -> None:
+    """The gpu_impl column searches without the race detector only for a bug whose kill
+    the catalogue expects as a divergence: every ID a race or a hidden read is reported
+    under is a race invariant, and every stream-level bug is searched with the detector."""
+    import ast
+    import inspect
+
+    from overlap_spec.harness.mutants.matrix import RACE_INVARIANTS, needs_race_detector
+    from overlap_spec.spec.invariants import classify_race
+
+    tree = ast.parse(inspect.getsource(classify_race))
+    returned = {node.value.value for node in ast.walk(tree)
+                if isinstance(node, ast.Return) and isinstance(node.value, ast.Constant)}
+    assert returned and returned | {"ST3"} <= RACE_INVARIANTS, returned
+    for bug in BUGS:
+        if bug.stream_level or not bug.invariants:
+            assert needs_race_detector(bug), bug.id
+    assert not all(needs_race_detector(bug) for bug in BUGS)
+
+
 def test_race_detector_sees_the_whole_run_in_a_clean_cell() -> None:
     """Not vacuous: the detector observed accesses on every stream the design uses."""
     detector = RaceDetector()
@@ -362,3 +382,28 @@ def test_a_seed_that_compares_too_little_is_topped_up_not_failed_as_vacuous() ->
     topped = check_cell_differential(config, profile, 17, max_examples=25, top_up=True)
     assert topped.ok and topped.rounds >= 2 and topped.exercised_enough, topped
     assert get_top_up_seed(1, 0) == 1 and get_top_up_seed(1, 1) != 1
+
+
+def test_a_default_runs_size_sets_share_their_cells_minimum() -> None:
+    """With size variants, each size set of a cell compares its budget share of the cell's
+    minimum: together at least MIN_COMPARED_OPS operations and MIN_LAUNCHES launches, and
+    none a minimum of zero; a configuration run alone keeps the whole minimum."""
+    from collections import defaultdict
+
+    from overlap_spec.harness.differential.compare import (
+        MIN_COMPARED_OPS,
+        MIN_LAUNCHES,
+        get_share_minimum,
+    )
+    from overlap_spec.harness.drive.cells import get_budget_shares, select_configs
+
+    configs = select_configs(None, "minimal", None, variants=True)
+    per_cell: dict[str, list[tuple[int, int]]] = defaultdict(list)
+    for config, share in zip(configs, get_budget_shares(configs), strict=True):
+        per_cell[config.cell.name].append(get_share_minimum(share))
+    assert any(len(minima) > 1 for minima in per_cell.values())
+    for name, minima in per_cell.items():
+        assert sum(ops for ops, _ in minima) >= MIN_COMPARED_OPS, name
+        assert sum(launches for _, launches in minima) >= MIN_LAUNCHES, name
+        assert all(ops >= 1 and launches >= 1 for ops, launches in minima), name
+    assert get_share_minimum(1.0) == (MIN_COMPARED_OPS, MIN_LAUNCHES)

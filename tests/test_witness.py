@@ -32,7 +32,7 @@ from overlap_spec.harness.drive.witness import (
 )
 from overlap_spec.harness.report import get_verdicts, render_na_reasons
 from overlap_spec.harness.verdict import Verdict
-from overlap_spec.spec.config import ModelConfig
+from overlap_spec.spec.config import ModelConfig, enumerate_cells
 from overlap_spec.spec.invariants import INVARIANTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -204,11 +204,17 @@ def test_the_command_writes_then_checks_a_corpus(tmp_path: Path,
 
     monkeypatch.setattr(witness, "CORPUS_DIR", tmp_path)
     monkeypatch.setattr(witness, "get_corpus_sizes", lambda: {"minimal": [{"kv_tokens": 16}]})
+    # Three cells of the 32 (the committed corpus of every cell is checked above): one
+    # without spec, one chain with overlap, one tree on pages of 4.
+    cells = [c for c in enumerate_cells()
+             if c.name in ("ov-p1-none", "ov-p1-v2chain-cpu-honest", "ov-p4-v2tree-cpu-honest")]
+    assert len(cells) == 3
+    monkeypatch.setattr(witness, "enumerate_cells", lambda: cells)
     assert main(["witnesses", "--write", "-j", "1"]) == 0
     path = tmp_path / "minimal" / "kv_tokens=16.json"
-    assert "minimal/kv_tokens=16.json: 32 cells" in capsys.readouterr().out
+    assert "minimal/kv_tokens=16.json: 3 cells" in capsys.readouterr().out
     assert main(["witnesses", "-j", "1"]) == 0
-    assert capsys.readouterr().out.splitlines()[-1].startswith("OK: 32 cells in 1 size sets")
+    assert capsys.readouterr().out.splitlines()[-1].startswith("OK: 3 cells in 1 size sets")
     document = json.loads(path.read_text())
     entry = document["cells"]["ov-p1-none"]
     claims = entry["witnesses"][0]["claims"]

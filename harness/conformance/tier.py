@@ -9,9 +9,9 @@ JSON. Three checks, in one Hypothesis run:
    invariant the tier can judge at upstream's observation points, with upstream's own
    ``SchedulerInvariantChecker`` run after every iteration as an extra oracle (``UC``);
 2. **findings**: a violation that matches a listed finding
-   (``overlap_spec.harness.conformance.findings``) is recorded with a minimised replayable
-   script and does not stop the run; any other violation fails the cell, with its shrunk
-   script;
+   (``overlap_spec.harness.conformance.findings``) is recorded with a replayable script
+   (minimised under the dev and thorough profiles) and does not stop the run; any other
+   violation fails the cell, with its shrunk script;
 3. **differential**: the reference follows the release on the same operations, compared
    after each; a difference on the allow-list is counted and the comparison goes on
    (every entry is about one field's value). The first unexplained difference, or a
@@ -428,6 +428,19 @@ def finish_differential(report: DifferentialReport, config: ModelConfig, seed: i
 
 
 # ---------------------------------------------------------------------- one cell
+# Sequences per cell on the release, where the profile's own count is more than the tier's
+# time a cell allows: each step drives the release and follows it with the reference, about
+# three times a reference run, and `check` runs the tier within its five minutes.
+UPSTREAM_EXAMPLES = {"ci": 60}
+# The profiles whose run minimises each listed finding it met (each trial drives the
+# release again: about half a spec cell's time).
+MINIMISED_FINDING_PROFILES = frozenset({"dev", "thorough"})
+
+
+def get_upstream_examples(profile: Profile) -> int:
+    return UPSTREAM_EXAMPLES.get(profile.name, profile.max_examples)
+
+
 def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -> dict[str, Any]:
     """Everything the tier says about one cell, as the report's JSON fragment."""
     from overlap_spec.upstream.session import UpstreamCrash, get_death, is_drivable
@@ -490,7 +503,8 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
             if isinstance(op, Iterate):
                 diff.processed_early += self.pair.upstream.processed_early
 
-    test = get_machine_test(CellMachine, profile.max_examples, profile.step_count, seed, True)
+    test = get_machine_test(CellMachine, get_upstream_examples(profile), profile.step_count,
+                            seed, True)
     # The cell's deterministic witnesses first (those the release can be driven through),
     # so a witness never depends on the seed (harness.drive.witness).
     plan = get_plan(config)
@@ -543,10 +557,11 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
         script = finding_scripts[known.id]
         script.seed = seed
         script.implementation = "upstream"
-        # Each minimising trial drives sglang's scheduler again: the quick profile (a
-        # reviewer's `review --sglang-src`) saves a listed finding as found, still
-        # replayable; the others minimise it.
-        if crash is None and profile.name != "quick":
+        # Each minimising trial drives sglang's scheduler again: quick (a reviewer's
+        # `review --sglang-src`) and ci (`check`, where the same listed findings recur in
+        # every spec cell) save a listed finding as found (the shortest the run met), still
+        # replayable; dev and thorough minimise it.
+        if crash is None and profile.name in MINIMISED_FINDING_PROFILES:
             script = minimize_finding(script, known.id)
         path = save_script(script, save_dir / f"{config.cell.name}-{known.id}.json")
         findings.append({"id": known.id, "invariant": known.invariant, "cell": config.cell.name,

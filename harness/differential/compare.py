@@ -12,6 +12,7 @@ is caught by this checker when the values diverge or a race is reported.
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -95,7 +96,7 @@ class DifferentialFailure(AssertionError):
 
 
 GPU_MUTANT_EXAMPLES = {"quick": 200, "ci": 200, "dev": 600, "thorough": 2000}
-DIFFERENTIAL_EXAMPLES = {"quick": 25, "ci": 25, "dev": 200, "thorough": 1000}
+DIFFERENTIAL_EXAMPLES = {"quick": 20, "ci": 20, "dev": 200, "thorough": 1000}
 
 
 def get_differential_examples(profile: Profile) -> int:
@@ -255,6 +256,15 @@ MIN_LAUNCHES = 50
 MAX_TOP_UPS = 3  # extra rounds of sequences a clean cell may run to reach the minimum
 
 
+def get_share_minimum(share: float) -> tuple[int, int]:
+    """The minimum (compared operations, launches) of a configuration holding ``share`` of
+    its cell's budget (cells.get_budget_shares): the cell's minimum split like its budget,
+    so that a cell's size sets together compare at least MIN_COMPARED_OPS and MIN_LAUNCHES
+    (each at least one of each: a size set that compared nothing is vacuous)."""
+    return (max(1, math.ceil(MIN_COMPARED_OPS * share)),
+            max(1, math.ceil(MIN_LAUNCHES * share)))
+
+
 @dataclass
 class DifferentialResult:
     config: ModelConfig
@@ -268,6 +278,8 @@ class DifferentialResult:
     launches: int = 0  # iterations that launched a non-empty batch
     aborts: int = 0  # abort operations compared (of requests finished or not)
     rounds: int = 1  # rounds of sequences run: more than 1 when topped up to the minimum
+    # what this configuration had to compare (get_share_minimum): ops, launches
+    minimum: tuple[int, int] = (MIN_COMPARED_OPS, MIN_LAUNCHES)
     # A finding Hypothesis could not reproduce when it replayed the same draws (its
     # FlakyFailure): the run is inconclusive, and this first finding is kept to replay.
     unreplayed: DifferentialFailure | None = None
@@ -279,7 +291,7 @@ class DifferentialResult:
     @property
     def exercised_enough(self) -> bool:
         """Whether agreement here is evidence: at least the minimum budget compared."""
-        return self.compared_ops >= MIN_COMPARED_OPS and self.launches >= MIN_LAUNCHES
+        return self.compared_ops >= self.minimum[0] and self.launches >= self.minimum[1]
 
 
 def find_differential_failure(error: BaseException) -> DifferentialFailure | None:
@@ -305,14 +317,19 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
                             max_examples: int | None = None,
                             device: torch.device | None = None,
                             shrink: bool = True, top_up: bool = False,
-                            top_ups: int = MAX_TOP_UPS) -> DifferentialResult:
+                            top_ups: int = MAX_TOP_UPS,
+                            minimum: tuple[int, int] = (MIN_COMPARED_OPS, MIN_LAUNCHES),
+                            detect_races: bool = True) -> DifferentialResult:
     """Hypothesis-generated operation sequences (the stateful checker's rules) in one cell.
 
-    ``top_up``: when a clean pass compared less than the minimum (MIN_COMPARED_OPS,
-    MIN_LAUNCHES), run up to ``top_ups`` more rounds of as many sequences under seeds
-    derived from ``run_seed``, until it has. Some seeds draw sequences that seldom
+    ``top_up``: when a clean pass compared less than ``minimum`` (operations, launches:
+    MIN_COMPARED_OPS and MIN_LAUNCHES, or a size set's share of them), run up to
+    ``top_ups`` more rounds of as many sequences under seeds derived from ``run_seed``,
+    until it has. Some seeds draw sequences that seldom
     launch (Hypothesis tries its simplest example first, prefill off): without the
-    top-up the minimum failed such a seed as vacuous in half the cells."""
+    top-up the minimum failed such a seed as vacuous in half the cells. ``detect_races``
+    False: the CPU race detector is off (a search for a divergence, about a quarter of the
+    cost; the outcome then says races were not checked)."""
     base = make_machine(config, frozenset(), "reference")
     counter = {"examples": 0, "compared_ops": 0, "launches": 0, "aborts": 0}
 
@@ -320,7 +337,7 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
         def __init__(self) -> None:
             super().__init__()
             counter["examples"] += 1
-            self.pair = DifferentialPair(config, faults, device)
+            self.pair = DifferentialPair(config, faults, device, detect_races)
             # The rules' preconditions read the admitted list: the pair's (the abort rule
             # never held while this stayed the unused machine's own, empty list).
             self.admitted = self.pair.ref_admitted
@@ -343,7 +360,7 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
     DifferentialMachine.__name__ = f"DifferentialMachine[{config.name}]"
     examples = max_examples if max_examples is not None else profile.max_examples
     started = time.perf_counter()
-    result = DifferentialResult(config, faults, run_seed, 0.0)
+    result = DifferentialResult(config, faults, run_seed, 0.0, minimum=minimum)
     for round_index in range(1 + (top_ups if top_up else 0)):
         seed = get_top_up_seed(run_seed, round_index)
         test = get_machine_test(DifferentialMachine, examples, profile.step_count, seed, shrink)
@@ -360,8 +377,7 @@ def check_cell_differential(config: ModelConfig, profile: Profile, run_seed: int
             if result.unreplayed is not None:
                 result.unreplayed.script.set_search_seed(seed)
             break
-        if (counter["compared_ops"] >= MIN_COMPARED_OPS
-                and counter["launches"] >= MIN_LAUNCHES):
+        if counter["compared_ops"] >= minimum[0] and counter["launches"] >= minimum[1]:
             break
     result.seconds = time.perf_counter() - started
     result.examples = counter["examples"]

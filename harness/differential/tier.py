@@ -22,6 +22,7 @@ from overlap_spec.harness.differential.compare import (
     check_cell_differential,
     get_default_device,
     get_differential_examples,
+    get_share_minimum,
 )
 from overlap_spec.harness.drive.cells import (
     CONFIG_WIDTH,
@@ -61,8 +62,8 @@ class DifferentialTask:
     device: str
     faults: frozenset[str]
     out: Path | None
-    # The configuration's share of the profile's sequences (cells.get_budget_shares); a
-    # clean cell is still topped up to the minimum it must compare.
+    # The configuration's share of the profile's sequences (cells.get_budget_shares) and
+    # of the minimum its cell must compare; a clean run is topped up to that share.
     share: float = 1.0
 
 
@@ -73,7 +74,8 @@ def run_differential_task(task: DifferentialTask) -> DifferentialResult:
     top_ups = max(MAX_TOP_UPS, round(MAX_TOP_UPS / task.share))
     result = check_cell_differential(task.config, task.profile, task.seed, task.faults,
                                      max_examples=examples, top_ups=top_ups,
-                                     device=torch.device(task.device), top_up=True)
+                                     device=torch.device(task.device), top_up=True,
+                                     minimum=get_share_minimum(task.share))
     directory = task.out or get_failure_dir()
     name = "-".join([task.config.name.replace("@", "-"), *sorted(task.faults), "gpu_impl"])
     if result.failure is not None:
@@ -136,8 +138,8 @@ def render_differential(results: list[DifferentialResult],
     for result in results:
         if result.ok and not result.exercised_enough:
             lines.append(f"  {result.config.name}: vacuous, compared {result.compared_ops} ops "
-                         f"and {result.launches} launches (minimum {MIN_COMPARED_OPS} and "
-                         f"{MIN_LAUNCHES})")
+                         f"and {result.launches} launches (minimum {result.minimum[0]} and "
+                         f"{result.minimum[1]})")
     clean = sum(r.ok and r.exercised_enough for r in results)
     compared = sum(r.compared_ops for r in results)
     launches = sum(r.launches for r in results)
@@ -153,6 +155,7 @@ def build_differential_json(results: list[DifferentialResult]) -> dict[str, Any]
         return {"status": "skipped"}
     return {
         "status": differential_verdict(results).value,
+        # a cell's minimum; a size set of a default run compares its share of it
         "minimum": {"compared_ops": MIN_COMPARED_OPS, "launches": MIN_LAUNCHES},
         "cells": {
             r.config.name: {
@@ -161,6 +164,7 @@ def build_differential_json(results: list[DifferentialResult]) -> dict[str, Any]
                 "launches": r.launches, "aborts": r.aborts, "seconds": round(r.seconds, 3),
                 "seed": r.seed,
                 "rounds": r.rounds,
+                "minimum": {"compared_ops": r.minimum[0], "launches": r.minimum[1]},
                 **({"finding": r.failure.outcome.describe(),
                     "replay": f"overlap-spec replay {r.failure.script_path}"}
                    if r.failure is not None else {}),
