@@ -214,3 +214,27 @@ def test_a_crash_is_no_kill_of_a_bug_that_breaks_invariants(tmp_path: Path) -> N
         other = dataclasses.replace(expected, crash=wrong)
         kill = run_gpu_mutant_in_cell(other, config, get_profile("ci"), SEED, tmp_path)
         assert kill.verdict in (OTHER_ID, SURVIVED), (wrong, kill)
+
+
+def test_a_selection_without_a_bugs_representative_cells_leaves_it_n_a() -> None:
+    """`check --cells` or `mutants --cells` that leaves out every cell the catalogue names
+    for a bug reports it n/a with the reason, not a survival: B9's row race shows in the
+    release's cells in about 2 seeds of 5, so a survival there was luck, a false alarm on
+    a clean tree. Nothing runs for it."""
+    from overlap_spec.harness.mutants.select import NOT_APPLICABLE
+    from overlap_spec.spec.config import get_cell
+
+    cells = (get_cell("ov-p1-v2chain-cpu-honest"),)
+    results = run_mutants(get_profile("ci"), SEED, bug_ids={"B9"}, cells=cells,
+                          checkers=("hypothesis", "gpu_impl"))
+    assert {r.checker for r in results} == {"hypothesis", "gpu_impl"}
+    for result in results:
+        assert result.verdict == NOT_APPLICABLE and not result.cells, result
+        assert "ov-p1-v2chain-cpu-honest-earlyfence" in (result.not_applicable or "")
+        assert "overlap-spec mutants --bugs B9" in (result.not_applicable or "")
+    # With its representative among the cells, or every applicable cell asked for, it runs.
+    with_it = (*cells, get_cell("ov-p1-v2chain-cpu-honest-earlyfence"))
+    from overlap_spec.harness.mutants.matrix import get_unselected_representatives
+    assert get_unselected_representatives(get_bug("B9"), with_it, False) is None
+    assert get_unselected_representatives(get_bug("B9"), cells, True) is None
+    assert get_unselected_representatives(get_bug("B9"), None, False) is None
