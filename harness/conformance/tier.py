@@ -431,7 +431,7 @@ def finish_differential(report: DifferentialReport, config: ModelConfig, seed: i
 # Sequences per cell on the release, where the profile's own count is more than the tier's
 # time a cell allows: each step drives the release and follows it with the reference, about
 # three times a reference run, and `check` runs the tier within its five minutes.
-UPSTREAM_EXAMPLES = {"ci": 60}
+UPSTREAM_EXAMPLES = {"quick": 30, "ci": 45}
 # The profiles whose run minimises each listed finding it met (each trial drives the
 # release again: about half a spec cell's time).
 MINIMISED_FINDING_PROFILES = frozenset({"dev", "thorough"})

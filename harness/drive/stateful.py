@@ -69,7 +69,7 @@ PROFILES = {
     "quick": Profile("quick", max_examples=50, step_count=30, mutant_examples=1000),
     # ci: `check` and the test tier; with the size variants a cell's examples are shared
     # (cells.get_budget_shares), and `check` stays within five minutes on 2 cores.
-    "ci": Profile("ci", max_examples=80, step_count=40, mutant_examples=1000),
+    "ci": Profile("ci", max_examples=64, step_count=40, mutant_examples=1000),
     "dev": Profile("dev", max_examples=1000, step_count=60, mutant_examples=2000),
     "thorough": Profile("thorough", max_examples=5000, step_count=100, mutant_examples=10000),
 }
