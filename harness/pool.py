@@ -108,6 +108,14 @@ def _new_pool(workers: int) -> ProcessPoolExecutor:
                                initializer=_ignore_interrupts)
 
 
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Ctrl-C (or a failed task): stop the workers now rather than wait for their
+    running tasks; the executor offers no public way to do that."""
+    for process in list((pool._processes or {}).values()):
+        process.terminate()
+    pool.shutdown(wait=False, cancel_futures=True)
+
+
 @contextmanager
 def sharing_workers(jobs: int) -> Iterator[None]:
     """Inside: every :func:`run_tasks` with these ``jobs`` runs on the same ``jobs``
@@ -123,9 +131,7 @@ def sharing_workers(jobs: int) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        for process in list((pool._processes or {}).values()):
-            process.terminate()
-        pool.shutdown(wait=False, cancel_futures=True)
+        _stop(pool)
         raise
     else:
         pool.shutdown()
@@ -151,7 +157,7 @@ def run_tasks(function: Callable[[Task], Result], tasks: Iterable[Task], jobs: i
                 on_done(task, results[index])
     else:
         shared = _shared is not None and _shared[0] == jobs
-        pool = _shared[1] if _shared is not None and shared else _new_pool(min(jobs, len(todo)))
+        pool = _shared[1] if shared and _shared is not None else _new_pool(min(jobs, len(todo)))
         try:
             futures = {pool.submit(_call, function, task): index
                        for index, task in enumerate(todo)}
@@ -162,11 +168,7 @@ def run_tasks(function: Callable[[Task], Result], tasks: Iterable[Task], jobs: i
                 if on_done is not None:
                     on_done(todo[index], results[index])
         except BaseException:
-            # Ctrl-C (or a failed task): stop the workers now rather than wait for their
-            # running tasks; the executor offers no public way to do that.
-            for process in list((pool._processes or {}).values()):
-                process.terminate()
-            pool.shutdown(wait=False, cancel_futures=True)
+            _stop(pool)
             if shared:
                 _shared = None  # the later tiers get their own workers
             raise
