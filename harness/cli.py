@@ -96,11 +96,11 @@ commands:
   vectors      generate / check language-neutral conformance vectors
   replay FILE  re-run a saved counterexample script and report the first finding
   cells        list the configuration cells
-  invariants   list the invariant IDs with their claims and sources
+  invariants   list the invariants: ID, claim, the cells it applies to, source
   witnesses    check the witness corpus (each cell's deterministic witnesses, replayed
                before every search) still exercises what it claims; --write regenerates it
 
-Invariant IDs follow the digest: SL1-SL11, KV1-KV12, FM1-FM7, ST1-ST5, RP1-RP9.
+Invariant IDs follow the digest ('overlap-spec invariants' lists each with its claim).
 A check passes only if no invariant fails, every applicable invariant had a
 witness in every cell (else "vacuous"; one with no witness at the sizes run is
 "n/a" with its reason, never a pass), gpu_impl agrees with the reference with
@@ -344,11 +344,29 @@ def _print_table(rows: Sequence[tuple[str, ...]]) -> None:
 
 
 def cmd_invariants(args: argparse.Namespace) -> int:
-    from overlap_spec.spec.invariants import INVARIANTS
+    """Every invariant as the registry holds it (spec/invariants/): ID, one-line claim, the
+    cells it applies to, the claim in full and its upstream source; ``--json`` writes the
+    same with the cells by name."""
+    import json
+    import textwrap
 
+    from overlap_spec.harness.drive.checker import describe_id_ranges
+    from overlap_spec.spec.config import enumerate_cells
+    from overlap_spec.spec.invariants import INVARIANT_IDS, INVARIANTS
+
+    ranges = describe_id_ranges(INVARIANT_IDS)
+    if args.json:
+        cells = enumerate_cells()
+        Path(args.json).write_text(json.dumps({"ranges": ranges, "invariants": [
+            {"id": inv.id, "claim": inv.claim, "statement": inv.statement, "source": inv.source,
+             "applies": inv.cells, "cells": [c.name for c in cells if inv.applies(c)]}
+            for inv in INVARIANTS]}, indent=1) + "\n")
+    print(f"{len(INVARIANTS)} invariants: {ranges}")
     for inv in INVARIANTS:
-        doc = " ".join((inv.check.__doc__ or "").split())
-        print(f"{inv.id:<5} {doc}")
+        print(f"{inv.id:<5} {inv.claim} (in {inv.cells})")
+        print(textwrap.fill(f"{inv.statement} Source: {inv.source}.", 96,
+                            initial_indent=" " * 6, subsequent_indent=" " * 6,
+                            break_on_hyphens=False))
     return 0
 
 
@@ -573,7 +591,14 @@ def build_parser() -> argparse.ArgumentParser:
                        help="each cell's design switches, and which of them are an earlier "
                             "era or a proposal rather than sglang 0.5.23")
     cells.set_defaults(func=cmd_cells)
-    sub.add_parser("invariants", help="list invariant IDs").set_defaults(func=cmd_invariants)
+    invariants = sub.add_parser(
+        "invariants", help="list the invariants: ID, claim, cells, source",
+        description="Every invariant as spec/invariants/ registers it: its ID, one-line claim, "
+                    "the cells it applies to (elsewhere n/a), the claim in full and its "
+                    "upstream source.")
+    invariants.add_argument("--json", type=output_file, metavar="PATH",
+                            help="also write them as JSON, with the cells each applies to")
+    invariants.set_defaults(func=cmd_invariants)
     witnesses = sub.add_parser(
         "witnesses", help="check (or --write) the committed witness corpus",
         description="Each cell's deterministic witnesses, replayed before every random "

@@ -32,7 +32,7 @@ from overlap_spec.harness.drive.cells import (
     UsageError,
     make_preset,
 )
-from overlap_spec.harness.drive.checker import InvariantChecker
+from overlap_spec.harness.drive.checker import InvariantChecker, describe_id_ranges
 from overlap_spec.harness.drive.generate import generate_random_ops
 from overlap_spec.harness.drive.script import (
     Script,
@@ -44,7 +44,7 @@ from overlap_spec.harness.trace.codec import CodecError, decode_dataclass, encod
 from overlap_spec.harness.trace.format import TraceFormatError
 from overlap_spec.harness.trace.record import RecordedRun, record_script
 from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells
-from overlap_spec.spec.invariants import InvariantViolation
+from overlap_spec.spec.invariants import INVARIANT_IDS, InvariantViolation
 from overlap_spec.spec.state import Observation
 
 VECTOR_FORMAT = "overlap-spec-vector"
@@ -175,7 +175,8 @@ def generate_vectors(directory: Path, seed: int = DEFAULT_SEED, scripts_per_cell
     (directory / "index.json").write_text(json.dumps(
         {"format": VECTOR_FORMAT, "version": VECTOR_VERSION, "seed": seed,
          "vectors": index}, indent=0) + "\n")
-    (directory / "README.md").write_text(VECTORS_README)
+    ranges = describe_id_ranges(INVARIANT_IDS)  # the registry's, never restated here
+    (directory / "README.md").write_text(VECTORS_README.replace("ID_RANGES", ranges))
     report.seconds = time.perf_counter() - started
     return report
 
@@ -328,8 +329,8 @@ for the table mapping each field to its SGLang field or method.
 How an SGLang unit test can use them:
 
 1. *Invariant predicates*: feed `post.state` to your own checks; valid vectors must
-   pass, invalid ones must fail with `post.invariant` (IDs SL1-SL11, KV1-KV12, FM1-FM7,
-   ST1-ST5, RP1-RP9 of the overlap-spec digest).
+   pass, invalid ones must fail with `post.invariant` (IDs ID_RANGES of the
+   overlap-spec digest; `overlap-spec invariants` states each).
 2. *Scheduler conformance*: drive a scheduler with `prefix` then the `op` of `events`,
    map its `ScheduleBatch` / `Req` fields at each observation point and compare with
    the `observe` points and `post.state` (fields you do not model can be skipped).

@@ -2,13 +2,17 @@
 
 Two kinds:
 
-- *state* claims hold in every reachable state (KV1, KV2, KV4, KV5, SL5 and the
-  element-wise mirror SL2), and the strengthening conjuncts ``IND*`` that make the
-  conjunction inductive, each with its one-line justification;
-- *point* claims hold where the spec checks them (``spec/invariants.py``): SL6 /
-  SL8 / KV3 / RP1 at the launch, SL7 after prepare_for_decode, SL11 at resolve, KV8 /
-  KV9 / KV10 / RP1 / RP2 at result processing. A point claim is n/a at any other
-  transition, and is reported as such.
+- *state* claims (:data:`STATE_INVARIANTS`) hold in every reachable state, and the
+  strengthening conjuncts ``IND*`` that make the conjunction inductive, each with its
+  one-line justification;
+- *point* claims (:data:`POINT_INVARIANTS`) hold where the spec checks them, at one
+  transition each (the launch, prepare_for_decode, resolve, result processing). A point
+  claim is n/a at any other transition, and is reported as such.
+
+A spec ID's claim and the cells it applies to are the spec's (``spec/invariants/``), read
+through :func:`get_invariant`, never restated here; only the ``IND*`` conjuncts state their
+own. The spec IDs no predicate here encodes are reported n/a by the proofs tier
+(``harness/prove/tier.py``), with the reason.
 """
 
 from __future__ import annotations
@@ -52,20 +56,10 @@ def _spec(ctx: Context) -> bool:
     return ctx.is_spec
 
 
-def _non_spec(ctx: Context) -> bool:
-    return not ctx.is_spec
-
-
-def _relay(ctx: Context) -> bool:
-    return ctx.relay
-
-
-def _preclaim(ctx: Context) -> bool:
-    return ctx.is_spec and ctx.config.cell.preclaim
-
-
-def _overlap(ctx: Context) -> bool:
-    return ctx.overlap
+def _as_in_spec(invariant_id: str) -> Callable[[Context], bool]:
+    """Where the spec's ``invariant_id`` applies (its cells), read from the spec."""
+    applies = get_invariant(invariant_id).applies
+    return lambda ctx: applies(ctx.config.cell)
 
 
 def _claimed_decode_steps(r: Record) -> Term:
@@ -223,13 +217,23 @@ def ind_relay(ctx: Context, r: Record) -> Term:
     )
 
 
+def _state(invariant_id: str, predicate: StateClaim, justification: str = "") -> StateInvariant:
+    """A spec ID's state claim: its claim (or the part encoded) and its cells, the spec's."""
+    return StateInvariant(invariant_id, justification or get_invariant(invariant_id).claim,
+                          predicate, _as_in_spec(invariant_id))
+
+
+def _point(invariant_id: str, transition: str, predicate: PointClaim) -> PointInvariant:
+    return PointInvariant(invariant_id, transition, predicate, _as_in_spec(invariant_id))
+
+
 STATE_INVARIANTS: Final[tuple[StateInvariant, ...]] = (
-    StateInvariant("KV1", get_invariant("KV1").claim, kv1, _always),
-    StateInvariant("KV2", get_invariant("KV2").claim, kv2, _non_spec),
-    StateInvariant("KV4", "pages owned == pages covering kv_allocated_len", kv4, _always),
-    StateInvariant("KV5", get_invariant("KV5").claim, kv5, _always),
-    StateInvariant("SL2", get_invariant("SL2").claim, sl2, _always),
-    StateInvariant("SL5", get_invariant("SL5").claim, sl5, _always),
+    _state("KV1", kv1),
+    _state("KV2", kv2),
+    _state("KV4", kv4, "pages owned == pages covering kv_allocated_len"),
+    _state("KV5", kv5),
+    _state("SL2", sl2),
+    _state("SL5", sl5),
     StateInvariant(
         "IND1",
         "sizes stay in the admission domain and live/finished/retracted "
@@ -415,22 +419,17 @@ def rp2(ctx: Context, r: Record, step: Step) -> Term:
 
 
 POINT_INVARIANTS: Final[tuple[PointInvariant, ...]] = (
-    PointInvariant("SL7", "prepare_for_decode", sl7, _non_spec),
-    PointInvariant(
-        "SL11",
-        "resolve_seq_lens_cpu",
-        sl11,
-        lambda ctx: ctx.relay and not ctx.config.cell.needs_cpu_seq_lens,
-    ),
-    PointInvariant("KV3", "launch", kv3, _spec),
-    PointInvariant("SL6", "launch", sl6, _spec),
-    PointInvariant("SL8", "launch", sl8, _spec),
-    PointInvariant("RP1", "launch", rp1_launch, _overlap),
-    PointInvariant("KV8", "process_result", kv8, _always),
-    PointInvariant("KV9", "process_result", kv9, _always),
-    PointInvariant("KV10", "process_result", kv10, _preclaim),
-    PointInvariant("RP1", "process_result", rp1_result, _overlap),
-    PointInvariant("RP2", "process_result", rp2, _always),
+    _point("SL7", "prepare_for_decode", sl7),
+    _point("SL11", "resolve_seq_lens_cpu", sl11),
+    _point("KV3", "launch", kv3),
+    _point("SL6", "launch", sl6),
+    _point("SL8", "launch", sl8),
+    _point("RP1", "launch", rp1_launch),
+    _point("KV8", "process_result", kv8),
+    _point("KV9", "process_result", kv9),
+    _point("KV10", "process_result", kv10),
+    _point("RP1", "process_result", rp1_result),
+    _point("RP2", "process_result", rp2),
 )
 
 

@@ -26,10 +26,11 @@ retract and resolve, at the launch, at each ``ForwardBatch.init_new``, after dra
 at the end of ``run_batch``, at result processing, at abort and at the end of an
 iteration. An implementation's refinement function builds an ``Observation`` there.
 
-**Five invariant families** (``invariants``; IDs from the digest): SL (seq_len mirrors and
-sums agree), KV (committed vs allocated under retract, finish and release), FM (the
-FutureMap relay: publish before consume), ST (stream ordering, no race), RP (result
-processing touches only live requests).
+**Five invariant families** (``invariants/``, a module each; IDs from the digest): SL
+(seq_len mirrors and sums agree), KV (committed vs allocated under retract, finish and
+release), FM (the FutureMap relay: publish before consume), ST (stream ordering, no race),
+RP (result processing touches only live requests). Each invariant is written once, in its
+family's module: its ID and cells on the decorator, its claim and source in the docstring.
 
 **Reading order:**
 
@@ -39,7 +40,8 @@ processing touches only live requests).
 4. ``transitions`` and ``relation``: the arithmetic and the per-request transition
    relation, each transition with its guard, its frame and its ghost update;
 5. ``happens_before``: streams, events and races;
-6. ``invariants``: the claims, each with its ID and source;
+6. ``invariants``: ``registry`` (what the families share), then ``sl``, ``kv``, ``fm``,
+   ``st``, ``rp``: the claims, each with its ID, cells and source;
 7. ``interface``: what an implementation offers the harness (``SchedulerModel``);
 8. ``bugs``: the IDs of the historical bugs (``BUG_IDS``), each a fault switch; what
    each bug was lives in ``harness/catalogue.py``.

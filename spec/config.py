@@ -352,34 +352,32 @@ class ModelConfig:
         return SpecShape(rung, 1, rung + 1, TokenCount(rung + 1))
 
 
+# What a cell switches on that sglang 0.5.23 does not do, by its Cell switch: each an era or
+# a proposal, with where it comes from (in the order get_departures lists them).
+DEPARTURES: Final = {
+    "preclaim": "era: the 2026-04..06 bonus pre-claim (PR 23456; PR 28754 removed it), spec "
+                "retracting from the back (before PR 32023)",
+    "overshoot": "era: the overshoot decode, a request its queued result finishes by length "
+                 "decoded once more, the running batch filtered only when it decodes (before "
+                 "0.5.23's enable_skip_finishing_decode; #24590)",
+    "rung_reserve": "proposal: the rung reserve, lag bound + A of the current rung (the "
+                    "efschu/htsglang fork's task #486)",
+    "trimmed_finish": "proposal: the trimmed finish, the accepted run cut at the stop and "
+                      "max_new_tokens before it is committed, prompt + output - 1 cached "
+                      "(#35694, open; #24590 and its fix #24745, closed)",
+    "cpu_ub": "proposal: seq_len_cpu_ub, a host upper bound of seq_lens kept with the host "
+              "mirror off (the closed PR #27979)",
+    "early_fence": "proposal: the early fence, the WAR read-done recorded after the verify's "
+                   "last req_to_token read and before the publish (this model's placement "
+                   "before 2026-11-26; sound only for a draft-extend that builds its attention "
+                   "metadata without re-reading req_to_token, which 0.5.23's does)",
+}
+
+
 def get_departures(cell: Cell) -> tuple[str, ...]:
     """What this cell switches on that sglang 0.5.23 does not do (empty: the release's
-    behaviour): each an era or a proposal, with where it comes from."""
-    departures = []
-    if cell.preclaim:
-        departures.append("era: the 2026-04..06 bonus pre-claim (PR 23456; PR 28754 removed "
-                          "it), spec retracting from the back (before PR 32023)")
-    if cell.overshoot:
-        departures.append("era: the overshoot decode, a request its queued result finishes by "
-                          "length decoded once more, the running batch filtered only when it "
-                          "decodes (before 0.5.23's enable_skip_finishing_decode; #24590)")
-    if cell.rung_reserve:
-        departures.append("proposal: the rung reserve, lag bound + A of the current rung "
-                          "(the efschu/htsglang fork's task #486)")
-    if cell.trimmed_finish:
-        departures.append("proposal: the trimmed finish, the accepted run cut at the stop and "
-                          "max_new_tokens before it is committed, prompt + output - 1 cached "
-                          "(#35694, open; #24590 and its fix #24745, closed)")
-    if cell.cpu_ub:
-        departures.append("proposal: seq_len_cpu_ub, a host upper bound of seq_lens kept with "
-                          "the host mirror off (the closed PR #27979)")
-    if cell.early_fence:
-        departures.append("proposal: the early fence, the WAR read-done recorded after the verify"
-                          "'s last req_to_token read and before the publish (this model's "
-                          "placement before 2026-11-26; sound only for a draft-extend that builds"
-                          " its attention metadata without re-reading req_to_token, which "
-                          "0.5.23's does)")
-    return tuple(departures)
+    behaviour): each an era or a proposal, with where it comes from (:data:`DEPARTURES`)."""
+    return tuple(text for switch, text in DEPARTURES.items() if getattr(cell, switch))
 
 
 def is_valid_cell(cell: Cell) -> bool:

@@ -108,6 +108,14 @@ class RequestView:
     def is_live(self) -> bool:
         return self.holds_kv and not self.finished and not self.is_retracted
 
+    @property
+    def is_mid_prefill(self) -> bool:
+        """Its prefill is not done (a chunked request's). A call trace carries no ghost (a
+        stand-in that raises on any read): there a request with no output at all (an abort
+        after a prefill keeps its token)."""
+        ghost = self.ghost
+        return ghost.extend_inflight if isinstance(ghost, GhostView) else self.output_len == 0
+
 
 @dataclass(frozen=True)
 class BatchView:
@@ -309,6 +317,19 @@ class Observation:
             if request.rid == rid:
                 return request
         raise KeyError(rid)
+
+    def get_holding(self) -> list[RequestView]:
+        """The requests holding KV."""
+        return [r for r in self.requests if r.holds_kv]
+
+    def get_settling(self) -> list[RequestView]:
+        """Live requests whose prefill result is processed: they have settled something."""
+        return [r for r in self.requests if r.is_live and not r.ghost.extend_inflight]
+
+    def get_schedule_batches(self) -> list[BatchView]:
+        """The ScheduleBatch as the schedule side shows it here, and as the forward saw it."""
+        own = [self.batch] if self.point in SCHEDULE_SIDE_POINTS and self.batch is not None else []
+        return own + ([self.forward.schedule_batch] if self.forward is not None else [])
 
 
 @dataclass(frozen=True)

@@ -42,8 +42,12 @@ PROJECT = set(ALLOWED)
 # catalogue's prose, the mutant runner's data, moved to harness/catalogue.py (spec/bugs.py
 # keeps the IDs the implementations take; 170 lines out), then to 2160 for KV3's page
 # alignment (B22) and the release's page gate on the row (B23), and to 2175 for RP9
-# (admission-time validation, B24). The GUIDE's target is well under 2,000: this is
-# still past it; invariants.py (about 900 lines) is most of the rest.
+# (admission-time validation, B24), and kept at 2175 when the invariants split into a
+# module per family (spec/invariants/, issue 45; subpackages counted since): the modules'
+# own imports paid for by claims and sources living in the docstrings alone, applicability
+# as Cell switches on the decorator and the eras' departures as a table (2174 -> 2171).
+# The GUIDE's target is well under 2,000: this is still past it; the invariants (about
+# 900 lines) are most of the rest.
 SPEC_CODE_LINE_CAP = 2175
 
 
@@ -171,17 +175,20 @@ def _code_lines(path: Path) -> int:
 
 
 def test_spec_reads_in_one_sitting() -> None:
-    lines = sum(_code_lines(p) for p in (ROOT / "spec").glob("*.py"))
+    lines = sum(_code_lines(p) for p in (ROOT / "spec").rglob("*.py"))  # invariants/ too
     assert lines < SPEC_CODE_LINE_CAP, f"spec/ has {lines} code lines"
 
 
-def test_every_invariant_docstring_states_its_id_claim_and_source() -> None:
+def test_every_invariant_states_its_claim_and_source_once() -> None:
+    """The decorator names the ID and the cells; the docstring the claim, the claim in full
+    and the source (spec/invariants/registry.py), none of them twice."""
     from overlap_spec.spec.invariants import INVARIANTS
 
     for inv in INVARIANTS:
-        doc = " ".join((inv.check.__doc__ or "").split())
-        assert doc.startswith(f"{inv.id}: "), inv.id
-        assert doc.rstrip(".").endswith(")"), f"{inv.id} names no source: {doc}"
+        assert inv.claim and inv.statement and inv.source, inv.id
+        assert not inv.claim.startswith(inv.id) and not inv.statement.startswith(inv.id), inv.id
+        assert inv.claim not in inv.statement and inv.source not in inv.statement, inv.id
+        assert inv.check.__name__ == f"check_{inv.id.lower()}", inv.id
 
 
 def test_a_built_wheel_holds_every_module_under_the_namespace(tmp_path: Path) -> None:

@@ -154,7 +154,7 @@ def get_invariant_claim(invariant_id: str) -> str:
         return "UC: upstream's own SchedulerInvariantChecker passes"
     from overlap_spec.spec.invariants import get_invariant
 
-    return " ".join((get_invariant(invariant_id).check.__doc__ or "").split())
+    return get_invariant(invariant_id).describe()
 
 
 def replay_on_upstream(script: Script) -> UpstreamChecker | InvariantViolation:

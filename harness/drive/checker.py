@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from overlap_spec.harness.drive.mechanisms import MechanismTracker
@@ -45,3 +46,18 @@ class InvariantChecker:
             others = "".join(f"\n  also {f}" for f in failures[1:])
             raise InvariantViolation(first.invariant_id, first.message + where + others,
                                      all_ids=tuple(f.invariant_id for f in failures))
+
+
+def describe_id_ranges(ids: Iterable[str]) -> str:
+    """``SL1-SL11, KV1-KV12, ...``: the IDs given (``INVARIANT_IDS``: the registry's), as runs
+    of consecutive numbers of one family, in their order. Nothing restates the ranges by hand."""
+    runs: list[tuple[str, int, int]] = []  # (family, first number, last number)
+    for invariant_id in ids:
+        family = invariant_id.rstrip("0123456789")
+        number = int(invariant_id[len(family):])
+        if runs and runs[-1][0] == family and runs[-1][2] == number - 1:
+            runs[-1] = (family, runs[-1][1], number)
+        else:
+            runs.append((family, number, number))
+    return ", ".join(f"{family}{first}" + (f"-{family}{last}" if last > first else "")
+                     for family, first, last in runs)

@@ -240,8 +240,9 @@ def pin_local_constants() -> None:
         constants = Constants()
         for name in CONSTANT_PACKAGES:
             package = importlib.import_module(name)
-            modules = [package] + [importlib.import_module(f"{name}.{info.name}")
-                                   for info in pkgutil.iter_modules(package.__path__)]
+            # Subpackages too (spec/invariants/: a module per family).
+            modules = [package] + [importlib.import_module(info.name) for info in
+                                   pkgutil.walk_packages(package.__path__, f"{name}.")]
             for module in modules:
                 constants |= constants_from_module(module)
         _pinned_constants = constants
@@ -376,7 +377,8 @@ CLAIM_WIDTH = 96
 
 
 def describe_claim(invariant_id: str) -> list[str]:
-    """``claim: ID (its one-line claim): what spec/invariants.py states``, wrapped."""
+    """``claim: ID (its one-line claim): the claim in full (its source)``, as the registry
+    (spec/invariants/) holds them, wrapped."""
     inv = INVARIANTS_BY_ID.get(invariant_id)
     if inv is None:
         return []

@@ -77,6 +77,7 @@ def cmd_prove(args: argparse.Namespace) -> int:
         ProveJob,
         build_proofs_json,
         render_matrix,
+        render_not_encoded,
         run_jobs,
     )
     from overlap_spec.proofs import solver as zs
@@ -96,6 +97,8 @@ def cmd_prove(args: argparse.Namespace) -> int:
     document = build_proofs_json(results, time.perf_counter() - started, args.batch_bound)
     if not args.quiet:
         print(render_matrix(results))
+        if document["not_encoded"]:
+            print(render_not_encoded(document))
     counts = document["counts"]
     print(f"proofs: {counts[zs.PROVED]} proved, {counts[zs.COUNTEREXAMPLE]} counterexample, "
           f"{counts[zs.UNKNOWN]} unknown in {len(results)} cells, "

@@ -3,7 +3,9 @@ check and its witnesses, run across processes, as JSON and as a table.
 
 A verdict is proved, counterexample, unknown (a solver timeout included) or n/a; only
 "proved" passes, and a point claim that does not apply at a transition is left out of the
-matrix rather than shown as proved.
+matrix rather than shown as proved. A spec invariant that applies to a cell and has no row
+there (nothing in ``proofs/`` encodes it) is n/a in Z3, named with the reason beside the
+matrix (``not_encoded``), never counted as proved.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from overlap_spec.proofs.induction import DEFAULT_BATCH_BOUND, Obligation, prove
 from overlap_spec.proofs.model import Context
 from overlap_spec.proofs.streams import get_expected_ids, prove_protocol
 from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, enumerate_cells, get_cell
+from overlap_spec.spec.invariants import INVARIANTS
 
 DEFAULT_TIMEOUT_MS = zs.DEFAULT_TIMEOUT_MS
 DEFAULT_DEPTH = bmc.DEFAULT_DEPTH
@@ -100,6 +103,32 @@ def witness_rows(cell: Cell, preset: str = "minimal",
     return rows
 
 
+# Why a spec invariant has no row in a cell: read from the rows, so a new invariant is n/a
+# here, with this reason, until proofs/ encodes it.
+NOT_ENCODED: Final = ("no Z3 encoding: nothing in proofs/ states it (claims.py, the sum claims "
+                      "of induction.py, streams.py, the BMC's checks); the other tiers check it")
+NOT_ENCODED_NO_BMC: Final = ("no row without the BMC (--no-bmc): the induction and happens-"
+                             "before proofs do not state it; the other tiers check it")
+
+
+def get_not_encoded(cell: Cell, rows: list[Obligation]) -> dict[str, str]:
+    """The spec invariants that apply to ``cell`` and have no row among ``rows``, with why."""
+    covered = {row.invariant for row in rows}
+    reason = NOT_ENCODED if any(row.transition == "bmc" for row in rows) else NOT_ENCODED_NO_BMC
+    return {inv.id: reason for inv in INVARIANTS if inv.applies(cell) and inv.id not in covered}
+
+
+def render_not_encoded(document: dict[str, Any]) -> str:
+    """A line per reason: the invariants n/a in Z3, each with the number of its cells."""
+    found = Counter((invariant_id, reason) for per_cell in document["not_encoded"].values()
+                    for invariant_id, reason in per_cell.items())
+    by_reason: dict[str, list[str]] = {}
+    for (invariant_id, reason), cells in found.items():
+        plural = "s" * (cells != 1)
+        by_reason.setdefault(reason, []).append(f"{invariant_id} ({cells} cell{plural})")
+    return "\n".join(f"n/a in Z3: {', '.join(ids)}; {reason}" for reason, ids in by_reason.items())
+
+
 def build_proofs_json(results: dict[str, list[Obligation]], seconds: float,
                       bound: int) -> dict[str, Any]:
     counts = {zs.PROVED: 0, zs.COUNTEREXAMPLE: 0, zs.UNKNOWN: 0, zs.NOT_APPLICABLE: 0}
@@ -111,8 +140,9 @@ def build_proofs_json(results: dict[str, list[Obligation]], seconds: float,
                         "verdict": r.verdict, "seconds": round(r.seconds, 4),
                         **({"detail": r.detail} if r.detail else {})} for r in rows]
     ok = counts[zs.COUNTEREXAMPLE] == 0 and counts[zs.UNKNOWN] == 0 and bool(results)
+    not_encoded = {name: get_not_encoded(get_cell(name), rows) for name, rows in results.items()}
     return {"ok": ok, "elapsed_s": round(seconds, 3), "batch_bound": bound,
-            "counts": counts, "cells": cells}
+            "counts": counts, "cells": cells, "not_encoded": not_encoded}
 
 
 def run_proofs(cells: list[Cell], preset: str = "minimal", bound: int = DEFAULT_BATCH_BOUND,

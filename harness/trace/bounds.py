@@ -93,7 +93,7 @@ def _kv3_page_aligned(config: ModelConfig, obs: Observation, rid: RequestId) -> 
 
 
 def _kv1_row_width(config: ModelConfig, obs: Observation, rid: RequestId) -> int | None:
-    """The row KV1 holds a holding request to (spec.invariants._get_row_width)."""
+    """The row KV1 holds a holding request to (spec.invariants.kv._get_row_width)."""
     request = _request(obs, rid)
     if request is None or not request.holds_kv:
         return None

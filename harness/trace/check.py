@@ -153,12 +153,13 @@ def _comparable(raw: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in raw.items() if k not in ("id", "state")}
 
 
-_CLAIMS = {inv.id: " ".join((inv.check.__doc__ or "").split()) for inv in INVARIANTS}
+_BY_ID = {inv.id: inv for inv in INVARIANTS}
 
 
 def get_claim(invariant_id: str) -> str:
-    claim = _CLAIMS.get(invariant_id, invariant_id)
-    return claim.split(": ", 1)[-1] if claim.startswith(invariant_id) else claim
+    """The claim in full with its source (the ID itself for one the registry lacks)."""
+    inv = _BY_ID.get(invariant_id)
+    return invariant_id if inv is None else inv.describe().removeprefix(f"{invariant_id}: ")
 
 
 def _infer(parsed: ParsedTrace) -> tuple[dict[int, Observation], list[str], str | None]:
