@@ -11,6 +11,14 @@ row; ``page_count``, the pages its row holds). A batch adds the flags ``has_cpu`
 says *which* rule fires in which transition and what it leaves unchanged (the frame),
 following ``reference/``.
 
+Where the relation cannot run on terms, the model says why at the transition: the
+ghost's launched steps are a map in ``spec.relation.Ghost`` (``steps``, one entry per
+step with the KV length its forward reached, an epoch per retraction) and here a queue
+of at most two accept lengths (``accept_oldest`` / ``accept_newest``) with no epoch (a
+retracted request's late results are told apart by ``is_live``); the batch fields are
+``spec.transitions`` rules. ``tests/test_model_refines_relation.py`` runs the model's
+transitions on concrete values beside the relation and compares every field they share.
+
 Ghost fields (never written by scheduler logic, as in ``spec/state.py``):
 ``kv_len_true`` true KV length, ``settled_len`` settled length, ``inflight_steps`` steps
 prepared or launched and not processed, ``launched_steps`` launched unprocessed steps,
@@ -38,7 +46,7 @@ Modelling compromises, stated once:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from itertools import count
 from typing import Final
 
@@ -47,8 +55,8 @@ from overlap_spec.proofs.solver import Term
 from overlap_spec.proofs.symbolic import lift
 from overlap_spec.spec import relation
 from overlap_spec.spec import transitions as tr
-from overlap_spec.spec.config import ModelConfig, SpecShape
-from overlap_spec.spec.units import PoolRow, RequestId, TokenCount
+from overlap_spec.spec.config import Cell, ModelConfig, SpecShape
+from overlap_spec.spec.units import PoolRow, RequestId, StepId, TokenCount
 
 INT_FIELDS: Final = (
     "prompt_len",
@@ -197,7 +205,7 @@ def prepare_for_extend(ctx: Context, r: Record) -> Step:
     """Admit a waiting request: row, KV for fill_len, committed = allocated = fill_len; the
     extend launch is folded in (kv_len_true = fill_len, extend publish of seq_len, one slot
     in flight)."""
-    fill = lift(tr.compute_fill_len, r["prompt_len"], r["output_len"])
+    fill, _ = lift(relation.compute_extend_kv, r["prompt_len"], r["output_len"])
     page = ctx.config.page_size
     post = dict(r)
     post.update(
@@ -205,7 +213,7 @@ def prepare_for_extend(ctx: Context, r: Record) -> Step:
         kv_allocated_len=fill,
         seq_len=fill,
         seq_len_cpu=fill,
-        kv_len_true=fill,
+        kv_len_true=lift(extend_forward_kv, r["prompt_len"], r["output_len"], fill),
         settled_len=fill,
         published_seq_len=fill,
         launched_steps=r["launched_steps"] + 1,
@@ -222,6 +230,59 @@ def prepare_for_extend(ctx: Context, r: Record) -> Step:
     return Step(guard, post)
 
 
+# --- the relation's transitions run on a record whose integer fields are terms ---------------
+# Each wrapper below builds the smallest RequestRecord or Ghost the transition accepts, with
+# only the fields that enter it set, runs spec.relation on it and returns those fields; lift
+# runs it over terms. A record's output is a token tuple, so the transitions that read the
+# output length (the prefill's fill, a result's run and finish) expose an integer core in
+# the relation (compute_extend_kv, compute_result_kv, compute_finished_reason,
+# compute_release_cached) that is lifted instead.
+def _holding(committed: int, allocated: int) -> relation.RequestRecord:
+    return relation.RequestRecord(
+        RequestId(0),
+        TokenCount(1),
+        TokenCount(1),
+        kv_committed_len=committed,
+        kv_allocated_len=allocated,
+        req_pool_idx=PoolRow(0),
+        waiting=False,
+        holds_kv=True,
+    )
+
+
+def extend_forward_kv(prompt_len: int, output_len: int, end: int) -> int:
+    """kv_len_true after the prefill forward writes up to ``end`` (``ghost_forward_extend``)."""
+    ghost = relation.ghost_launch(relation.Ghost(output_len_true=output_len), StepId(0))
+    return relation.ghost_forward_extend(ghost, StepId(0), prompt_len, end).kv_len_true
+
+
+def decode_forward_kv(kv_len_true: int, advanced_by: int) -> int:
+    """kv_len_true after a decode forward settles ``advanced_by`` (``ghost_forward_decode``)."""
+    ghost = relation.ghost_launch(relation.Ghost(kv_len_true=kv_len_true), StepId(0))
+    return relation.ghost_forward_decode(ghost, StepId(0), advanced_by).kv_len_true
+
+
+def release_kv(cell: Cell, committed: int, allocated: int) -> tuple[int, int, bool]:
+    """(kv_committed_len, kv_allocated_len, holds_kv) after ``release_kv_cache``; what the
+    tree keeps at a finish is compute_release_cached."""
+    post = relation.release_kv_cache(_holding(committed, allocated), cell, False)
+    return post.kv_committed_len, post.kv_allocated_len, post.holds_kv
+
+
+def retract_kv(cell: Cell, committed: int, allocated: int) -> tuple[int, int, bool, bool]:
+    """``retract_decode``: release_req then reset_for_retract, as (kv_committed_len,
+    kv_allocated_len, holds_kv, is_retracted)."""
+    post = relation.reset_for_retract(
+        relation.release_kv_cache(_holding(committed, allocated), cell, False))
+    return post.kv_committed_len, post.kv_allocated_len, post.holds_kv, post.is_retracted
+
+
+def finishes(eos_at: int | None, run_len: int, output_len: int, max_new_tokens: int) -> bool:
+    """A live row's result finishes it (``update_finish_state``; the model has no aborts)."""
+    return relation.compute_finished_reason(None, eos_at, run_len, output_len, max_new_tokens,
+                                            None) is not None
+
+
 def decode_kv(
     committed: int,
     allocated: int,
@@ -236,16 +297,7 @@ def decode_kv(
     transition (``spec.relation``), run here on a live request holding KV and lifted into
     Z3 below, so the proofs do not restate it (B12 included). The other fields of the
     record do not enter this transition; the model's guard says when it fires."""
-    request = relation.RequestRecord(
-        RequestId(0),
-        TokenCount(1),
-        TokenCount(1),
-        kv_committed_len=committed,
-        kv_allocated_len=allocated,
-        req_pool_idx=PoolRow(0),
-        waiting=False,
-        holds_kv=True,
-    )
+    request = _holding(committed, allocated)
     if spec:
         post = relation.prepare_for_decode_spec_v2(request, reserve, page_size, preclaim, faults)
     else:
@@ -309,7 +361,7 @@ def launch(ctx: Context, r: Record, accept: Term) -> Step:
     published = lift(tr.compute_verify_new_seq_len, r["seq_len"], accept)
     slot_two = r["launched_steps"] >= 1
     post.update(
-        kv_len_true=r["kv_len_true"] + advance,
+        kv_len_true=lift(decode_forward_kv, r["kv_len_true"], advance),
         launched_steps=r["launched_steps"] + 1,
         prepared=zs.BoolVal(False),
         resolved=zs.BoolVal(False),
@@ -335,45 +387,31 @@ def launch(ctx: Context, r: Record, accept: Term) -> Step:
 
 def process_result(ctx: Context, r: Record, eos: Term, eos_at: Term) -> Step:
     """Pop the oldest in-flight step. Live: keep the run cut at EOS / max_new_tokens,
-    settle committed once (spec) and release at finish; stale: only the pre-claim refund."""
+    settle committed once (spec) and release at finish; stale: only the pre-claim refund.
+    The record's fields are the relation's (the run, compute_result_kv per forward mode,
+    the finish with or without an EOS); the ghost's queue and the batch's re-filter are
+    the model's."""
     cell = ctx.config.cell
     post = dict(r)
     extend = r["extend_inflight"]
     accept = zs.If(extend, 1, r["accept_oldest"])
-    eos_index = zs.If(eos, eos_at, -1)
-    run_with_eos = lift(tr.compute_run_len, accept, r["max_new_tokens"] - r["output_len"], eos_at)
-    run_no_eos = lift(tr.compute_run_len, accept, r["max_new_tokens"] - r["output_len"], None)
-    run = zs.If(eos, run_with_eos, run_no_eos)
     stale = zs.Not(is_live(r))
-    settled = accept if ctx.has("B11") else lift(tr.compute_committed_run, cell, accept, run)
-    committed_live = lift(
-        tr.compute_committed_after_result, cell, r["kv_committed_len"], settled, False, False
-    )
-    committed_stale = zs.If(
-        r["finished"],
-        lift(tr.compute_committed_after_result, cell, r["kv_committed_len"], run, True, True),
-        lift(tr.compute_committed_after_result, cell, r["kv_committed_len"], run, True, False),
-    )
-    if ctx.has("B3") and cell.is_spec and cell.preclaim:
-        # The commit loop before #23456: accept_len - 1 on every row, stale ones included.
-        committed_stale = lift(tr.compute_committed_after_result, cell, r["kv_committed_len"],
-                               accept, False, False)
-    committed = zs.If(
-        stale, r["kv_committed_len"], zs.If(extend, r["kv_committed_len"], committed_live)
-    )
-    committed = zs.If(zs.And(stale, zs.Not(extend)), committed_stale, committed)
+    budget = lift(tr.compute_output_budget, r["max_new_tokens"], r["output_len"], False)
+    run = zs.If(eos, lift(tr.compute_run_len, accept, budget, eos_at),
+                lift(tr.compute_run_len, accept, budget, None))
+    committed = zs.If(extend, *(
+        lift(relation.compute_result_kv, cell, mode, r["kv_committed_len"], r["accept_oldest"],
+             run, stale, r["finished"], ctx.faults) for mode in ("extend", "decode")))
     output = zs.If(stale, r["output_len"], r["output_len"] + run)
-    hit_eos = zs.And(eos, eos_index < run)
-    finishing = zs.And(zs.Not(stale), zs.Or(hit_eos, output >= r["max_new_tokens"]))
+    finishing = zs.And(zs.Not(stale), zs.If(
+        eos, lift(finishes, eos_at, run, output, r["max_new_tokens"]),
+        lift(finishes, None, run, output, r["max_new_tokens"])))
     with_kv = r["prompt_len"] + output - 1
     # B14: without the re-filter the finished request's prepared step stays in the batch.
     dropped = zs.BoolVal(False) if ctx.has("B14") else finishing
-    cached = (
-        committed
-        if ctx.has("B11")
-        else lift(tr.compute_cached_len, replace(cell, trimmed_finish=False)
-                  if ctx.has("B10") else cell, committed, r["prompt_len"], output, False)
-    )
+    cached = lift(relation.compute_release_cached, cell, committed, r["prompt_len"], output,
+                  False, ctx.faults)
+    _, released, released_holds = lift(release_kv, cell, committed, r["kv_allocated_len"])
     post.update(
         # A finished request's prepared, unlaunched step is dropped with it (the re-filter).
         kv_committed_len=committed,
@@ -388,9 +426,9 @@ def process_result(ctx: Context, r: Record, eos: Term, eos_at: Term) -> Step:
             zs.Or(stale, extend), r["settled_len"], r["settled_len"] + r["accept_oldest"]
         ),
         finished=zs.Or(r["finished"], finishing),
-        holds_kv=zs.And(r["holds_kv"], zs.Not(finishing)),
+        holds_kv=zs.If(finishing, released_holds, r["holds_kv"]),
         # The finish release ends with ReqKvInfo.mark_kv_released.
-        kv_allocated_len=zs.If(finishing, zs.IntVal(0), r["kv_allocated_len"]),
+        kv_allocated_len=zs.If(finishing, released, r["kv_allocated_len"]),
     )
     notes = {
         "run_len": run,
@@ -408,13 +446,17 @@ def process_result(ctx: Context, r: Record, eos: Term, eos_at: Term) -> Step:
 
 def retract(ctx: Context, r: Record) -> Step:
     """release_req + reset_for_retract: committed = allocated = 0, row and pages freed;
-    the ghost truth restarts (a late result of this request is stale)."""
+    the ghost truth restarts (a late result of this request is stale). The relation's
+    ghost starts a new epoch with nothing in flight; the model keeps the launched steps
+    (their results still arrive, stale) and drops only the prepared one."""
     post = dict(r)
+    committed, allocated, holds, retracted = lift(
+        retract_kv, ctx.config.cell, r["kv_committed_len"], r["kv_allocated_len"])
     post.update(
-        kv_committed_len=zs.IntVal(0),
-        kv_allocated_len=zs.IntVal(0),
-        is_retracted=zs.BoolVal(True),
-        holds_kv=zs.BoolVal(False),
+        kv_committed_len=committed,
+        kv_allocated_len=allocated,
+        is_retracted=retracted,
+        holds_kv=holds,
         page_count=zs.IntVal(0),
         kv_len_true=zs.IntVal(0),
         settled_len=zs.IntVal(0),

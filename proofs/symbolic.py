@@ -7,7 +7,8 @@ branch on a symbolic comparison (an ``if``, ``min``, ``max``) forks the run. All
 paths are explored depth first (each re-runs the function with a fixed prefix
 of decisions) and the results are joined into one ``If`` chain guarded by the
 path conditions. Concrete arguments (a cell, a page size) stay Python values,
-so control that depends on them is decided as in the ordinary run.
+so control that depends on them is decided as in the ordinary run; a Boolean term
+argument (a request's ``finished`` flag) is a :class:`SymBool`, so branching on it forks.
 
 Division follows Python (floor) for any non-zero divisor. ``tests/test_proofs.py``
 evaluates every lifted function against the plain function on thousands of
@@ -161,7 +162,7 @@ def _wrap_argument(explorer: _Explorer, value: object) -> object:
         literal = zs.as_python(value)
         if isinstance(literal, bool):
             return literal
-        return Sym(explorer, value)
+        return SymBool(explorer, value) if zs.is_bool(value) else Sym(explorer, value)
     if isinstance(value, tuple):
         return tuple(_wrap_argument(explorer, v) for v in value)
     return value

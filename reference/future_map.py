@@ -122,7 +122,7 @@ class FutureMap:
         uncovered: list[PoolRow] = []
         values: list[int] = []
         for row in rows:
-            last = hb.get_last_write(("new_seq_lens_buf", row))
+            last = hb.last_write.get(("new_seq_lens_buf", row))
             if last is not None and not hb.event_covers(PUBLISH_READY, last):
                 uncovered.append(row)
             hb.read(SCHEDULE, ("new_seq_lens_buf", row), "resolve_seq_lens_cpu")

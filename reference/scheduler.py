@@ -197,9 +197,6 @@ class Scheduler:
                 and self.chunked_req is None):
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
 
-    def get_request_ids(self) -> tuple[RequestId, ...]:
-        return tuple(self.requests)
-
     def set_step_index(self, index: int) -> None:
         self.step_index = index
 

@@ -139,17 +139,12 @@ class Cell:
         if self.is_spec:
             parts.append("cpu" if self.needs_cpu_seq_lens else "nocpu")
             parts.append("preclaim" if self.preclaim else "honest")
-        if self.rung_reserve:
-            parts.append("rungreserve")
-        if self.overshoot and not self.preclaim:  # the pre-claim era implies it
-            parts.append("overshoot")
-        if self.trimmed_finish:
-            parts.append("trimmed")
-        if self.cpu_ub:
-            parts.append("ub")
-        if self.early_fence:
-            parts.append("earlyfence")
-        return "-".join(parts)
+        suffixes = {"rungreserve": self.rung_reserve,
+                    "overshoot": self.overshoot and not self.preclaim,  # pre-claim implies it
+                    "trimmed": self.trimmed_finish,
+                    "ub": self.cpu_ub,
+                    "earlyfence": self.early_fence}
+        return "-".join(parts + [suffix for suffix, on in suffixes.items() if on])
 
 
 @dataclass(frozen=True)
@@ -249,48 +244,29 @@ class ModelConfig:
     def kv_pages(self) -> int:
         return self.kv_tokens // self.cell.page_size
 
+    # The configured (widest) shape's fields, as get_shape() states them.
     @property
     def topk(self) -> int:
-        return self.preset.tree_topk if self.cell.spec_mode is SpecMode.V2_TREE else 1
+        return self.get_shape().topk
 
     @property
     def spec_steps(self) -> int:
-        mode = self.cell.spec_mode
-        if mode is SpecMode.V2_CHAIN:
-            return self.preset.chain_steps
-        if mode is SpecMode.V2_TREE:
-            return self.preset.tree_steps
-        return 0
+        return self.get_shape().steps
 
     @property
     def draft_tokens(self) -> int:
         """``speculative_num_draft_tokens`` (D_tok); also the verify output stride."""
-        mode = self.cell.spec_mode
-        if mode is SpecMode.V2_CHAIN:
-            return self.preset.chain_steps + 1
-        if mode is SpecMode.V2_TREE:
-            return self.preset.tree_draft_tokens
-        return 1
+        return self.get_shape().draft_tokens
 
     @property
     def max_accept_len(self) -> int:
         """Largest accept_len (bonus included): a chain or tree path is at most steps+1 deep."""
-        return self.spec_steps + 1 if self.cell.is_spec else 1
+        return self.get_shape().max_accept_len
 
     @property
     def alloc_len_per_decode(self) -> TokenCount:
-        """A: positions one draft+verify may write (``get_alloc_len_per_decode``).
-
-        ``max(steps * topk, D_tok)`` (digest 0.2); a tree on pages > 1 gives each branch
-        the pages its steps can reach from a partial last page: ``max(ceil((page - 1 +
-        steps) / page) * page * topk, D_tok)`` (PR 26972)."""
-        if not self.cell.is_spec:
-            return TokenCount(1)
-        if self.is_paged_tree:
-            page = self.page_size
-            pages = (page - 1 + self.spec_steps + page - 1) // page
-            return TokenCount(max(pages * page * self.topk, self.draft_tokens))
-        return TokenCount(max(self.spec_steps * self.topk, self.draft_tokens))
+        """A: positions one draft+verify may write (``get_alloc_len_per_decode``)."""
+        return self.get_shape().alloc_len_per_decode
 
     @property
     def lag_bound(self) -> TokenCount:
@@ -343,13 +319,22 @@ class ModelConfig:
         """The shape at rung ``steps`` (0: the configured maximum).
 
         Only the chain adapts its step count (adaptive candidate steps, digest 6); the
-        tree keeps its configured shape.
+        tree keeps its configured shape. A (``get_alloc_len_per_decode``) is
+        ``max(steps * topk, D_tok)`` (digest 0.2); a tree on pages > 1 gives each branch
+        the pages its steps can reach from a partial last page: ``max(ceil((page - 1 +
+        steps) / page) * page * topk, D_tok)`` (PR 26972), which is the same on page 1.
         """
-        if self.cell.spec_mode is not SpecMode.V2_CHAIN or steps <= 0:
-            return SpecShape(self.spec_steps, self.topk, self.draft_tokens,
-                             self.alloc_len_per_decode)
-        rung = min(steps, self.preset.chain_steps)
-        return SpecShape(rung, 1, rung + 1, TokenCount(rung + 1))
+        preset, page = self.preset, self.page_size
+        if self.cell.spec_mode is SpecMode.V2_CHAIN:
+            rung = min(steps, preset.chain_steps) if steps > 0 else preset.chain_steps
+            return SpecShape(rung, 1, rung + 1, TokenCount(rung + 1))
+        if self.cell.spec_mode is SpecMode.NONE:
+            return SpecShape(0, 1, 1, TokenCount(1))
+        # A branch's region: the whole pages its steps reach from a partial last page.
+        branch = (page - 1 + preset.tree_steps + page - 1) // page * page
+        alloc_len = max(branch * preset.tree_topk, preset.tree_draft_tokens)
+        return SpecShape(preset.tree_steps, preset.tree_topk, preset.tree_draft_tokens,
+                         TokenCount(alloc_len))
 
 
 # What a cell switches on that sglang 0.5.23 does not do, by its Cell switch: each an era or
@@ -382,36 +367,33 @@ def get_departures(cell: Cell) -> tuple[str, ...]:
 
 def is_valid_cell(cell: Cell) -> bool:
     """Whether a cell is a configuration upstream can run, in canonical form, that the model
-    covers."""
-    if cell.page_size < 1:
-        return False
-    if cell.spec_mode is SpecMode.V2_TREE and cell.page_size != 1 and cell.preclaim:
-        return False  # trees on pages > 1 (PR 26972) came after the pre-claim era
-    if not cell.is_spec and cell.preclaim:
-        return False
-    if not (cell.is_spec and cell.overlap) and not cell.needs_cpu_seq_lens:
-        return False
-    if cell.rung_reserve and not (cell.spec_mode is SpecMode.V2_CHAIN and cell.page_size == 1
-                                  and cell.needs_cpu_seq_lens and not cell.preclaim):
-        return False  # the proposal's cells vary only what the reserve depends on
-    if cell.overshoot and not cell.overlap:
-        return False  # an era of the overlap loop
-    if cell.overlap and cell.preclaim and not cell.overshoot:
-        return False  # the pre-claim era decoded past a length finish too
-    if cell.overshoot and not cell.preclaim and (cell.is_spec or cell.page_size != 1):
-        return False  # outside the pre-claim era, ov-p1-none-overshoot alone
+    covers: none of the exclusions below holds."""
     chain_p1 = cell.spec_mode is SpecMode.V2_CHAIN and cell.page_size == 1 and not cell.preclaim
     plain_p1 = not cell.is_spec and cell.page_size == 1 and not cell.overshoot
-    if cell.trimmed_finish and not (cell.overlap and cell.needs_cpu_seq_lens
-                                    and not cell.rung_reserve and (chain_p1 or plain_p1)):
-        return False  # the proposal's cells: ov-p1-none-trimmed, ov-p1-v2chain-cpu-honest-trimmed
-    if cell.cpu_ub and not (chain_p1 and cell.overlap and not cell.needs_cpu_seq_lens
-                            and not cell.rung_reserve and not cell.trimmed_finish):
-        return False  # the proposal's one cell: ov-p1-v2chain-nocpu-honest-ub
-    if cell.early_fence and not (chain_p1 and cell.overlap and cell.needs_cpu_seq_lens
-                                 and not (cell.rung_reserve or cell.trimmed_finish)):
-        return False  # the proposal's one cell: ov-p1-v2chain-cpu-honest-earlyfence
-    return True
+    excluded = (
+        cell.page_size < 1,
+        # Trees on pages > 1 (PR 26972) came after the pre-claim era.
+        cell.spec_mode is SpecMode.V2_TREE and cell.page_size != 1 and cell.preclaim,
+        not cell.is_spec and cell.preclaim,
+        not (cell.is_spec and cell.overlap) and not cell.needs_cpu_seq_lens,
+        # The rung reserve's cells vary only what the reserve depends on.
+        cell.rung_reserve and not (chain_p1 and cell.needs_cpu_seq_lens),
+        cell.overshoot and not cell.overlap,  # an era of the overlap loop
+        # The pre-claim era decoded past a length finish too.
+        cell.overlap and cell.preclaim and not cell.overshoot,
+        # Outside the pre-claim era, ov-p1-none-overshoot alone.
+        cell.overshoot and not cell.preclaim and (cell.is_spec or cell.page_size != 1),
+        # The trimmed finish's cells: ov-p1-none-trimmed, ov-p1-v2chain-cpu-honest-trimmed.
+        cell.trimmed_finish and not (cell.overlap and cell.needs_cpu_seq_lens
+                                     and not cell.rung_reserve and (chain_p1 or plain_p1)),
+        # seq_len_cpu_ub's one cell: ov-p1-v2chain-nocpu-honest-ub (no host mirror already
+        # rules out the rung reserve and the trimmed finish).
+        cell.cpu_ub and not (chain_p1 and cell.overlap and not cell.needs_cpu_seq_lens),
+        # The early fence's one cell: ov-p1-v2chain-cpu-honest-earlyfence.
+        cell.early_fence and not (chain_p1 and cell.overlap and cell.needs_cpu_seq_lens
+                                  and not (cell.rung_reserve or cell.trimmed_finish)),
+    )
+    return not any(excluded)
 
 
 PAGE_SIZES: Final = (1, 4)
@@ -423,13 +405,9 @@ def enumerate_cells() -> tuple[Cell, ...]:
     (cells are frozen, and checking the product's validity took 6 ms a call)."""
     flags = ((True, False), PAGE_SIZES, (True, False), (False, True), (False, True),
              (False, True), (False, True), (False, True), (False, True))
-    cells: list[Cell] = []
-    for mode, (overlap, page, needs_cpu, *era) in itertools.product(
-            SpecMode, itertools.product(*flags)):
-        cell = Cell(overlap, page, mode, needs_cpu, *era)
-        if is_valid_cell(cell):
-            cells.append(cell)
-    return tuple(cells)
+    cells = (Cell(overlap, page, mode, needs_cpu, *era)
+             for mode, overlap, page, needs_cpu, *era in itertools.product(SpecMode, *flags))
+    return tuple(cell for cell in cells if is_valid_cell(cell))
 
 
 @functools.cache
@@ -439,8 +417,7 @@ def _get_cells_by_name() -> dict[str, Cell]:
 
 def get_cell(name: str) -> Cell:
     """Look a cell up by its name; raises ``KeyError`` listing the valid names."""
-    cell = _get_cells_by_name().get(name)
-    if cell is not None:
-        return cell
-    valid = ", ".join(c.name for c in enumerate_cells())
-    raise KeyError(f"unknown cell {name!r}; valid cells: {valid}")
+    cells = _get_cells_by_name()
+    if name not in cells:
+        raise KeyError(f"unknown cell {name!r}; valid cells: {', '.join(cells)}")
+    return cells[name]

@@ -102,14 +102,20 @@ class HappensBefore:
     def _join(self, into: str, other: Clock) -> None:
         clock = self.clocks[into]
         for p, value in other.items():
-            if value > clock[p]:
-                clock[p] = value
+            clock[p] = max(clock[p], value)
 
     def is_ordered_before(self, access: Access, participant: str) -> bool:
         """Whether ``access`` happens before the next action of ``participant``."""
-        if access.participant == participant:
-            return True
-        return self.clocks[participant][access.participant] >= access.seq
+        return (access.participant == participant
+                or self.clocks[participant][access.participant] >= access.seq)
+
+    def _join_event(self, into: str, event: str) -> bool:
+        """Join the event's latest capture into ``into``'s clock; a never-recorded event
+        orders nothing (False)."""
+        capture = self.events.get(event)
+        if capture is not None:
+            self._join(into, capture.as_clock())
+        return capture is not None
 
     # -- enqueue / fences ---------------------------------------------------
     def enqueue(self, stream: str) -> None:
@@ -126,11 +132,7 @@ class HappensBefore:
     def wait_event(self, stream: str, event: str) -> bool:
         """``stream.wait_event(event)``; waiting on a never-recorded event orders nothing."""
         self.enqueue(stream)
-        capture = self.events.get(event)
-        if capture is None:
-            return False
-        self._join(stream, capture.as_clock())
-        return True
+        return self._join_event(stream, event)
 
     def wait_stream(self, waiter: str, waited: str) -> None:
         """``waiter.wait_stream(waited)``: waiter runs after all work enqueued on waited."""
@@ -141,11 +143,7 @@ class HappensBefore:
     def synchronize_event(self, event: str) -> bool:
         """Host blocks on ``event.synchronize()``."""
         self.host_syncs.append(f"event:{event}")
-        capture = self.events.get(event)
-        if capture is None:
-            return False
-        self._join(HOST, capture.as_clock())
-        return True
+        return self._join_event(HOST, event)
 
     def synchronize_stream(self, stream: str) -> None:
         """Host blocks on ``stream.synchronize()`` (also what a blocking ``.cpu()`` does)."""
@@ -155,16 +153,13 @@ class HappensBefore:
     def event_covers(self, event: str, access: Access) -> bool:
         """Whether the event's latest capture is ordered after ``access`` (FM2)."""
         capture = self.events.get(event)
-        if capture is None:
-            return False
-        return capture.as_clock().get(access.participant, 0) >= access.seq
+        return capture is not None and capture.as_clock().get(access.participant, 0) >= access.seq
 
     # -- accesses -----------------------------------------------------------
     def access(self, participant: str, kind: str, key: BufferKey, operation: str) -> list[Race]:
         """Record an access and return the races it completes (also kept in ``races``)."""
         self.enqueue(participant)
-        seq = self._tick(participant)
-        now = Access(participant, seq, kind, key, operation)
+        now = Access(participant, self._tick(participant), kind, key, operation)
         found: list[Race] = []
         if key in self.freed:
             found.append(Race(self.freed[key], now))  # the memory may hold something else
@@ -202,8 +197,7 @@ class HappensBefore:
         accesses by other streams must be ordered before the free (ST4).
         """
         self.enqueue(owner)
-        seq = self._tick(HOST)
-        now = Access(HOST, seq, "free", key, operation)
+        now = Access(HOST, self._tick(HOST), "free", key, operation)
         earlier = list(self.reads_since_write.pop(key, []))
         previous = self.last_write.pop(key, None)
         if previous is not None:
@@ -214,9 +208,6 @@ class HappensBefore:
         self.freed[key] = now
         self.races.extend(found)
         return found
-
-    def get_last_write(self, key: BufferKey) -> Access | None:
-        return self.last_write.get(key)
 
 
 @dataclass

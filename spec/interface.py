@@ -79,9 +79,6 @@ class SchedulerModel(Protocol):
         """One pass of the event loop with the environment's choices."""
         ...
 
-    def get_request_ids(self) -> tuple[RequestId, ...]:
-        ...
-
     def set_step_index(self, index: int) -> None:
         """Which script operation is running (stamped on observations)."""
         ...

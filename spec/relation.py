@@ -293,12 +293,21 @@ def prepare_for_extend(req: RequestRecord, row: PoolRow,
     require(not req.holds_kv, name, req, "holds_kv", "expected a request without KV")
     require(not req.is_finished(), name, req, "finished_reason", "expected None")
     fill_len = compute_fill_len(req.prompt_len, req.output_len)
-    end = fill_len if extend_end is None else extend_end
+    end, middle = compute_extend_kv(req.prompt_len, req.output_len, extend_end)
     require(0 < end <= fill_len, name, req, "extend_end", f"chunk end {end} outside 1..{fill_len}")
     return replace(req, req_pool_idx=row, holds_kv=True, kv_allocated_len=end,
                    kv_committed_len=end, is_retracted=False, waiting=False, extend_end=end,
-                   inflight_middle_chunks=req.inflight_middle_chunks + (end < fill_len),
+                   inflight_middle_chunks=req.inflight_middle_chunks + middle,
                    ghost=ghost_prepare_extend(req.ghost))
+
+
+def compute_extend_kv(prompt_len: int, output_len: int, extend_end: int | None = None
+                      ) -> tuple[int, int]:
+    """``prepare_for_extend``'s integer core (lifted into the proofs): the extend's end,
+    which both KV lengths become, and the middle chunks it adds (1 short of fill_len)."""
+    fill_len = compute_fill_len(prompt_len, output_len)
+    end = fill_len if extend_end is None else extend_end
+    return end, 1 if end < fill_len else 0
 
 
 @transition("kv_allocated_len", "kv_committed_len", "extend_end", "inflight_middle_chunks")
@@ -391,15 +400,18 @@ def forward_decode(req: RequestRecord, step: StepId, advanced_by: int) -> Reques
     return replace(req, ghost=ghost_forward_decode(req.ghost, step, advanced_by))
 
 
-def compute_finished_reason(req: RequestRecord, hit_eos: bool) -> str | None:
-    """``Req.update_finish_state``: a deferred abort wins, then EOS, then the length limit."""
-    if req.to_finish is not None:
-        return req.to_finish
-    if hit_eos:
+def compute_finished_reason(to_finish: str | None, eos_at: int | None, run_len: int,
+                            output_len: int, max_new_tokens: int,
+                            finished_reason: str | None) -> str | None:
+    """``Req.update_finish_state`` after a row kept ``run_len`` tokens: a deferred abort
+    wins, then an EOS inside the kept run, then the length limit."""
+    if to_finish is not None:
+        return to_finish
+    if eos_at is not None and eos_at < run_len:
         return "stop"
-    if req.output_len >= req.max_new_tokens:
+    if output_len >= max_new_tokens:
         return "length"
-    return req.finished_reason
+    return finished_reason
 
 
 def is_stale(req: RequestRecord) -> bool:
@@ -445,44 +457,47 @@ def process_result(req: RequestRecord, cell: Cell, step: StepId, forward_mode: s
     tail = forward_mode == "tail"
     ghost = ghost_result(req.ghost, step, req.max_new_tokens, accept_len, eos_at, verified,
                          tail)
-    finished_before = req.is_finished()
     if forward_mode == "extend" and req.inflight_middle_chunks > 0 and not req.is_retracted:
         return replace(req, inflight_middle_chunks=req.inflight_middle_chunks - 1, ghost=ghost)
     stale = is_stale(req)
     run_len = compute_run_len(accept_len, compute_output_budget(
         req.max_new_tokens, req.output_len, req.to_finish is not None), eos_at)
-    decode = forward_mode == "decode"
     if "B17" in faults and verified and req.to_finish is not None:
         run_len = accept_len  # the release: no finished_len once an abort is pending
+    committed = compute_result_kv(cell, forward_mode, req.kv_committed_len, accept_len, run_len,
+                                  stale, req.is_finished(), faults)
     if stale:
-        committed = req.kv_committed_len
-        if decode and "B3" in faults and cell.is_spec and cell.preclaim:
-            # Before #23456 the commit loop had no skip: accept_len - 1 for every row.
-            committed = compute_committed_after_result(cell, committed, accept_len, False,
-                                                       False)
-        elif decode:
-            committed = compute_committed_after_result(cell, committed, run_len, True,
-                                                       finished_before)
         return replace(req, kv_committed_len=committed, ghost=ghost)
     require(run_len <= len(tokens), name, req, "output_ids",
             f"the row holds {len(tokens)} tokens, the run keeps {run_len}")
-    committed = req.kv_committed_len
-    if decode:
-        settled = accept_len if "B11" in faults else compute_committed_run(cell, accept_len,
-                                                                            run_len)
-        committed = compute_committed_after_result(cell, committed, settled, False, False)
     grown = replace(req, output_ids=req.output_ids + tokens[:run_len],
                     kv_committed_len=committed, ghost=ghost,
                     spec_verify_ct=req.spec_verify_ct + (1 if verified else 0),
                     spec_num_correct_drafts=req.spec_num_correct_drafts
                     + (accept_len - 1 if verified else 0))
-    hit_eos = eos_at is not None and eos_at < run_len
-    reason = compute_finished_reason(grown, hit_eos)
+    reason = compute_finished_reason(req.to_finish, eos_at, run_len, grown.output_len,
+                                     req.max_new_tokens, req.finished_reason)
     if forward_mode == "extend" and reason is None:  # checkpoint_kv_cache: the prefix now
         grown = replace(grown, prefix_len=req.extend_end)
     if tail and reason is None and "B20" not in faults:  # the second commit site (#27971)
         grown = replace(grown, kv_committed_len=committed + 1)
     return replace(grown, finished_reason=reason)
+
+
+def compute_result_kv(cell: Cell, forward_mode: str, committed: int, accept_len: int,
+                      run_len: int, stale: bool, finished: bool,
+                      faults: frozenset[str] = NO_FAULTS) -> int:
+    """``process_result``'s commit over the row's fields (lifted into the proofs):
+    kv_committed_len after a row whose accepted run keeps ``run_len`` tokens."""
+    if forward_mode != "decode":
+        return committed
+    if stale:
+        if "B3" in faults and cell.is_spec and cell.preclaim:
+            # Before #23456 the commit loop had no skip: accept_len - 1 for every row.
+            return compute_committed_after_result(cell, committed, accept_len, False, False)
+        return compute_committed_after_result(cell, committed, run_len, True, finished)
+    settled = accept_len if "B11" in faults else compute_committed_run(cell, accept_len, run_len)
+    return compute_committed_after_result(cell, committed, settled, False, False)
 
 
 @transition("release_count", "holds_kv", "req_pool_idx", "kv_allocated_len", "cached_len",
@@ -508,14 +523,20 @@ def release_kv_cache(req: RequestRecord, cell: Cell, is_insert: bool,
     if not is_insert:
         return released
     committed = req.kv_committed_len
-    if "B11" in faults:
-        cached = committed
-    else:
-        rule = replace(cell, trimmed_finish=False) if "B10" in faults else cell
-        cached = compute_cached_len(rule, committed, req.prompt_len, req.output_len,
-                                    req.finished_reason == "abort")
+    cached = compute_release_cached(cell, committed, req.prompt_len, req.output_len,
+                                    req.finished_reason == "abort", faults)
     return replace(released, cached_len=max(0, min(cached, req.kv_allocated_len)),
                    committed_at_release=committed, ghost=ghost_release(req.ghost))
+
+
+def compute_release_cached(cell: Cell, committed: int, prompt_len: int, output_len: int,
+                           aborted: bool, faults: frozenset[str] = NO_FAULTS) -> int:
+    """What a finish release keys into the tree before the cut to the allocation
+    (lifted into the proofs, whose KV claims bound it unclamped)."""
+    if "B11" in faults:
+        return committed
+    rule = replace(cell, trimmed_finish=False) if "B10" in faults else cell
+    return compute_cached_len(rule, committed, prompt_len, output_len, aborted)
 
 
 @transition("is_retracted", "prebuilt", "kv_committed_len", "kv_allocated_len",

@@ -363,9 +363,7 @@ class IterationChoices:
 
     def get_eos_index(self, position: int, accept_len: int) -> int | None:
         """Where EOS falls inside the request's accepted run, or None."""
-        if not self.is_eos(position):
-            return None
-        return max(accept_len - 1 - self.eos_offset, 0)
+        return max(accept_len - 1 - self.eos_offset, 0) if self.is_eos(position) else None
 
 
 # --- the environment's tokens --------------------------------------------------------------

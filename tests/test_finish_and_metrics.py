@@ -86,10 +86,11 @@ def test_rp5_catches_a_length_check_before_the_stop_check(
     """The order upstream fixed in update_finish_state ("Stop token/EOS beats the length
     cap"): checking the cap first labels a stop at the cap a length finish."""
 
-    def length_first(req: relation.RequestRecord, hit_eos: bool) -> str | None:
-        if req.to_finish is None and req.output_len >= req.max_new_tokens:
+    def length_first(to_finish: str | None, eos_at: int | None, run_len: int,
+                     output_len: int, max_new_tokens: int, reason: str | None) -> str | None:
+        if to_finish is None and output_len >= max_new_tokens:
             return "length"
-        return original(req, hit_eos)
+        return original(to_finish, eos_at, run_len, output_len, max_new_tokens, reason)
 
     original = relation.compute_finished_reason
     monkeypatch.setattr(relation, "compute_finished_reason", length_first)

@@ -45,7 +45,11 @@ PROJECT = set(ALLOWED)
 # (admission-time validation, B24), and kept at 2175 when the invariants split into a
 # module per family (spec/invariants/, issue 45; subpackages counted since): the modules'
 # own imports paid for by claims and sources living in the docstrings alone, applicability
-# as Cell switches on the decorator and the eras' departures as a table (2174 -> 2171).
+# as Cell switches on the decorator and the eras' departures as a table (2174 -> 2171),
+# and still kept at 2175 when the proofs came to lift the relation (issue 45: the integer
+# cores of the prefill, the result's commit and the release, about 15 lines) and
+# duplicated shape, cell-name and validity logic, counters and dead helpers went (2186 ->
+# 2101), leaving about 70 lines for the radix family.
 # The GUIDE's target is well under 2,000: this is still past it; the invariants (about
 # 900 lines) are most of the rest.
 SPEC_CODE_LINE_CAP = 2175

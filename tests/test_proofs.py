@@ -19,6 +19,7 @@ from overlap_spec.proofs.induction import find_witnesses
 from overlap_spec.proofs.model import Context
 from overlap_spec.proofs.streams import get_expected_ids, prove_protocol
 from overlap_spec.proofs.symbolic import lift
+from overlap_spec.spec import relation
 from overlap_spec.spec import transitions as tr
 from overlap_spec.spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell
 from overlap_spec.spec.state import IterationChoices
@@ -63,30 +64,35 @@ LIFTED = (
 )
 
 
-def _symbolic_args(args: tuple[Any, ...]) -> tuple[tuple[Any, ...], list[tuple[Any, int]]]:
-    """Ints become Z3 variables (bools and other values stay concrete)."""
-    pairs: list[tuple[Any, int]] = []
+def _symbolic_args(args: tuple[Any, ...], bools: bool
+                   ) -> tuple[tuple[Any, ...], list[tuple[Any, Any]]]:
+    """Ints become Z3 variables, and with ``bools`` so do bools (other values stay
+    concrete)."""
+    pairs: list[tuple[Any, Any]] = []
 
     def convert(value: Any) -> Any:
+        if isinstance(value, bool) and bools:
+            var = zs.Bool(f"b{len(pairs)}")
+            pairs.append((var, zs.BoolVal(value)))
+            return var
         if isinstance(value, bool) or not isinstance(value, int):
             if isinstance(value, tuple):
                 return tuple(convert(v) for v in value)
             return value
         var = zs.Int(f"x{len(pairs)}")
-        pairs.append((var, value))
+        pairs.append((var, zs.IntVal(value)))
         return var
 
     return tuple(convert(a) for a in args), pairs
 
 
-def _agrees(function: Callable[..., Any], args: tuple[Any, ...]) -> bool:
+def _agrees(function: Callable[..., Any], args: tuple[Any, ...], bools: bool = False) -> bool:
     try:
         expected = function(*args)
     except ZeroDivisionError:
         return True
-    symbolic, pairs = _symbolic_args(args)
+    symbolic, values = _symbolic_args(args, bools)
     lifted = lift(function, *symbolic)
-    values = [(var, zs.IntVal(v)) for var, v in pairs]
     if isinstance(lifted, tuple):
         got: Any = tuple(zs.as_python(zs.substitute(t, values)) for t in lifted)
         return got == tuple(expected)
@@ -104,12 +110,14 @@ def _random_args(function: Callable[..., Any], rng: random.Random) -> tuple[Any,
         elif name == "shape":
             values.append(config.get_shape(rng.randint(0, 3)))
         elif name == "forward_mode":
-            values.append(rng.choice(["decode", "extend"]))
-        elif name in ("stale", "finished", "spec", "preclaim", "aborted"):
+            values.append(rng.choice(["decode", "extend", "tail"]))
+        elif name in ("stale", "finished", "spec", "preclaim", "aborted", "aborting",
+                      "hit_eos"):
             values.append(rng.random() < 0.5)
         elif name == "faults":
-            values.append(frozenset(b for b in ("B10", "B11", "B12", "B16") if rng.random() < 0.3))
-        elif name == "eos_at":
+            values.append(frozenset(b for b in ("B3", "B10", "B11", "B12", "B16", "B17")
+                                    if rng.random() < 0.3))
+        elif name in ("eos_at", "extend_end"):
             values.append(None if rng.random() < 0.4 else rng.randint(-1, 6))
         elif name == "seq_lens":
             values.append(tuple(rng.randint(-3, 40) for _ in range(rng.randint(0, 4))))
@@ -120,12 +128,23 @@ def _random_args(function: Callable[..., Any], rng: random.Random) -> tuple[Any,
     return tuple(values)
 
 
-def test_the_lifted_relation_transition_agrees_with_the_relation() -> None:
-    """proofs/model.py lifts spec.relation's prepare_for_decode instead of restating it."""
+# What proofs/model.py lifts from spec.relation instead of restating it: the relation's
+# integer cores, and the model's wrappers that run a relation transition on a record.
+LIFTED_RELATION = (
+    model.decode_kv, relation.compute_extend_kv, relation.compute_result_kv,
+    relation.compute_release_cached, model.extend_forward_kv, model.decode_forward_kv,
+    model.release_kv, model.retract_kv, model.finishes,
+)
+
+
+@pytest.mark.parametrize("function", LIFTED_RELATION, ids=lambda f: f.__name__)
+def test_the_lifted_relation_transitions_agree_with_the_relation(
+        function: Callable[..., Any]) -> None:
+    """Ints and Booleans alike symbolic (the model passes a request's flags as terms)."""
     rng = random.Random(20261124)
-    for _ in range(500):
-        args = _random_args(model.decode_kv, rng)
-        assert _agrees(model.decode_kv, args), args
+    for _ in range(300):
+        args = _random_args(function, rng)
+        assert _agrees(function, args, bools=True), (function.__name__, args)
 
 
 def test_lifted_transitions_agree_with_the_spec_on_random_states() -> None:

@@ -259,9 +259,6 @@ class UpstreamScheduler:
                        f"{describe_upstream_frame(error.__traceback__)}")
         hook(message, self.step_index)
 
-    def get_request_ids(self) -> tuple[RequestId, ...]:
-        return tuple(self.tracks)
-
     def set_step_index(self, index: int) -> None:
         self.step_index = index
 

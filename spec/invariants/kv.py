@@ -19,16 +19,15 @@ def check_kv1(config: ModelConfig, obs: Observation) -> int:
 
     Source: schedule_batch.py, PR 23456.
     """
-    count = 0
     width = _get_row_width(config, obs)
-    for r in obs.get_holding():
+    holding = obs.get_holding()
+    for r in holding:
         if not 0 <= r.kv_committed_len <= r.kv_allocated_len <= width:
             past = " (allocated past the row)" if r.kv_allocated_len > width else ""
             raise fail("KV1", obs, f"for request r{r.rid}: kv_committed_len="
                        f"{r.kv_committed_len}, kv_allocated_len={r.kv_allocated_len}, "
                        f"row width={width}{past}")
-        count += 1
-    return count
+    return len(holding)
 
 
 def _get_row_width(config: ModelConfig, obs: Observation) -> int:
@@ -55,13 +54,12 @@ def check_kv2(config: ModelConfig, obs: Observation) -> int:
 
     Source: mem_cache/common.py release assertion.
     """
-    count = 0
-    for r in obs.get_holding():
+    holding = obs.get_holding()
+    for r in holding:
         if r.kv_committed_len != r.kv_allocated_len:
             raise fail("KV2", obs, f"for request r{r.rid}: kv_committed_len="
                        f"{r.kv_committed_len} != kv_allocated_len={r.kv_allocated_len}")
-        count += 1
-    return count
+    return len(holding)
 
 
 @invariant("KV3", is_spec=True)
@@ -106,8 +104,8 @@ def check_kv4(config: ModelConfig, obs: Observation) -> int:
     Source: memory_pool.py ReqToTokenPool.
     """
     owner: dict[int, int] = {}
-    count = 0
-    for r in obs.get_holding():
+    holding = obs.get_holding()
+    for r in holding:
         if len(r.row_slots) != r.kv_allocated_len:
             raise fail("KV4", obs, f"for request r{r.rid}: row holds {len(r.row_slots)} "
                        f"slots != kv_allocated_len={r.kv_allocated_len}"
@@ -127,13 +125,12 @@ def check_kv4(config: ModelConfig, obs: Observation) -> int:
                 raise fail("KV4", obs, f"for request r{r.rid}: req_to_token position "
                            f"{position} holds slot {slot} outside its pages"
                            f"{_past_the_row(config, obs)}")
-        count += 1
     if obs.launch is not None:
         for write in obs.launch.kv_write_faults:
             if write.reason != "beyond kv_allocated_len":
                 raise fail("KV4", obs, f"for request r{write.rid}: forward wrote position "
                            f"{write.position} (slot {write.slot}): {write.reason}")
-    return count
+    return len(holding)
 
 
 @invariant("KV5")
@@ -145,10 +142,8 @@ def check_kv5(config: ModelConfig, obs: Observation) -> int:
 
     Source: schedule_batch.py reset_for_retract.
     """
-    count = 0
-    for r in obs.requests:
-        if not r.is_retracted:
-            continue
+    retracted = [r for r in obs.requests if r.is_retracted]
+    for r in retracted:
         if (r.kv_committed_len, r.kv_allocated_len) != (0, 0):
             raise fail("KV5", obs, f"for retracted request r{r.rid}: kv_committed_len="
                        f"{r.kv_committed_len}, kv_allocated_len={r.kv_allocated_len}, "
@@ -156,8 +151,7 @@ def check_kv5(config: ModelConfig, obs: Observation) -> int:
         if r.req_pool_idx is not None or r.holds_kv or not r.waiting:
             raise fail("KV5", obs, f"for retracted request r{r.rid}: req_pool_idx="
                        f"{r.req_pool_idx}, holds_kv={r.holds_kv}, waiting={r.waiting}")
-        count += 1
-    return count
+    return len(retracted)
 
 
 @invariant("KV6")
@@ -184,12 +178,10 @@ def check_kv6(config: ModelConfig, obs: Observation) -> int:
         refund = r.inflight_at_release if (config.cell.is_spec and config.cell.preclaim
                                            and not r.ghost.extend_inflight) else 0
         settled = r.committed_at_release - refund
-        low, high = settled, r.committed_at_release
-        if r.ghost.inflight_steps == 0:
-            low = high = settled
-        if not low <= r.kv_committed_len <= high:
+        high = settled if r.ghost.inflight_steps == 0 else r.committed_at_release
+        if not settled <= r.kv_committed_len <= high:
             raise fail("KV6", obs, f"for request r{r.rid}: kv_committed_len="
-                       f"{r.kv_committed_len} after release, expected in [{low}, {high}]")
+                       f"{r.kv_committed_len} after release, expected in [{settled}, {high}]")
         # Non-trivial under overlap once a late result arrived after the release.
         late = r.inflight_at_release > 0 and r.ghost.inflight_steps == 0
         count += 1 if (late or not config.cell.overlap) else 0
@@ -260,17 +252,17 @@ def check_kv8(config: ModelConfig, obs: Observation) -> int:
     """
     if obs.point is not ObservationPoint.PROCESS_RESULT:
         return 0
-    count = 0
-    for r in obs.get_settling():
+    settling = obs.get_settling()
+    for r in settling:
         lead = tr.compute_committed_lead(config.cell, r.ghost.inflight_steps)
         if r.kv_committed_len != r.ghost.settled_len + lead:
             raise fail("KV8", obs, f"for request r{r.rid}: kv_committed_len="
                        f"{r.kv_committed_len} != settled true length {r.ghost.settled_len}"
                        f" + in-flight lead {lead}")
-        count += 1
-    for r in obs.requests:
-        if r.committed_at_release is None or config.cell.trimmed_finish:
-            continue  # the trimmed finish commits less than it settled (KV9 says how much)
+    # The trimmed finish commits less than it settled (KV9 says how much).
+    released = [r for r in obs.requests
+                if r.committed_at_release is not None and not config.cell.trimmed_finish]
+    for r in released:
         lead = tr.compute_committed_lead(config.cell, r.claimed_at_release)
         if r.ghost.extend_inflight:  # an abort mid-chunk: each chunk commits when scheduled
             if r.committed_at_release != r.ghost.kv_len_true:
@@ -282,8 +274,7 @@ def check_kv8(config: ModelConfig, obs: Observation) -> int:
                        f"{r.committed_at_release} at its finish release != settled true "
                        f"length {r.ghost.settled_len} + claimed lead {lead}"
                        + (" - the finishing tail's slot" if r.ghost.finished_at_tail else ""))
-        count += 1
-    return count
+    return len(settling) + len(released)
 
 
 @invariant("KV9")
@@ -349,8 +340,8 @@ def check_kv10(config: ModelConfig, obs: Observation) -> int:
     """
     if obs.point is not ObservationPoint.PROCESS_RESULT:
         return 0
-    count = 0
-    for r in obs.get_settling():
+    settling = obs.get_settling()
+    for r in settling:
         inflation = r.kv_committed_len - r.ghost.settled_len
         if inflation != r.ghost.inflight_steps:
             raise fail("KV10", obs, f"for request r{r.rid}: kv_committed_len="
@@ -359,8 +350,7 @@ def check_kv10(config: ModelConfig, obs: Observation) -> int:
         if not 0 <= r.ghost.inflight_steps <= 1:
             raise fail("KV10", obs, f"for request r{r.rid}: {r.ghost.inflight_steps} steps "
                        "in flight, expected 0 or 1")
-        count += 1
-    return count
+    return len(settling)
 
 
 @invariant("KV11")
@@ -400,7 +390,7 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
     total: float = mixed
     total += sum([min(max_new - out, clip) * view.new_token_ratio
                   for max_new, out in view.running])
-    current, count = mixed, 0
+    current = mixed
     chunk = None if not view.chunk_size else view.chunk_size - mixed
     if continued is not None:
         rid, prefix, fill, max_new, end = continued
@@ -419,7 +409,6 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
         total += paged + page + (min(max_new, clip) if end == fill else 0)
         current += paged + page
         chunk -= paged
-        count += 1
     held = continued is not None
     for k, (rid, fill, max_new, out) in enumerate(view.waiting):
         asked = fill + min(max(max_new - out, 0), clip) + page
@@ -434,7 +423,7 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
                 raise fail("KV11", obs, f"for request r{rid}: left waiting though it asks "
                            f"{asked} tokens < {free - total:.3f} left (free {free}, chunk "
                            f"budget {chunk})")
-            return count + 1
+            return held + k + 1  # the continued request and the waiting ones judged
         if view.latched or k + held >= view.rows or not fits or spent:
             raise fail("KV11", obs, f"for request r{rid}: admitted asking {asked} tokens, "
                        f"{free - total:.3f} left (free {free}, rows {view.rows}, chunk budget "
@@ -447,8 +436,7 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
         total += paged + page + (min(max_new, clip) if end == fill else 0)
         current += paged + page
         chunk = None if chunk is None else chunk - paged
-        count += 1
-    return count
+    return held + len(view.waiting)
 
 
 @invariant("KV12")

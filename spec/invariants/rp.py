@@ -32,10 +32,8 @@ def check_rp1(config: ModelConfig, obs: Observation) -> int:
     result = obs.result
     if result is None:
         return 0
-    count = 0
-    for e in result.entries:
-        if not e.stale:
-            continue
+    stale = [e for e in result.entries if e.stale]
+    for e in stale:
         # The refund is a decode's (a spec decode result is the metered kind): a request
         # aborted for want of memory with its prefill result in flight gets none.
         refund = 1 if (config.cell.is_spec and config.cell.preclaim and e.finished_before
@@ -45,12 +43,20 @@ def check_rp1(config: ModelConfig, obs: Observation) -> int:
                        f"{e.output_after}, kv_committed_len {e.committed_before}->"
                        f"{e.committed_after}, expected unchanged"
                        + (" but for the -1 refund" if refund else ""))
-        count += 1
-    return count
+    return len(stale)
 
 
-def check_rp_output(config: ModelConfig, obs: Observation) -> int:
-    """Shared by RP2: output_ids agrees with what the environment emitted, within budget."""
+@invariant("RP2")
+def check_rp2(config: ModelConfig, obs: Observation) -> int:
+    """accept length and output in range
+
+    1 <= accept_len <= stride, the kept run is no longer than accept_len, and output_ids is what
+    the environment emitted, within max_new_tokens (at a cap of 0 the prefill's token stays only
+    when an abort ends the request).
+
+    Source: batch_result_processor.py _resolve_spec_v2_tokens, schedule_batch.py
+    update_finish_state.
+    """
     count = 0
     for r in obs.requests:
         # A prefill's first token comes before any finish check; at a cap of 0 it stays
@@ -67,21 +73,6 @@ def check_rp_output(config: ModelConfig, obs: Observation) -> int:
             raise fail("RP2", obs, f"for request r{r.rid}: finished with {r.output_len} "
                        "tokens before EOS, max_new_tokens or an abort")
         count += 1 if r.output_len else 0
-    return count
-
-
-@invariant("RP2")
-def check_rp2(config: ModelConfig, obs: Observation) -> int:
-    """accept length and output in range
-
-    1 <= accept_len <= stride, the kept run is no longer than accept_len, and output_ids is what
-    the environment emitted, within max_new_tokens (at a cap of 0 the prefill's token stays only
-    when an abort ends the request).
-
-    Source: batch_result_processor.py _resolve_spec_v2_tokens, schedule_batch.py
-    update_finish_state.
-    """
-    count = check_rp_output(config, obs)
     result = obs.result
     if result is None:
         return count
@@ -222,8 +213,7 @@ def check_rp7(config: ModelConfig, obs: Observation) -> int:
         start = 0 if whole else max(0, min(appended.get(r.rid, len(out) - 1), len(out) - 1))
         if start:
             previous = out[start - 1]
-        for i in range(start, len(out)):
-            token = out[i]
+        for i, token in enumerate(out[start:], start):
             expected = compute_env_token(r.rid, r.prompt_len + i, previous)
             if token != expected and not (token == EOS_TOKEN and i == len(out) - 1):
                 raise fail("RP7", obs, f"for request r{r.rid}: output token {i} is {token}; "
@@ -270,13 +260,12 @@ def check_rp9(config: ModelConfig, obs: Observation) -> int:
 
     Source: scheduler.py ``validate_input_length``, #3910, #9599.
     """
-    count = 0
-    for r in obs.get_holding():
+    holding = obs.get_holding()
+    for r in holding:
         refused = tr.compute_admission(r.prompt_len, 1, config.preset.max_context_len,
                                     config.kv_tokens, config.page_size)[1]
         stand_in = r.prompt_len == 1 and r.last_prompt_token in (None, REFUSED_PROMPT_TOKEN)
         if refused and not stand_in:
             raise fail("RP9", obs, f"for request r{r.rid}: a prompt of {r.prompt_len} "
                        f"tokens holds KV, where validate_input_length refuses it")
-        count += 1
-    return count
+    return len(holding)

@@ -59,18 +59,15 @@ def check_sl3(config: ModelConfig, obs: Observation) -> int:
 
     Source: schedule_batch.py, PR 25818 lazy sum.
     """
-    count = 0
-    for batch in obs.get_schedule_batches():
-        if batch.seq_lens_sum is None:
-            continue
+    summed = [batch for batch in obs.get_schedule_batches() if batch.seq_lens_sum is not None]
+    for batch in summed:
         if batch.seq_lens_cpu is None:
             raise fail("SL3", obs, f"for the batch: seq_lens_sum={batch.seq_lens_sum} "
                        "while seq_lens_cpu is None")
         if batch.seq_lens_sum != sum(batch.seq_lens_cpu):
             raise fail("SL3", obs, f"for the batch: seq_lens_sum={batch.seq_lens_sum} "
                        f"!= sum(seq_lens_cpu)={sum(batch.seq_lens_cpu)}")
-        count += 1
-    return count
+    return len(summed)
 
 
 @invariant("SL4")
@@ -85,10 +82,8 @@ def check_sl4(config: ModelConfig, obs: Observation) -> int:
     """
     reshaped = obs.point in (ObservationPoint.FILTER_BATCH, ObservationPoint.MERGE_BATCH,
                              ObservationPoint.RETRACT_DECODE)
-    count = 0
-    for batch in obs.get_schedule_batches():
-        if not batch.rids:
-            continue
+    holding = [batch for batch in obs.get_schedule_batches() if batch.rids]
+    for batch in holding:
         lengths = {"reqs": len(batch.rids), "seq_lens": len(batch.seq_lens),
                    "req_pool_indices": len(batch.req_pool_indices),
                    "req_pool_indices_cpu": len(batch.req_pool_indices_cpu)}
@@ -99,8 +94,7 @@ def check_sl4(config: ModelConfig, obs: Observation) -> int:
         if batch.future_indices is not None and batch.future_indices != batch.req_pool_indices:
             raise fail("SL4", obs, f"for the batch: future_indices={list(batch.future_indices)}"
                        f" != req_pool_indices={list(batch.req_pool_indices)}")
-        count += 1 if reshaped else 0
-    return count
+    return len(holding) if reshaped else 0
 
 
 @invariant("SL5")
@@ -111,13 +105,12 @@ def check_sl5(config: ModelConfig, obs: Observation) -> int:
 
     Source: PR 25962, 26020.
     """
-    count = 0
-    for batch in obs.get_schedule_batches():
+    batches = obs.get_schedule_batches()
+    for batch in batches:
         floor = 1 if batch.forward_mode == "decode" else 0
         for rid, value in zip(batch.rids, batch.seq_lens, strict=False):
             if value < floor:
                 raise fail("SL5", obs, f"for request r{rid}: seq_lens={value} < {floor}")
-        count += 1
     fb = obs.forward
     if fb is not None:
         floor = 0 if fb.purpose == "extend" else 1
@@ -125,8 +118,7 @@ def check_sl5(config: ModelConfig, obs: Observation) -> int:
             if value < floor:
                 raise fail("SL5", obs, f"for row {j} of the {fb.purpose} ForwardBatch: "
                            f"seq_lens={value} < {floor}")
-        count += 1
-    return count
+    return len(batches) + (0 if fb is None else 1)
 
 
 @invariant("SL6", is_spec=True)
@@ -139,9 +131,8 @@ def check_sl6(config: ModelConfig, obs: Observation) -> int:
     Source: overlap_utils.py resolve.
     """
     launch = obs.launch
-    if obs.point is not ObservationPoint.LAUNCH or launch is None:
-        return 0
-    if launch.forward_mode != "decode":
+    if (obs.point is not ObservationPoint.LAUNCH or launch is None
+            or launch.forward_mode != "decode"):
         return 0
     for m in launch.members:
         if m.published_seq_len is not None and m.seq_len != m.published_seq_len:
@@ -221,12 +212,11 @@ def check_sl9(config: ModelConfig, obs: Observation) -> int:
     if obs.point is not ObservationPoint.RUN_BATCH or iso is None:
         return 0
     before, after = _mirror_fields(iso.entry), _mirror_fields(iso.exit)
-    if iso.reapplied_seq_lens is not None:
-        new = iso.reapplied_seq_lens
+    new = iso.reapplied_seq_lens
+    if new is not None:
         before["seq_lens"] = new
         if iso.entry.seq_lens_cpu is not None:
-            before["seq_lens_cpu"] = new
-            before["seq_lens_sum"] = sum(new)
+            before.update(seq_lens_cpu=new, seq_lens_sum=sum(new))
     for name, value in before.items():
         if after[name] != value:
             raise fail("SL9", obs, f"for the batch field {name}: after run_batch {after[name]}"
