@@ -32,8 +32,11 @@ def _failure_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 # ----------------------------------------------------------------------------- cells
 # A test that takes a ``tier_cell`` argument runs in every cell, but only these six in the
 # default tier: between them every value of each dimension (overlap, page size, speculative
-# mode, CPU mirror, pre-claim). The other 26 are marked slow (``-m slow``); `check`, which
-# CI runs, covers all 32 with the same tier at a larger budget.
+# mode, CPU mirror, pre-claim). The other 26 are marked slow (``-m slow``). Where the test
+# repeats a tier of `check`, `check`, which CI runs, covers all 32 with the same tier at a
+# larger budget. .ci/run runs the 26 of the BMC against the reference, the BMC's plain
+# unrolling and ALLOC lemma, progress, gpu_impl's port test at both presets and the model
+# against the relation (tests/test_model_refines_relation.py).
 DEFAULT_TIER_CELLS = frozenset({
     "ov-p1-none", "nov-p4-none", "ov-p1-v2chain-cpu-honest", "nov-p1-v2chain-cpu-honest",
     "ov-p4-v2chain-nocpu-preclaim", "ov-p1-v2tree-cpu-preclaim",

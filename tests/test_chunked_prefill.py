@@ -398,11 +398,17 @@ def test_prebuilt_arrivals_make_the_chunk_wait_not_empty(cell: str) -> None:
                             ("decode", [1, 2, 3, 4]), ("extend", [rid])]
 
 
+# Two of the seven (page 4 with overlap, about 2 s of CPU each) are ``slow``: .ci/run runs
+# them (its step of the default tier's long tests), and CI's `./dev check` runs the
+# differential with mixed chunks in every cell (its default run's size variants).
 @pytest.mark.parametrize(("cell", "size"), [("ov-p1-none", 4), ("nov-p4-none", 8),
-                                            ("ov-p4-none", 8), ("nov-p1-none", 4),
+                                            pytest.param("ov-p4-none", 8,
+                                                         marks=pytest.mark.slow),
+                                            ("nov-p1-none", 4),
                                             ("ov-p1-v2chain-cpu-honest", 4),
                                             ("nov-p1-v2tree-cpu-honest", 4),
-                                            ("ov-p4-v2chain-cpu-honest", 8)])
+                                            pytest.param("ov-p4-v2chain-cpu-honest", 8,
+                                                         marks=pytest.mark.slow)])
 def test_gpu_impl_agrees_with_the_reference_with_mixed_chunks(cell: str, size: int) -> None:
     """The differential (``overlap-spec diff --sizes chunked_prefill_size=N,mixed_chunk=1``):
     gpu_impl's mixed batches (the decode rows' relay gather on the forward stream, the
@@ -473,7 +479,16 @@ def test_a_spec_tail_commits_its_bonus_slot_unless_it_finishes(cell: str) -> Non
         assert result["modes"] == ["extend", "mixed", "mixed", "extend"]
 
 
-@pytest.mark.parametrize("cell", SPEC_MIXED_CELLS)
+# Two of the six cells in the default tier (a chain without overlap, a tree with it); the
+# other four (about 4 s of CPU each) are ``slow``, and .ci/run runs them (its step of the
+# default tier's long tests). CI's `./dev check` also runs the spec cells with mixed tails
+# clean (its default run's size variants) and kills B20 (its mutant matrix).
+SPEC_MIXED_DEFAULT = ("nov-p1-v2chain-cpu-honest", "ov-p1-v2tree-cpu-honest")
+
+
+@pytest.mark.parametrize("cell", [
+    pytest.param(cell, marks=() if cell in SPEC_MIXED_DEFAULT else pytest.mark.slow)
+    for cell in SPEC_MIXED_CELLS])
 def test_the_reference_holds_every_invariant_with_spec_tails(cell: str) -> None:
     """Spec cells with prompts in chunks of 8 and the decodes mixed in as tails: clean, KV8
     and KV9 witnessed; B20 at the same budget and seed must fail (tails were drawn). The

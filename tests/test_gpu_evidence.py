@@ -31,6 +31,11 @@ def _summary(out: Path) -> dict[str, object]:
     return document
 
 
+# Six child processes that each import torch, and the differential in two cells: about
+# 25 s of CPU, so ``slow``; .ci/run runs it (its step of the default tier's long tests). The
+# default tier keeps the same steps' machinery below: a failing step, a dead or late child,
+# the step list, the carried wheels (the environment step, run for real).
+@pytest.mark.slow
 def test_the_dry_run_runs_every_step_and_writes_its_results(tmp_path: Path) -> None:
     out = tmp_path / "evidence"
     run = run_evidence(out, dry_run=True, command="test dry run")

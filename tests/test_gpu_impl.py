@@ -207,6 +207,13 @@ def test_gpu_impl_supports_every_fault_id_the_reference_does() -> None:
     assert stream_bugs <= set(SUPPORTED_FAULTS)
 
 
+# The gpu_impl column is over a minute of CPU: its test is ``slow`` and .ci/run runs it (the
+# step of the default tier's long tests). CI's own `./dev check` runs this column too, in
+# every representative cell (this fixture takes one), and fails on a survivor. The default
+# tier keeps every bug's saved counterexample failing on gpu_impl
+# (test_reference_counterexamples_replay_on_gpu_impl, below), a faulted gpu_impl's
+# divergence, the race detector's own tests (tests/test_race_detector.py) and the column's
+# crash rules (tests/test_mutants.py).
 @pytest.fixture(scope="module")
 def gpu_matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     out = tmp_path_factory.mktemp("gpu-mutants")
@@ -216,6 +223,7 @@ def gpu_matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     return {r.bug.id: r for r in results}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bug_id", BUG_IDS)
 def test_gpu_impl_checker_kills_every_bug_living_in_its_code(
         gpu_matrix: dict[str, object], bug_id: str) -> None:

@@ -96,12 +96,26 @@ CONFIGS = [ModelConfig(cell, preset) for preset in (MINIMAL, REALISTIC)
            for cell in enumerate_cells()]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: c.name)
-def test_gpu_impl_matches_the_reference_after_every_operation(config: ModelConfig) -> None:
+def _assert_no_divergence(config: ModelConfig) -> None:
     for seed in range(6):
         ops = make_ops(config, random.Random(seed), 50)
         divergence = first_divergence(config, ops)
         assert divergence is None, f"{config.name} seed {seed}: {divergence}"
+
+
+# Six cells in the default tier (tests/conftest.py's ``tier_cell``), the other 26 under
+# ``-m slow``, which .ci/run runs (its step of the default tier's long tests). At the minimal
+# preset CI's `./dev check` also holds gpu_impl to the reference after every operation in
+# every cell (its differential tier, harness/differential/compare.py).
+def test_gpu_impl_matches_the_reference_after_every_operation(tier_cell: str) -> None:
+    _assert_no_divergence(next(c for c in CONFIGS
+                               if c.cell.name == tier_cell and c.preset is MINIMAL))
+
+
+def test_gpu_impl_matches_the_reference_at_realistic_sizes(tier_cell: str) -> None:
+    """The same at the realistic preset (four times the minimal preset's time)."""
+    _assert_no_divergence(next(c for c in CONFIGS
+                               if c.cell.name == tier_cell and c.preset is REALISTIC))
 
 
 def test_a_crash_in_both_is_inconclusive_not_agreement(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -31,7 +31,14 @@ CASES = [
 @pytest.mark.parametrize(("fault", "cell"), CASES, ids=[f"{f}-{c}" for f, c in CASES])
 def test_fault_is_caught_with_its_invariant(fault: str, cell: str) -> None:
     config = ModelConfig(get_cell(cell), MINIMAL)
-    result = check_cell(config, get_profile("ci"), 1, frozenset({fault}))
+    # Hypothesis's shrinker was 95 % of this test's time (about 5 s of CPU a case): the
+    # failing script is minimised as review and the mutant runner do (same first
+    # invariant), which leaves the search, the kill and the saved script's replay as they
+    # were. The shrinker itself runs in `check`'s failing path
+    # (tests/test_script_cli.py::test_check_with_a_fault_fails_and_reports_fail and the
+    # README's `check --faults B3` example, tests/test_readme.py).
+    result = check_cell(config, get_profile("ci"), 1, frozenset({fault}), shrink=False,
+                        minimize=True)
     assert result.violation is not None, f"{fault} survived in {cell}"
     expected = set(get_bug(fault).invariants)
     assert expected & set(result.violation.all_ids), str(result.violation)
@@ -46,7 +53,8 @@ def test_fault_is_caught_with_its_invariant(fault: str, cell: str) -> None:
 
 def test_failure_message_names_id_request_values_and_replay() -> None:
     config = ModelConfig(get_cell("ov-p1-v2chain-cpu-preclaim"), MINIMAL)
-    result = check_cell(config, get_profile("ci"), 1, frozenset({"B3"}))
+    result = check_cell(config, get_profile("ci"), 1, frozenset({"B3"}), shrink=False,
+                        minimize=True)  # as above
     assert result.violation is not None
     text = str(result.violation)
     assert text.split()[0] in get_bug("B3").invariants

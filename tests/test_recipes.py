@@ -31,6 +31,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("spec", "reference", "gpu_impl", "proofs", "upstream", "harness")
 FAMILY_FILE = Path("spec/invariants/rp.py")
@@ -138,6 +140,10 @@ def _run_driver(copy: Path, always_false: bool) -> dict[str, Any]:
     return found
 
 
+# Five commands on a copy of the project in a fresh process, about 12 s of CPU: ``slow``,
+# and .ci/run runs it (its step of the default tier's long tests). The default tier keeps
+# the same copy and one-file edit failing review and the trace checker by its ID (below).
+@pytest.mark.slow
 def test_an_invariant_added_in_one_file_is_checked_by_every_tier(tmp_path: Path) -> None:
     copy = _copy_with_throwaway(tmp_path, always_false=False)
     found = _run_driver(copy, always_false=False)

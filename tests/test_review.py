@@ -141,9 +141,18 @@ def test_ctrl_c_writes_the_report_so_far_marked_incomplete(tmp_path: Path) -> No
 
 
 def test_invariants_without_witness_at_a_tiny_pool_are_n_a_with_their_reason(
-        capsys: pytest.CaptureFixture[str]) -> None:
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     """A pool of 4 tokens leaves many invariants without any witness: each is n/a with
     its reason (one line per invariant and reason, listing its cells), not a failure."""
+    from functools import partial
+
+    from overlap_spec.harness.drive import witness
+
+    # The seeded search tries all its 800 scripts in a cell where invariants stay out of
+    # reach (about 20 s of CPU here); what is tested is the report of those it leaves n/a,
+    # the same after 2 x 40 (tests/test_witness.py runs the full search through `review`).
+    monkeypatch.setattr(witness, "search_witnesses",
+                        partial(witness.search_witnesses, scripts=40))
     code = main(["review", "--cells", "ov-p1-none,nov-p1-none", "--sizes", "kv_tokens=4",
                  "-q", "--jobs", "1"])
     out = capsys.readouterr().out
@@ -152,7 +161,8 @@ def test_invariants_without_witness_at_a_tiny_pool_are_n_a_with_their_reason(
     listed = [line for line in block.splitlines() if line.startswith("  ")
               and not line.startswith("      ")]
     assert listed and all(line.split()[0] in INVARIANT_IDS for line in listed), out
-    assert "no witness at these sizes: the seeded witness search" in out
+    assert ("no witness at these sizes: the seeded witness search on this tree (80 scripts"
+            in " ".join(out.split()))  # the reasons wrap
 
 
 def test_invariants_without_witness_print_one_line_each(

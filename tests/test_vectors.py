@@ -23,6 +23,20 @@ def vectors(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return directory
 
 
+@pytest.fixture(scope="module")
+def few_vectors(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One script a cell and two random tries per (bug, cell): the same kinds of vector,
+    valid and invalid, in every cell, for the tests of a vector's shape."""
+    directory = tmp_path_factory.mktemp("few-vectors")
+    report = generate_vectors(directory, scripts_per_cell=1, fault_tries=2)
+    assert report.valid >= 32 and report.invalid >= 1
+    return directory
+
+
+# The generator's fixture and its replay are about 25 s of CPU: ``slow``; .ci/run runs it
+# (its step of the default tier's long tests). The default tier keeps a smaller set
+# generated, checked green and changed (few_vectors, and the command line's test below).
+@pytest.mark.slow
 def test_vectors_cover_every_cell_and_replay_green(vectors: Path) -> None:
     index = json.loads((vectors / "index.json").read_text())
     entries = index["vectors"]
@@ -43,19 +57,20 @@ def test_vectors_cover_every_cell_and_replay_green(vectors: Path) -> None:
     assert faulted <= listed and listed - faulted <= {"B9"} and "B2" in faulted, faulted
 
 
-def test_a_vector_is_plain_self_contained_json(vectors: Path) -> None:
-    vector = json.loads(next((vectors / "ov-p1-v2chain-cpu-honest").glob("*.json")).read_text())
+def test_a_vector_is_plain_self_contained_json(few_vectors: Path) -> None:
+    vector = json.loads(next((few_vectors / "ov-p1-v2chain-cpu-honest").glob("*.json"))
+                        .read_text())
     assert set(vector) >= {"cell", "preset", "derived", "faults", "prefix", "pre", "events",
                            "post"}
     assert vector["events"][0]["event"] == "op"
     assert {e["event"] for e in vector["events"]} <= {"op", "stream", "observe"}
 
 
-def test_a_changed_vector_fails(vectors: Path, tmp_path: Path) -> None:
-    valid = next(p for p in sorted(vectors.rglob("0003.json")))
-    invalid_entry = next(e for e in json.loads((vectors / "index.json").read_text())["vectors"]
-                         if not e["valid"])
-    for source, change in ((valid, "post"), (vectors / invalid_entry["file"], "invariant")):
+def test_a_changed_vector_fails(few_vectors: Path, tmp_path: Path) -> None:
+    valid = next(p for p in sorted(few_vectors.rglob("0003.json")))
+    invalid_entry = next(e for e in json.loads((few_vectors / "index.json").read_text())[
+        "vectors"] if not e["valid"])
+    for source, change in ((valid, "post"), (few_vectors / invalid_entry["file"], "invariant")):
         vector = json.loads(source.read_text())
         if change == "post":
             state = vector["post"]["state"]
