@@ -19,6 +19,7 @@ from overlap_spec.gpu_impl.req import Req
 from overlap_spec.gpu_impl.runtime import Runtime
 from overlap_spec.spec.transitions import (
     compute_cached_len,
+    compute_inserted_len,
     compute_ns_decode_pages_needed,
     compute_pages_for_len,
     compute_v2_decode_pages_needed,
@@ -113,7 +114,8 @@ def get_decode_pages_needed(rt: Runtime, req: Req, seq_len: int | None) -> int:
 
 
 def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
-    """Release once: the committed prefix to the tree (finish), the rest freed, row cleared.
+    """Release once: the whole pages the release's tree keys from the cached length to the
+    tree (finish: compute_inserted_len), the rest freed, row cleared.
 
     kv_committed_len is unchanged; B11 caches kv_committed_len instead of
     ``Req.owned_kv_len()`` (compute_cached_len); B10 caches ``owned_kv_len`` in a trimmed
@@ -121,7 +123,7 @@ def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
     """
     assert req.holds_kv and req.req_pool_idx is not None, f"r{req.rid} released twice"
     req.release_count += 1
-    cached_pages = 0
+    inserted_pages = 0
     if is_insert:
         rule = (replace(rt.config.cell, trimmed_finish=False) if rt.has_fault("B10")
                 else rt.config.cell)
@@ -129,7 +131,9 @@ def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
             rule, req.kv_committed_len, req.prompt_len, len(req.output_ids),
             req.finished_reason == "abort")
         cached = max(0, min(cached, req.kv_allocated_len))
-        cached_pages = compute_pages_for_len(cached, rt.config.page_size)
+        # The tree keeps the whole pages of the key (one position short under EAGLE); the
+        # partial page is freed with the rest (common.py:433).
+        inserted_pages = compute_inserted_len(rt.config.cell, cached) // rt.config.page_size
         req.cached_len = cached
     elif req.finished():  # a chunked request's abort (checkpoint=False): nothing cached
         req.cached_len = 0
@@ -137,8 +141,8 @@ def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
     # reads them from req_to_token); a page stranded past a shrunk allocation leaks (B12).
     recorded_pages = compute_pages_for_len(req.kv_allocated_len, rt.config.page_size)
     rt.kv.set_owner(list(req.pages), [-1] * len(req.pages))
-    rt.tree.cache_finished_req(req.pages[:cached_pages])
-    rt.allocator.free(req.pages[cached_pages:recorded_pages])
+    rt.tree.cache_finished_req(req.pages[:inserted_pages])
+    rt.allocator.free(req.pages[inserted_pages:recorded_pages])
     rt.req_to_token_pool.free(req.req_pool_idx)
     req.pages = []
     req.holds_kv = False

@@ -21,7 +21,9 @@ What is a tensor here and what is not:
   list first, frees appended, whole chunks evicted oldest first), and host-side page ids
   are what the scheduler's admission arithmetic reads.
 
-Modelling compromise, as in the reference: the radix tree is a sink; nothing is matched.
+Modelling compromise, as in the reference: the radix tree is a sink that takes the whole
+pages the release's tree keys at a finish (``compute_inserted_len``); nothing is matched
+and nothing is checkpointed before the release.
 """
 
 from __future__ import annotations

@@ -261,6 +261,7 @@ class Scheduler:
             new_token_ratio=self.ratio,
             batch_is_full=bool(self.running_batch is not None and self.running_batch.reqs
                                and self.running_batch.batch_is_full),
+            tree_pages=self.rt.tree.evictable_size(),
         )
 
     def _get_batch_state(self, batch: ScheduleBatch | None) -> BatchState | None:

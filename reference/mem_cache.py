@@ -11,6 +11,7 @@ from overlap_spec.reference.runtime import Runtime
 from overlap_spec.spec import relation
 from overlap_spec.spec.happens_before import SCHEDULE
 from overlap_spec.spec.transitions import (
+    compute_inserted_len,
     compute_ns_decode_pages_needed,
     compute_pages_for_len,
     compute_v2_decode_pages_needed,
@@ -94,22 +95,28 @@ def get_decode_pages_needed(rt: Runtime, req: Req, seq_len: int) -> int:
 
 
 def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
-    """Release a request's KV once: committed part to the tree (finish), rest freed.
+    """Release a request's KV once: the whole pages of the cached length to the tree
+    (finish), the rest freed.
 
     The record's update is spec.relation.release_kv_cache; here the memory follows it:
-    the pool row and the pages the row records are freed, and with ``is_insert`` the pages
-    covering the cached length go to the tree cache. Upstream finds the pages to free in
+    the pool row and the pages the row records are freed, and with ``is_insert`` the
+    pages the release's tree keys from the cached length (compute_inserted_len: whole
+    pages, one position short under EAGLE) go to the tree cache; the partial page is freed
+    (common.py:433). Upstream finds the pages to free in
     ``req_to_token[row, :kv_allocated_len]`` (``_release_overallocated_kv_indices``), so a
     page past a shrunk allocation (B12's stranded tail) is never freed: it leaks (KV7).
     """
     row = req.req_pool_idx
-    recorded_pages = compute_pages_for_len(req.kv_allocated_len, rt.config.page_size)
+    cell = rt.config.cell
+    recorded_pages = compute_pages_for_len(req.kv_allocated_len, cell.page_size)
     # its guard: released twice
-    req.apply(relation.release_kv_cache, rt.config.cell, is_insert, rt.faults)
+    req.apply(relation.release_kv_cache, cell, is_insert, rt.faults)
     assert row is not None
     cached = req.cached_len if is_insert else None
-    cached_pages = 0 if cached is None else compute_pages_for_len(cached, rt.config.page_size)
-    rt.tree.cache_finished_req(req.pages[:cached_pages])
-    rt.allocator.free(req.pages[cached_pages:recorded_pages])
+    inserted = 0 if cached is None else compute_inserted_len(cell, cached)
+    inserted_pages = inserted // cell.page_size
+    req.inserted_len = None if req.cached_len is None else inserted
+    rt.tree.cache_finished_req(req.pages[:inserted_pages])
+    rt.allocator.free(req.pages[inserted_pages:recorded_pages])
     rt.req_to_token.free(row)
     req.pages = []

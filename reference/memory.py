@@ -6,9 +6,13 @@ release_kv_cache), ``mem_cache/radix_cache.py`` (cache_finished_req).
 
 Modelling compromises:
 - The allocator works in pages; with page_size 1 a page is a slot.
-- The radix tree is a sink: finished requests hand it pages, which stay
-  evictable and are evicted first-in first-out when the allocator runs short. No
-  prefix is ever matched, so no request starts with shared pages.
+- The radix tree is a sink: a finish release hands it the whole pages the release's
+  tree would key (``compute_inserted_len``: ``floor_p(owned)``, ``floor_p(owned - 1)``
+  under EAGLE) and frees the partial page; they stay evictable and are evicted
+  first-in first-out when the allocator runs short. No prefix is ever matched, so no
+  request starts with shared pages, and nothing is checkpointed before the release (the
+  release's prefill-completion and chunk checkpoints, ``docs/upstream-radix-sharing.md``
+  section 1.3, are not modelled).
 """
 
 from __future__ import annotations

@@ -102,6 +102,7 @@ class Refinement:
             owned_pages=pages,
             release_count=req.release_count,
             cached_len=req.cached_len,
+            inserted_len=req.inserted_len,
             committed_at_release=req.committed_at_release,
             inflight_at_release=g.inflight_at_release,
             claimed_at_release=g.claimed_at_release,

@@ -25,6 +25,7 @@ class Req:
                  prebuilt: bool = False, refused: bool = False) -> None:
         self.state = admit(rid, prompt_len, max_new_tokens, prebuilt, refused)
         self.pages: list[PageId] = []  # page k holds columns [k*p, (k+1)*p)
+        self.inserted_len: int | None = None  # what the tree keyed at the finish release
 
     def apply(self, transition: Callable[Concatenate[RequestRecord, P], RequestRecord],
               *args: P.args, **kwargs: P.kwargs) -> None:

@@ -224,6 +224,7 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio,
             batch_is_full=bool(self.running_batch and self.running_batch.reqs
                                and self.running_batch.batch_is_full),
+            tree_pages=rt.tree.evictable_size(),
         )
 
     @staticmethod

@@ -58,6 +58,7 @@ class ObservableState:
     # batch's latch before reading it, and a merge replaces an empty batch).
     new_token_ratio: float
     batch_is_full: bool
+    tree_pages: int = 0  # of free_pages, those the tree cache holds (its insert's cut)
 
 
 class SchedulerModel(Protocol):

@@ -103,6 +103,9 @@ class RequestView:
     prefix_len: int = 0
     extend_end: int = 0
     inflight_middle_chunks: int = 0
+    # Of cached_len, the positions the tree keyed at the finish release (KV9's inserted
+    # half); None where the implementation does not say (a disabled tree, a trace).
+    inserted_len: int | None = None
 
     @property
     def is_live(self) -> bool:

@@ -328,6 +328,21 @@ def compute_cached_len(cell: Cell, committed: int, prompt_len: int, output_len: 
     return min(committed, prompt_len + output_len)
 
 
+def compute_inserted_len(cell: Cell, handed: int) -> int:
+    """Positions of the ``handed`` length (compute_cached_len) the tree keeps; the release
+    frees the rest, the partial page included (``release_kv_cache``, common.py:421-438).
+
+    ``checkpoint_into_tree`` keys ``full_untruncated_fill_ids[:up_to]``
+    (unified_radix_cache.py:1170), as bigrams under EAGLE, one shorter (``RadixKey.__len__``,
+    radix_cache.py:96-100; every spec cell is EAGLE), cut to whole pages (``page_aligned``,
+    radix_cache.py:147-151; unified_radix_cache.py:1232-1234): ``floor_p(handed - 1)`` or
+    ``floor_p(handed)``. The fill ids (prompt + every output token) are never shorter than
+    ``kv_committed_len`` >= ``handed``, so their cut does not bind.
+    """
+    key_len = max(handed - 1, 0) if cell.is_spec else handed
+    return key_len // cell.page_size * cell.page_size
+
+
 def compute_committed_lead(cell: Cell, inflight_steps: int) -> int:
     """How far kv_committed_len runs ahead of the settled truth (KV8, KV10).
 

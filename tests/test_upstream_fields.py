@@ -24,8 +24,9 @@ from overlap_spec.upstream.fields import (
 )
 
 # What each reader adds from what it tracks around the calls, not from the request.
-READER_FIELDS = {"rid", "finished", "release_count", "cached_len", "committed_at_release",
-                 "inflight_at_release", "claimed_at_release", "finish_reason", "ghost"}
+READER_FIELDS = {"rid", "finished", "release_count", "cached_len", "inserted_len",
+                 "committed_at_release", "inflight_at_release", "claimed_at_release",
+                 "finish_reason", "ghost"}
 PLACEMENT_FIELDS = {"waiting", "row_slots", "owned_pages"}
 
 

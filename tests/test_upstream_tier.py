@@ -605,6 +605,62 @@ def test_the_admission_rule_is_the_releases_for_every_prompt_length() -> None:
     assert any(r[3][1] for r in rows) and any(0 < r[3][0] < r[2] for r in rows)
 
 
+RADIX_PROBE = """
+import json
+import sys
+from overlap_spec.harness.drive.script import Admit, Iterate, Script, apply_op
+from overlap_spec.spec.invariants import get_invariant
+from overlap_spec.spec.state import IterationChoices
+from overlap_spec.upstream.adapter import make_upstream
+
+iterate = Iterate(IterationChoices(allow_prefill=True, accept_lens=(4, 4, 4)))
+ops = [Admit(5, 3), iterate, Admit(4, 1), iterate, Admit(5, 8)] + [iterate] * 10
+config = Script(sys.argv[1], "minimal", ops, ()).get_config()
+seen = []
+model = make_upstream(config, frozenset(), seen.append)
+admitted = []
+for op in ops:
+    apply_op(model, op, admitted)
+with_tree = [o for o in seen if o.allocator.tree_pages and any(r.holds_kv for r in o.requests)]
+last = seen[-1]
+print(json.dumps({"keyed": [[r.cached_len, r.inserted_len] for r in last.requests],
+                  "tree_pages": len(last.allocator.tree_pages),
+                  "kv7_with_a_live_request": len(with_tree),
+                  "kv9": get_invariant("KV9").check(config, last)}))
+"""
+
+
+@needs_sglang
+@pytest.mark.parametrize(("cell", "keyed", "tree_pages"), [
+    ("ov-p4-none", [[7, 4], [4, 4], [12, 12]], 5),  # floor4(cached)
+    ("ov-p4-v2chain-cpu-honest", [[8, 4], [4, 0], [13, 12]], 4),  # floor4(cached - 1)
+])
+def test_the_releases_own_tree_keys_what_the_sink_keeps(cell: str, keyed: list[list[int]],
+                                                        tree_pages: int) -> None:
+    """With ``--radix-force-miss``'s switch the release runs its own radix tree, every match
+    a miss: at each finish it keys the whole pages of the cached length, one short under
+    EAGLE, as compute_inserted_len (and the reference's sink, tests/test_tree_cut.py) says;
+    KV7 sees its unlocked pages beside a live request's, KV9 judges what it keyed."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OVERLAP_SPEC_UPSTREAM_RADIX_FORCE_MISS="1")
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", RADIX_PROBE, cell],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["keyed"] == keyed
+    assert result["tree_pages"] == tree_pages
+    assert result["kv7_with_a_live_request"] > 0 and result["kv9"] == 3
+
+
+@needs_sglang
+def test_the_radix_force_miss_run_passes(tmp_path: Path) -> None:
+    """``upstream check --radix-force-miss``: the tier on the release's own tree passes,
+    its report saying the tree was on."""
+    done = run_cli("check", "--radix-force-miss", "--cells", "ov-p4-v2chain-nocpu-honest",
+                   "--profile", "quick", "--out", str(tmp_path), "-q")
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "with the release's radix tree on, every match forced to miss" in done.stdout
+
+
 @needs_sglang
 def test_a_refused_and_a_capped_prompt_agree_with_the_release(tmp_path: Path) -> None:
     """The release queues a refused prompt as one token with a deferred abort; the

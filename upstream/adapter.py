@@ -114,6 +114,7 @@ class _Track:
         self.ghost = Ghost()
         self.release_count = 0
         self.cached_len: int | None = None
+        self.inserted_len: int | None = None
         self.committed_at_release: int | None = None
         # Aborted while waiting: Scheduler.abort_request pops it and sends the abort to the
         # client (send_abort_output) without setting finished_reason; it has left.
@@ -281,13 +282,14 @@ class UpstreamScheduler:
             requests=tuple(requests),
             running=self._batch_state(sched.running_batch),
             last_batch=self._batch_state(sched.last_batch),
-            free_pages=int(sched.token_to_kv_pool_allocator.available_size())
-            // self.config.page_size,
+            free_pages=int(sched.token_to_kv_pool_allocator.available_size()
+                           + sched.tree_cache.evictable_size()) // self.config.page_size,
             kv_write_faults=self.kv_write_fault_count,
             accept_counters=self.accept_counters,
             new_token_ratio=float(sched.new_token_ratio_tracker.current),
             batch_is_full=bool(sched.running_batch.batch_is_full
                                and not sched.running_batch.is_empty()),
+            tree_pages=int(sched.tree_cache.evictable_size()) // self.config.page_size,
         )
 
     # ------------------------------------------------------------------ host: the worker
@@ -556,6 +558,11 @@ class UpstreamScheduler:
         if req.finished():
             track.committed_at_release = int(req.kv.kv_committed_len)
             track.cached_len = int(req.owned_kv_len()) if checkpointed else 0
+            # The checkpoint just set cache_protected_len to the keyed length, K
+            # (unified_radix_cache.py:1317); a disabled tree keys nothing and says nothing.
+            tree_on = not getattr(self.scheduler.tree_cache, "disable", True)
+            track.inserted_len = (int(req.kv.cache_protected_len) if checkpointed and tree_on
+                                  else None)
             track.ghost = ghost_release(track.ghost)
 
     def on_run_batch_exit(self, batch: Any, result: Any) -> None:
@@ -680,6 +687,7 @@ class UpstreamScheduler:
             finished=track.is_finished(),
             release_count=track.release_count,
             cached_len=track.cached_len,
+            inserted_len=track.inserted_len,
             committed_at_release=track.committed_at_release,
             inflight_at_release=g.inflight_at_release,
             claimed_at_release=g.claimed_at_release,
@@ -708,8 +716,8 @@ class UpstreamScheduler:
 
     def get_allocator_view(self) -> AllocatorView:
         view = read_allocator(self.scheduler)
-        if view is None:  # session.py builds the tree cache with disable=True
-            raise RuntimeError("the tier's tree cache holds pages: the radix cache is on")
+        if view is None:  # session.py builds the tree disabled, or walkable (force-miss)
+            raise RuntimeError("the tier's tree cache holds pages it cannot enumerate")
         return view
 
     # ------------------------------------------------------------------ helpers

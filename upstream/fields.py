@@ -18,6 +18,7 @@ the request itself; a string ``forward_mode``); on 0.5.23 every name is the rele
 
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -213,20 +214,60 @@ def read_free_pages(alloc: Any, page_size: int) -> list[int]:
                                                 or [])
 
 
-def read_allocator(sched: Any) -> AllocatorView | None:
-    """Free pages and pool rows; None when a tree cache may hold pages (a ``tree_cache``
-    not marked ``disable``: the radix cache enabled), which this view cannot enumerate: KV4
-    and KV7 are then not judged. The tier builds its tree with ``disable=True``."""
-    tree = getattr(sched, "tree_cache", None)
-    if tree is not None and not getattr(tree, "disable", False):
+# Opt-in (issue 42, step 0 of docs/upstream-radix-sharing.md): the release's own radix tree
+# on (python core, bigram keys under EAGLE), every match forced to zero by the release's
+# ``SGLANG_RADIX_FORCE_MISS`` (mem_cache/common.py:240-243): inserts, locks, dedup and
+# eviction run, nothing is shared. Off by default: the tier builds the tree disabled
+# (``upstream/session.py``); ``overlap-spec upstream --radix-force-miss`` sets it.
+RADIX_FORCE_MISS_ENV: Final = "OVERLAP_SPEC_UPSTREAM_RADIX_FORCE_MISS"
+
+
+def is_radix_force_miss() -> bool:
+    return os.environ.get(RADIX_FORCE_MISS_ENV, "") not in ("", "0")
+
+
+def read_unlocked_tree_pages(tree: Any, page_size: int) -> list[int] | None:
+    """The pages of the tree's unlocked device nodes (``component_data[FULL]``: ``value``,
+    ``lock_ref``), walked from ``root_node`` on the python core; None when the core is not
+    walkable (the Rust one). A locked node's pages are its one holder's (no match is
+    shared under ``SGLANG_RADIX_FORCE_MISS``): its row holds them, and they count as that
+    request's, so KV7's partition is unchanged."""
+    core = getattr(tree, "tree_core", None)
+    root = getattr(core, "root_node", None)
+    if root is None:
         return None
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    full = ComponentType.FULL
+    pages: list[int] = []
+    stack = list(root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        data = node.component_data[full]  # a list indexed by ComponentType
+        if data.value is not None and data.lock_ref == 0:
+            pages += dict.fromkeys(int(s) // page_size for s in data.value.tolist())
+    return pages
+
+
+def read_allocator(sched: Any) -> AllocatorView | None:
+    """Free pages, the tree's unlocked pages and pool rows; None when a tree cache may hold
+    pages this view cannot enumerate (the radix cache on a Rust core): KV4 and KV7 are then
+    not judged. The tier builds its tree with ``disable=True``, or on the python core with
+    every match forced to miss (``is_radix_force_miss``)."""
     alloc, pool = sched.token_to_kv_pool_allocator, sched.req_to_token_pool
     page_size = int(getattr(alloc, "page_size", 1))
+    tree = getattr(sched, "tree_cache", None)
+    tree_pages: list[int] | None = []
+    if tree is not None and not getattr(tree, "disable", False):
+        tree_pages = read_unlocked_tree_pages(tree, page_size)
+    if tree_pages is None:
+        return None
     table = getattr(pool, "req_to_token", None)
     return AllocatorView(
         total_pages=int(alloc.size) // page_size, page_size=page_size,
         free_pages=tuple(PageId(p) for p in read_free_pages(alloc, page_size)),
-        tree_pages=(),
+        tree_pages=tuple(PageId(p) for p in tree_pages),
         free_pool_rows=tuple(PoolRow(int(r)) for r in pool.free_slots),
         pool_rows=int(pool.size),
         row_width=0 if table is None else int(table.shape[1]))

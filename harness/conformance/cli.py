@@ -366,6 +366,10 @@ def cmd_upstream(args: argparse.Namespace) -> int:
     """Exit codes: 0 every drivable cell passed; 1 a violation, divergence, crash or
     vacuous invariant; 3 the tier cannot drive this sglang (no cell ran); bad input raises
     a :class:`UsageError` (exit 2, one line) before any cell runs."""
+    if getattr(args, "radix_force_miss", False):  # every process it starts inherits it
+        from overlap_spec.upstream.fields import RADIX_FORCE_MISS_ENV
+
+        os.environ[RADIX_FORCE_MISS_ENV] = "1"
     if args.action == "stand-ins":
         from overlap_spec.upstream.standins import describe_stand_ins
 
@@ -563,6 +567,12 @@ def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
                         default=max(1, min(2, os.cpu_count() or 1)),
                         help="cells run at once, one forked process each (default %(default)s)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--radix-force-miss", action="store_true",
+                        help="run the release's own radix tree (python core, bigram keys "
+                             "under EAGLE) with every match forced to miss "
+                             "(SGLANG_RADIX_FORCE_MISS): inserts, locks and eviction run, "
+                             "nothing is shared; KV7 counts its unlocked pages and KV9 judges "
+                             "what it keyed (docs/upstream-tier.md)")
 
 
 UPSTREAM_EPILOG = """exit codes: 0 every drivable cell passed (compat: every name present);

@@ -73,6 +73,11 @@ def render_report(report: dict[str, Any]) -> str:
              + (f", sizes {format_sizes(report['sizes'])}" if report.get("sizes") else "")]
     if report["sglang"].get("environment"):
         lines.append(f"driven in {report['sglang']['environment']}")
+    from overlap_spec.upstream.fields import is_radix_force_miss
+
+    if is_radix_force_miss():
+        lines.append("with the release's radix tree on, every match forced to miss "
+                     "(--radix-force-miss): nothing shared")
     width = max(len(c) for c in report["cells"])
     wide = max(7, *(len(r["verdict"]) for r in report["cells"].values()))
     lines.append(f"{'cell':<{width}}  {'verdict':<{wide}}  invariants                 "

@@ -211,7 +211,10 @@ def normalize_slots(state: ObservableState, page_size: int) -> ObservableState:
 def get_differences(reference: ObservableState, upstream: ObservableState, page_size: int = 1
                     ) -> list[tuple[str, Any, Any]]:
     """Every differing field as (path, reference value, upstream value), rows compared
-    after :func:`normalize_slots`."""
+    after :func:`normalize_slots`. The tree's page count is not compared: with the
+    release's tree on (``upstream.fields.is_radix_force_miss``) it dedups identical keys
+    and evicts at a retraction and by nodes, none of which the reference's sink models
+    (``docs/upstream-radix-sharing.md`` section 5, step 0)."""
     reference = normalize_slots(reference, page_size)
     upstream = normalize_slots(upstream, page_size)
     out: list[tuple[str, Any, Any]] = []

@@ -286,10 +286,12 @@ def check_kv9(config: ModelConfig, obs: Observation) -> int:
     against the settled truth) and caches ``owned_kv_len``: that cut at prompt + the visible
     output, all of it for an abort (no ``finished_len``); the trimmed finish commits and
     caches prompt + output - 1; an abort of the chunked request, its prefill pending, caches
-    nothing.
+    nothing. Of what it caches the tree keys the whole pages, one position short under EAGLE
+    (compute_inserted_len), and the release frees the partial page.
 
     Source: ``_resolve_spec_v2_tokens``, ``Req.owned_kv_len``,
-    ``process_pending_chunked_abort``; #22897 (M2); the proposal: #35694, #24590.
+    ``process_pending_chunked_abort``, ``checkpoint_into_tree``; #22897 (M2); the proposal:
+    #35694, #24590.
     """
     count = 0
     if obs.point is ObservationPoint.PROCESS_RESULT and config.cell.is_spec:
@@ -323,6 +325,11 @@ def check_kv9(config: ModelConfig, obs: Observation) -> int:
             raise fail("KV9", obs, f"for request r{r.rid}: cached {r.cached_len} tokens at "
                        f"finish, expected {rule} = {expected} (prompt + visible output "
                        f"{shown}, committed {committed})")
+        inserted = tr.compute_inserted_len(config.cell, r.cached_len)
+        if r.inserted_len is not None and r.inserted_len != inserted:
+            raise fail("KV9", obs, f"for request r{r.rid}: the tree keyed {r.inserted_len} of "
+                       f"the {r.cached_len} cached positions, expected {inserted} (whole "
+                       "pages" + (", one short: a bigram key)" if config.cell.is_spec else ")"))
         if trimmed and committed - lead != with_kv and not r.is_mid_prefill:
             raise fail("KV9", obs, f"for request r{r.rid}: kv_committed_len={committed} - "
                        f"claimed lead {lead} at finish != prompt + output - 1 = {with_kv}")
