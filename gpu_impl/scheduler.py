@@ -152,7 +152,8 @@ class Scheduler:
         self.pending_chunked_abort: Req | None = None
 
     # ------------------------------------------------------------------ interface
-    def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False) -> RequestId:
+    def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False,
+              family: int | None = None) -> RequestId:
         """Capped as ``init_req_max_new_tokens`` caps it; a prompt ``validate_input_length``
         refuses is queued as one token with an abort its first result promotes."""
         rid = RequestId(self.next_rid)
@@ -165,7 +166,8 @@ class Scheduler:
         if prebuilt:  # a PD-decode request needs room for one token past its first
             capped = max(capped, 2)
         req = Req(rid, TokenCount(1 if refused else prompt_len), TokenCount(capped),
-                  get_last_prompt_token(rid, prompt_len, refused), prebuilt=prebuilt,
+                  get_last_prompt_token(rid if family is None else family, prompt_len, refused),
+                  prebuilt=prebuilt,
                   to_finish="abort" if refused else None)
         self.requests[rid] = req
         self.waiting_queue.append(req)

@@ -22,8 +22,9 @@ P = ParamSpec("P")
 
 class Req:
     def __init__(self, rid: RequestId, prompt_len: TokenCount, max_new_tokens: TokenCount,
-                 prebuilt: bool = False, refused: bool = False) -> None:
-        self.state = admit(rid, prompt_len, max_new_tokens, prebuilt, refused)
+                 prebuilt: bool = False, refused: bool = False, family: int | None = None) -> None:
+        self.state = admit(rid, prompt_len, max_new_tokens, prebuilt, refused, family)
+        self.family = rid if family is None else family  # the prompt's tokens (spec.state)
         self.pages: list[PageId] = []  # page k holds columns [k*p, (k+1)*p)
         self.inserted_len: int | None = None  # what the tree keyed at the finish release
 

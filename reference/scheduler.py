@@ -117,7 +117,8 @@ class Scheduler:
         self.pending_chunked_abort: Req | None = None
 
     # ------------------------------------------------------------------ interface
-    def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False) -> RequestId:
+    def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False,
+              family: int | None = None) -> RequestId:
         rid = RequestId(self.next_rid)
         self.next_rid += 1
         cfg = self.config
@@ -125,7 +126,7 @@ class Scheduler:
                                             cfg.preset.max_context_len, cfg.kv_tokens,
                                             cfg.page_size)
         refused = refused and not self.rt.has_fault("B24")  # B24: no validate_input_length
-        req = Req(rid, TokenCount(prompt_len), TokenCount(capped), prebuilt, refused)
+        req = Req(rid, TokenCount(prompt_len), TokenCount(capped), prebuilt, refused, family)
         self.requests[rid] = req
         self.waiting_queue.append(req)
         return rid

@@ -75,7 +75,7 @@ from __future__ import annotations
 import enum
 import functools
 import itertools
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Final
 
 from overlap_spec.spec.units import TokenCount
@@ -103,6 +103,9 @@ class Cell:
     trimmed_finish: bool = False  # the proposal: cut the run before committing, cache - 1
     cpu_ub: bool = False  # the proposal: seq_len_cpu_ub without the host mirror (#27979)
     early_fence: bool = False  # the proposal: read-done before the publish, not after draft-extend
+    # The radix prefix cache on (the release's default; spec/radix.py). Radix cells are the
+    # release's cells with it: enumerate_radix_cells, not yet in enumerate_cells' run.
+    radix: bool = False
 
     @property
     def skips_finishing_decode(self) -> bool:
@@ -143,7 +146,8 @@ class Cell:
                     "overshoot": self.overshoot and not self.preclaim,  # pre-claim implies it
                     "trimmed": self.trimmed_finish,
                     "ub": self.cpu_ub,
-                    "earlyfence": self.early_fence}
+                    "earlyfence": self.early_fence,
+                    "radix": self.radix}
         return "-".join(parts + [suffix for suffix, on in suffixes.items() if on])
 
 
@@ -411,8 +415,16 @@ def enumerate_cells() -> tuple[Cell, ...]:
 
 
 @functools.cache
+def enumerate_radix_cells() -> tuple[Cell, ...]:
+    """The radix cells: each release cell (no era, no proposal) with the radix cache on.
+    Only the reference models them so far (docs/upstream-radix-sharing.md section 5)."""
+    return tuple(replace(cell, radix=True) for cell in enumerate_cells()
+                 if not get_departures(cell))
+
+
+@functools.cache
 def _get_cells_by_name() -> dict[str, Cell]:
-    return {cell.name: cell for cell in enumerate_cells()}
+    return {cell.name: cell for cell in (*enumerate_cells(), *enumerate_radix_cells())}
 
 
 def get_cell(name: str) -> Cell:

@@ -64,8 +64,10 @@ class ObservableState:
 class SchedulerModel(Protocol):
     config: ModelConfig
 
-    def admit(self, prompt_len: int, max_new_tokens: int) -> RequestId:
-        """A new request joins the waiting queue."""
+    def admit(self, prompt_len: int, max_new_tokens: int, *,
+              family: int | None = None) -> RequestId:
+        """A new request joins the waiting queue; its prompt is of ``family``
+        (``compute_prompt_token``; None: its own id)."""
         ...
 
     def admit_prebuilt(self, prompt_len: int, max_new_tokens: int) -> RequestId:

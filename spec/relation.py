@@ -233,18 +233,19 @@ def _require_decodable(name: str, req: RequestRecord) -> None:
 
 
 def admit(rid: RequestId, prompt_len: TokenCount, max_new_tokens: TokenCount,
-          prebuilt: bool = False, refused: bool = False) -> RequestRecord:
+          prebuilt: bool = False, refused: bool = False,
+          family: int | None = None) -> RequestRecord:
     """A new request in the waiting queue (``Scheduler.handle_generate_request``), with
     ``max_new_tokens`` already capped (``transitions.compute_admission``).
 
     A PD-decode request (``prebuilt``) arrives with its first token, so it needs room
     for at least one more. A ``refused`` prompt (too long) is queued anyway, as
     ``set_finish_with_abort`` leaves it: one prompt token and an abort that its first
-    result promotes.
+    result promotes. A prompt of another request's ``family`` shares its tokens.
     """
     if prebuilt:
         max_new_tokens = TokenCount(max(max_new_tokens, 2))
-    last = get_last_prompt_token(rid, prompt_len, refused)
+    last = get_last_prompt_token(rid if family is None else family, prompt_len, refused)
     if refused:
         return RequestRecord(rid, TokenCount(1), max_new_tokens, prebuilt=prebuilt,
                              to_finish="abort", ghost=Ghost(abort_requested=True),

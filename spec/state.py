@@ -106,6 +106,13 @@ class RequestView:
     # Of cached_len, the positions the tree keyed at the finish release (KV9's inserted
     # half); None where the implementation does not say (a disabled tree, a trace).
     inserted_len: int | None = None
+    # The radix prefix cache (cells with ``radix``): Req.kv.cache_protected_len (row[0:cpl]
+    # is the tree's, the request's own KV is [cpl, kv_allocated_len)), the node its lock
+    # holds (Req.lock / last_node; None: no lock), and the prompt's token family
+    # (compute_prompt_token: two requests of one family share their prompt's prefix).
+    cache_protected_len: int = 0
+    lock_node: int | None = None
+    prompt_family: int | None = None
 
     @property
     def is_live(self) -> bool:
@@ -292,6 +299,38 @@ class AllocatorView:
 
 
 @dataclass(frozen=True)
+class TreeNodeView:
+    """One node of the radix tree: its key (whole pages of tokens, bigrams under EAGLE), one
+    page per page of the key, its parent (None: a child of the root) and its lock count."""
+
+    id: int
+    parent: int | None
+    key: tuple[object, ...]
+    pages: tuple[PageId, ...]
+    lock_ref: int
+
+
+@dataclass(frozen=True)
+class TreeView:
+    """The radix tree (``UnifiedRadixCache``): its nodes (the root left out) and its sizes in
+    tokens, as the release keeps them (``evictable_size_`` / ``protected_size_``)."""
+
+    nodes: tuple[TreeNodeView, ...]
+    evictable_size: int
+    protected_size: int
+
+    def get_path(self, node_id: int | None) -> list[TreeNodeView]:
+        """The nodes from the root's child down to ``node_id`` (empty for None); a
+        :class:`KeyError` for a node not in the tree."""
+        by_id = {node.id: node for node in self.nodes}
+        path: list[TreeNodeView] = []
+        while node_id is not None:
+            path.append(by_id[node_id])
+            node_id = by_id[node_id].parent
+        return path[::-1]
+
+
+@dataclass(frozen=True)
 class Observation:
     """Everything one observation point shows. Parts that do not apply are None."""
 
@@ -310,6 +349,7 @@ class Observation:
     host_syncs: tuple[str, ...] | None = None  # at ITERATION_END: syncs of this iteration
     chunked_rid: RequestId | None = None  # Scheduler.chunked_req (chunked prefill)
     launched_this_iteration: bool = False
+    tree: TreeView | None = None  # the radix tree (cells with ``radix``; None elsewhere)
     # Cross-participant access pairs whose order was checked since the previous
     # observation (races included): the stream claims' witnesses. Not written to traces:
     # the trace checker recomputes them from the stream events.
@@ -380,13 +420,23 @@ EOS_TOKEN: Final = 0
 REFUSED_PROMPT_TOKEN: Final = 0  # set_finish_with_abort leaves origin_input_ids = [0]
 
 
-def compute_prompt_token(rid: int, index: int) -> int:
-    """Token ``index`` of request ``rid``'s prompt (never EOS)."""
-    return 100 + (rid * 13 + index) % 800
+def compute_prompt_token(family: int, index: int) -> int:
+    """Token ``index`` of a prompt of ``family`` (never EOS). A request's family is its own
+    id unless it was admitted into another's (``Admit.family``): then the two prompts
+    agree wherever both have a token, which is what a radix tree can share."""
+    return 100 + (family * 13 + index) % 800
 
 
-def get_last_prompt_token(rid: int, prompt_len: int, refused: bool) -> int:
-    return REFUSED_PROMPT_TOKEN if refused else compute_prompt_token(rid, prompt_len - 1)
+def get_last_prompt_token(family: int, prompt_len: int, refused: bool) -> int:
+    return REFUSED_PROMPT_TOKEN if refused else compute_prompt_token(family, prompt_len - 1)
+
+
+def get_prompt_tokens(family: int, prompt_len: int, refused: bool) -> list[int]:
+    """``origin_input_ids``: a refused prompt is the one token ``set_finish_with_abort``
+    leaves."""
+    if refused:
+        return [REFUSED_PROMPT_TOKEN]
+    return [compute_prompt_token(family, i) for i in range(prompt_len)]
 
 
 def compute_env_token(rid: int, position: int, previous: int) -> int:

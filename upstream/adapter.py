@@ -182,7 +182,8 @@ class UpstreamScheduler:
         hooks.HOST.attach(self)
 
     # ------------------------------------------------------------------ interface
-    def admit(self, prompt_len: int, max_new_tokens: int) -> RequestId:
+    def admit(self, prompt_len: int, max_new_tokens: int, *,
+              family: int | None = None) -> RequestId:
         from array import array
 
         self.retracted_in_operation = frozenset()
@@ -193,7 +194,8 @@ class UpstreamScheduler:
         rid = RequestId(len(self.tracks))
         params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0.0)
         params.normalize(None)
-        prompt = array("q", [compute_prompt_token(int(rid), k) for k in range(prompt_len)])
+        family = int(rid) if family is None else family
+        prompt = array("q", [compute_prompt_token(family, k) for k in range(prompt_len)])
         # abort_request matches rids by prefix ("r1" would also abort "r10"): end with ":".
         req = Req(f"r{rid}:", "", prompt, params, vocab_size=1000, eos_token_ids={EOS_TOKEN})
         # The release's admission (handle_generate_request, scheduler.py:3242-3251): the

@@ -53,6 +53,9 @@ class ScriptError(ValueError):
 class Admit:
     prompt_len: int
     max_new_tokens: int
+    # The prompt's token family (spec.state.compute_prompt_token); None: the request's own
+    # id. Requests of one family share their prompts' common prefix (radix cells share it).
+    family: int | None = None
 
 
 @dataclass(frozen=True)
@@ -108,7 +111,9 @@ class Script:
 
 def op_to_json(op: Op) -> dict[str, Any]:
     if isinstance(op, Admit):
-        return {"op": "admit", "prompt_len": op.prompt_len, "max_new_tokens": op.max_new_tokens}
+        family = {} if op.family is None else {"family": op.family}
+        return {"op": "admit", "prompt_len": op.prompt_len, "max_new_tokens": op.max_new_tokens,
+                **family}
     if isinstance(op, AdmitPrebuilt):
         return {"op": "admit_prebuilt", "prompt_len": op.prompt_len,
                 "max_new_tokens": op.max_new_tokens}
@@ -138,8 +143,11 @@ def op_from_json(raw: Any, index: int) -> Op:
         raise ScriptError(f"{where}: expected an object")
     kind = raw.get("op")
     if kind == "admit":
+        family = _field(raw, "family", int, where) if "family" in raw else None
+        if family is not None and family < 0:
+            raise ScriptError(f"{where}: field 'family' must be >= 0, got {family}")
         return Admit(_field(raw, "prompt_len", int, where),
-                     _field(raw, "max_new_tokens", int, where))
+                     _field(raw, "max_new_tokens", int, where), family)
     if kind == "admit_prebuilt":
         return AdmitPrebuilt(_field(raw, "prompt_len", int, where),
                              _field(raw, "max_new_tokens", int, where))
@@ -366,7 +374,8 @@ def get_factory(implementation: str) -> Factory:
 
 def apply_op(model: SchedulerModel, op: Op, admitted: list[RequestId]) -> None:
     if isinstance(op, Admit):
-        admitted.append(model.admit(op.prompt_len, op.max_new_tokens))
+        family = {} if op.family is None else {"family": op.family}
+        admitted.append(model.admit(op.prompt_len, op.max_new_tokens, **family))
     elif isinstance(op, AdmitPrebuilt):
         admitted.append(model.admit_prebuilt(op.prompt_len, op.max_new_tokens))
     elif isinstance(op, Abort):
