@@ -99,19 +99,22 @@ def check_kv4(config: ModelConfig, obs: Observation) -> int:
     """req_to_token rows own their slots
 
     req_to_token[row, 0:kv_allocated_len] holds slots of pages the request owns, and no page has
-    two owners.
+    two owners; with the radix cache, from ``cache_protected_len`` on (below it the row holds
+    the tree's pages: RX4).
 
-    Source: memory_pool.py ReqToTokenPool.
+    Source: memory_pool.py ReqToTokenPool; schedule_batch.py ("The request's own KV is
+    [cache_protected_len, kv_allocated_len)").
     """
     owner: dict[int, int] = {}
     holding = obs.get_holding()
+    p = obs.allocator.page_size
     for r in holding:
         if len(r.row_slots) != r.kv_allocated_len:
             raise fail("KV4", obs, f"for request r{r.rid}: row holds {len(r.row_slots)} "
                        f"slots != kv_allocated_len={r.kv_allocated_len}"
                        f"{_past_the_row(config, obs)}")
         pages = set(r.owned_pages)
-        needed = tr.compute_pages_for_len(r.kv_allocated_len, obs.allocator.page_size)
+        needed = tr.compute_pages_for_len(r.kv_allocated_len, p) - r.cache_protected_len // p
         if len(pages) != needed:
             raise fail("KV4", obs, f"for request r{r.rid}: owns {len(pages)} pages but "
                        f"kv_allocated_len={r.kv_allocated_len} covers {needed} (stranded pages)")
@@ -120,8 +123,9 @@ def check_kv4(config: ModelConfig, obs: Observation) -> int:
                 raise fail("KV4", obs, f"for request r{r.rid}: page {page} also owned by "
                            f"r{owner[page]}")
             owner[page] = r.rid
-        for position, slot in enumerate(r.row_slots):
-            if slot // obs.allocator.page_size not in pages:
+        for position, slot in enumerate(r.row_slots[r.cache_protected_len:],
+                                        r.cache_protected_len):
+            if slot // p not in pages:
                 raise fail("KV4", obs, f"for request r{r.rid}: req_to_token position "
                            f"{position} holds slot {slot} outside its pages"
                            f"{_past_the_row(config, obs)}")
