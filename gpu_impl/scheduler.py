@@ -118,6 +118,10 @@ class Scheduler:
             raise ValueError(f"unknown fault IDs {sorted(unknown)}; gpu_impl supports "
                              f"{sorted(SUPPORTED_FAULTS)}")
         del observer  # see the module header: gpu_impl emits no spec Observations
+        if config.cell.radix:
+            raise NotImplementedError(
+                f"gpu_impl does not model the radix prefix cache yet ({config.cell.name}): "
+                "docs/upstream-radix-sharing.md section 5, step 3")
         self.config = config
         self.streams = streams if streams is not None else Streams(
             device if device is not None else torch.device("cpu"))

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from overlap_spec.spec.config import ModelConfig
-from overlap_spec.spec.state import IterationChoices, Observation
+from overlap_spec.spec.state import IterationChoices, Observation, TreeView
 from overlap_spec.spec.units import RequestId
 
 Observer = Callable[[Observation], None]
@@ -31,6 +31,7 @@ class RequestState:
     finish_reason: str | None  # "stop" | "length" | "abort" (RP5), None while unfinished
     spec_verify_ct: int  # the request's verify count (RP6)
     spec_num_correct_drafts: int  # its accepted drafts (RP6)
+    cache_protected_len: int = 0  # a radix cell's: row[0:cpl] is the tree's (RX4)
 
 
 @dataclass(frozen=True)
@@ -59,6 +60,7 @@ class ObservableState:
     new_token_ratio: float
     batch_is_full: bool
     tree_pages: int = 0  # of free_pages, those the tree cache holds (its insert's cut)
+    tree: TreeView | None = None  # a radix cell's tree (None elsewhere)
 
 
 class SchedulerModel(Protocol):

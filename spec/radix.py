@@ -17,7 +17,7 @@ own, following ``docs/upstream-radix-sharing.md`` sections 1 and 2.
 - **Eviction** removes unlocked leaves, least recently used first, a parent once it is a
   leaf (``_evict_device_next_node``). The clock is the release's
   (``get_and_increase_time_counter``): a new node takes two ticks, a walked node one, a
-  split's child one, and a match stamps its path, deepest newest.
+  split's child one, and a match of a non-empty key stamps its path, deepest newest.
 
 Source: ``mem_cache/unified_cache/unified_tree_core.py`` (``_match_prefix_helper``,
 ``_match_post_processor``, ``_insert_walk_step``, ``_insert_overlap_step``,
@@ -83,7 +83,10 @@ class RadixTree:
 
     def match(self, key: tuple[object, ...]) -> tuple[int, Node]:
         """The longest prefix of ``key`` the tree holds and its deepest node (splitting one
-        it ends inside); stamps the path as used."""
+        it ends inside); stamps the path as used. An empty key returns the root untouched:
+        ``match_prefix`` answers it before any walk, so the clock does not move."""
+        if not key:
+            return 0, self.root
         p, node, matched = self.page_size, self.root, 0
         while matched < len(key) and key[matched:matched + p] in node.children:
             child = node.children[key[matched:matched + p]]

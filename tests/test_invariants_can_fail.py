@@ -39,7 +39,7 @@ from overlap_spec.spec.state import (
 from overlap_spec.spec.units import PoolRow, RequestId
 
 CELLS = ("ov-p1-none", "nov-p4-none", "ov-p4-v2chain-cpu-preclaim", "ov-p1-v2chain-nocpu-honest",
-         "nov-p1-v2tree-cpu-honest")
+         "nov-p1-v2tree-cpu-honest", "ov-p4-v2chain-cpu-honest-radix", "ov-p1-none-radix")
 
 
 def _collect(cell: str) -> tuple[ModelConfig, list[Observation]]:
@@ -54,8 +54,10 @@ def _collect(cell: str) -> tuple[ModelConfig, list[Observation]]:
             apply_op(model, Admit(config.preset.max_context_len - 1, 2), admitted)
             continue
         x = rng.random()
-        if x < 0.15:
-            op: Admit | AdmitPrebuilt | Iterate | Abort = Admit(rng.randint(1, 5), rng.randint(2, 8))
+        if x < 0.15:  # radix cells: mostly the first two requests' prompt families
+            family = rng.choice((None, 0, 0, 1)) if config.cell.radix else None
+            op: Admit | AdmitPrebuilt | Iterate | Abort = Admit(rng.randint(1, 5),
+                                                               rng.randint(2, 8), family)
         elif x < 0.2:
             op = AdmitPrebuilt(rng.randint(1, 5), rng.randint(2, 8))
         elif x < 0.23:
@@ -180,6 +182,24 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
     # A prompt the release refuses (18 tokens or more at the minimal context of 24) holding
     # KV: what an admission without validate_input_length runs (B24).
     "RP9": lambda o: _with_request(o, lambda r: r.holds_kv, prompt_len=23),
+    # A tree page freed as well (a release from below cache_protected_len: #13714).
+    "RX1": lambda o: replace(o, allocator=replace(o.allocator, free_pages=(
+        *o.allocator.free_pages, o.tree.nodes[0].pages[0]))),
+    # A lock never taken back (a release without its unlock: #32170).
+    "RX2": lambda o: replace(o, tree=replace(o.tree, nodes=(
+        replace(o.tree.nodes[0], lock_ref=o.tree.nodes[0].lock_ref + 1), *o.tree.nodes[1:]))),
+    "RX3": lambda o: replace(o, tree=replace(o.tree, protected_size=o.tree.protected_size + 1)),
+    # The row not repointed at the tree's page (mini-sglang #142).
+    "RX4": lambda o: _with_request(o, lambda r: r.holds_kv and r.cache_protected_len, row_slots=(
+        -1, *next(r.row_slots for r in o.requests if r.holds_kv and r.cache_protected_len)[1:])),
+    # A hit on another prompt's pages.
+    "RX5": lambda o: _with_request(o, lambda r: r.holds_kv and r.cache_protected_len,
+                                   prompt_family=next(r.prompt_family for r in o.requests
+                                                      if r.holds_kv and r.cache_protected_len) + 7),
+    "RX6": lambda o: replace(o, tree=replace(o.tree, nodes=(
+        replace(o.tree.nodes[0], key=o.tree.nodes[0].key[:-1]), *o.tree.nodes[1:]))),
+    # A finish whose insert never reached the tree.
+    "RX7": lambda o: replace(o, tree=replace(o.tree, nodes=())),
 }
 
 

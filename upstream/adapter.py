@@ -91,8 +91,10 @@ from overlap_spec.upstream.fields import (
     read_forward_mode,
     read_free_pages,
     read_placement,
+    read_prefix,
     read_request,
     read_row_slots,
+    read_tree,
     to_ints,
 )
 from overlap_spec.upstream.finish import get_finish_reason_name
@@ -108,9 +110,10 @@ from overlap_spec.upstream.worker import EOS_TOKEN, StepRecord
 class _Track:
     """Per request: the upstream ``Req``, the ghost and what the release hook recorded."""
 
-    def __init__(self, rid: RequestId, req: Any) -> None:
+    def __init__(self, rid: RequestId, req: Any, family: int | None = None) -> None:
         self.rid = rid
         self.req = req
+        self.family = int(rid) if family is None else family  # the prompt's tokens
         self.ghost = Ghost()
         self.release_count = 0
         self.cached_len: int | None = None
@@ -205,7 +208,7 @@ class UpstreamScheduler:
         error = validate_input_length(req, self.scheduler.max_req_input_len, False)
         if error:
             req.set_finish_with_abort(error)
-        track = _Track(rid, req)
+        track = _Track(rid, req, family)
         # The ghost's abort comes from the spec's rule, not from what the release decided.
         preset = self.config.preset
         _, refused = compute_admission(prompt_len, max_new_tokens, preset.max_context_len,
@@ -278,7 +281,9 @@ class UpstreamScheduler:
                                          int(req.kv.kv_allocated_len), row, track.cached_len,
                                          self._get_finish_reason(track),
                                          int(req.spec_verify_ct),
-                                         int(req.spec_num_correct_drafts)))
+                                         int(req.spec_num_correct_drafts),
+                                         int(req.kv.cache_protected_len)
+                                         if self.config.cell.radix else 0))
         sched = self.scheduler
         return ObservableState(
             requests=tuple(requests),
@@ -292,6 +297,8 @@ class UpstreamScheduler:
             batch_is_full=bool(sched.running_batch.batch_is_full
                                and not sched.running_batch.is_empty()),
             tree_pages=int(sched.tree_cache.evictable_size()) // self.config.page_size,
+            tree=(read_tree(sched.tree_cache, self.config.page_size)
+                  if self.config.cell.radix else None),
         )
 
     # ------------------------------------------------------------------ host: the worker
@@ -658,6 +665,8 @@ class UpstreamScheduler:
             allocator=self.get_allocator_view(),
             races=(),
             chunked_rid=None if chunked_track is None else chunked_track.rid,
+            tree=(read_tree(self.scheduler.tree_cache, self.config.page_size)
+                  if self.config.cell.radix else None),
             **parts,
         )
         try:
@@ -683,9 +692,13 @@ class UpstreamScheduler:
         req, g = track.req, track.ghost
         fields = read_request(req, tokens=True)
         fields["is_retracted"] = fields["is_retracted"] and not track.left
+        if self.config.cell.radix:
+            fields |= read_prefix(self.scheduler.tree_cache, req)
+        own_from = fields.get("cache_protected_len", 0)
         return RequestView(
             rid=track.rid, **fields, **read_placement(self.scheduler, req,
-                                                      self.config.page_size),
+                                                      self.config.page_size, own_from),
+            prompt_family=track.family,
             finished=track.is_finished(),
             release_count=track.release_count,
             cached_len=track.cached_len,
@@ -717,7 +730,7 @@ class UpstreamScheduler:
             **read_batch(batch))
 
     def get_allocator_view(self) -> AllocatorView:
-        view = read_allocator(self.scheduler)
+        view = read_allocator(self.scheduler, self.config.cell.radix)
         if view is None:  # session.py builds the tree disabled, or walkable (force-miss)
             raise RuntimeError("the tier's tree cache holds pages it cannot enumerate")
         return view

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from overlap_spec.spec.config import ModelConfig
-from overlap_spec.spec.state import AllocatorView
+from overlap_spec.spec.state import AllocatorView, TreeNodeView, TreeView
 from overlap_spec.spec.units import PageId, PoolRow, SlotId, TokenCount
 
 
@@ -134,15 +134,16 @@ def read_row_slots(sched: Any, req: Any) -> list[int]:
     return to_ints(table[int(kv.req_pool_idx), :allocated]) or []
 
 
-def read_placement(sched: Any, req: Any, page_size: int) -> dict[str, Any]:
+def read_placement(sched: Any, req: Any, page_size: int, own_from: int = 0) -> dict[str, Any]:
     """What the scheduler's queues and pools say of a request: ``waiting`` (in
-    ``waiting_queue``), ``row_slots`` and ``owned_pages`` (the pages of those slots:
-    upstream keeps no owner table; a page no row reaches and no free list holds is a KV7
-    leak)."""
+    ``waiting_queue``), ``row_slots`` and ``owned_pages`` (the pages of those slots from
+    ``own_from`` on, a radix cell's ``cache_protected_len``: upstream keeps no owner table;
+    a page no row reaches and no free list holds is a KV7 leak)."""
     slots = read_row_slots(sched, req)
     return {"waiting": any(r is req for r in sched.waiting_queue),
             "row_slots": tuple(SlotId(s) for s in slots),
-            "owned_pages": tuple(dict.fromkeys(PageId(s // page_size) for s in slots))}
+            "owned_pages": tuple(dict.fromkeys(PageId(s // page_size)
+                                               for s in slots[own_from:]))}
 
 
 def read_forward_mode(batch: Any, in_forward: bool = False) -> str:
@@ -226,6 +227,11 @@ def is_radix_force_miss() -> bool:
     return os.environ.get(RADIX_FORCE_MISS_ENV, "") not in ("", "0")
 
 
+def is_tree_on(config: ModelConfig) -> bool:
+    """Whether the tier builds the release's tree enabled: a radix cell, or the opt-in."""
+    return config.cell.radix or is_radix_force_miss()
+
+
 def read_unlocked_tree_pages(tree: Any, page_size: int) -> list[int] | None:
     """The pages of the tree's unlocked device nodes (``component_data[FULL]``: ``value``,
     ``lock_ref``), walked from ``root_node`` on the python core; None when the core is not
@@ -250,16 +256,53 @@ def read_unlocked_tree_pages(tree: Any, page_size: int) -> list[int] | None:
     return pages
 
 
-def read_allocator(sched: Any) -> AllocatorView | None:
-    """Free pages, the tree's unlocked pages and pool rows; None when a tree cache may hold
-    pages this view cannot enumerate (the radix cache on a Rust core): KV4 and KV7 are then
-    not judged. The tier builds its tree with ``disable=True``, or on the python core with
-    every match forced to miss (``is_radix_force_miss``)."""
+def read_tree(tree: Any, page_size: int) -> TreeView:
+    """The radix tree of a radix cell (python core) as :class:`~spec.state.TreeView`: every
+    node with device KV, its key as the release iterates it (pairs under EAGLE), its pages
+    (``value`` slots // page), ``lock_ref`` and the tree's two sizes
+    (``unified_radix_cache.py`` ``evictable_size`` / ``protected_size``)."""
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    full, root = ComponentType.FULL, tree.tree_core.root_node
+    nodes: list[TreeNodeView] = []
+    stack = list(root.children.values())
+    while stack:
+        node = stack.pop()
+        stack.extend(node.children.values())
+        data = node.component_data[full]
+        if data.value is None:
+            continue
+        slots = data.value.tolist()
+        nodes.append(TreeNodeView(
+            int(node.id), None if node.parent is root else int(node.parent.id),
+            tuple(node.key), tuple(PageId(int(s) // page_size) for s in slots[::page_size]),
+            int(data.lock_ref)))
+    return TreeView(tuple(sorted(nodes, key=lambda n: n.id)), int(tree.evictable_size()),
+                    int(tree.protected_size()))
+
+
+def read_prefix(tree: Any, req: Any) -> dict[str, Any]:
+    """A radix cell's request: ``cache_protected_len`` and the node its lock holds (None: no
+    lock, or the root's)."""
+    lock = getattr(req, "lock", None)
+    root = int(tree.tree_core.root_node.id)
+    node = None if lock is None or int(lock.node) == root else int(lock.node)
+    return {"cache_protected_len": int(get_kv(req).cache_protected_len), "lock_node": node}
+
+
+def read_allocator(sched: Any, radix: bool = False) -> AllocatorView | None:
+    """Free pages, the tree's unlocked pages (every tree page in a ``radix`` cell) and pool
+    rows; None when a tree cache may hold pages this view cannot enumerate (the radix cache
+    on a Rust core): KV4 and KV7 are then not judged. The tier builds its tree with
+    ``disable=True``, or on the python core: a radix cell's, or with every match forced to
+    miss (``is_radix_force_miss``)."""
     alloc, pool = sched.token_to_kv_pool_allocator, sched.req_to_token_pool
     page_size = int(getattr(alloc, "page_size", 1))
     tree = getattr(sched, "tree_cache", None)
     tree_pages: list[int] | None = []
-    if tree is not None and not getattr(tree, "disable", False):
+    if radix:  # every page of the tree, the locked (shared) ones too
+        tree_pages = [page for node in read_tree(tree, page_size).nodes for page in node.pages]
+    elif tree is not None and not getattr(tree, "disable", False):
         tree_pages = read_unlocked_tree_pages(tree, page_size)
     if tree_pages is None:
         return None

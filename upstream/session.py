@@ -30,7 +30,7 @@ from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.state import IterationChoices
 from overlap_spec.upstream import hooks
 from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
-from overlap_spec.upstream.fields import get_undrivable_reason, is_radix_force_miss
+from overlap_spec.upstream.fields import get_undrivable_reason, is_tree_on
 from overlap_spec.upstream.worker import EOS_TOKEN, StandInWorker
 
 # The release's row is the model's with this current-upstream gate switched on (B23: the
@@ -118,7 +118,7 @@ class Session:
             is_hybrid_swa=False, is_hybrid_ssm=False, sliding_window_size=None,
             full_tokens_per_layer=None, swa_tokens_per_layer=None,
             req_to_token_pool=built["r2t"], token_to_kv_pool_allocator=built["alloc"],
-            disable_radix_cache=not is_radix_force_miss(), tree_cache=built["tree"])
+            disable_radix_cache=not is_tree_on(cfg), tree_cache=built["tree"])
         # Upstream's own retraction test knob, armed per iteration by the environment.
         scheduler_module.TEST_RETRACT_INTERVAL = 1
         scheduler_module.TEST_RETRACT_NO_PREFILL_BS = 1 << 30
@@ -169,9 +169,9 @@ class Session:
             alloc = PagedTokenToKVPoolAllocator(size=cfg.kv_tokens, page_size=page,
                                                 dtype=torch.float16, device="cpu",
                                                 kvcache=kv, need_sort=False)
-        radix = is_radix_force_miss()
-        if radix:
-            os.environ["SGLANG_RADIX_FORCE_MISS"] = "1"
+        radix = is_tree_on(cfg)
+        # A radix cell shares prefixes; the opt-in forces every other cell's matches to miss.
+        os.environ["SGLANG_RADIX_FORCE_MISS"] = "0" if cfg.cell.radix or not radix else "1"
         # is_eagle as kv_cache_builder.py:401 sets it: a spec cell's tree keys bigrams.
         tree = UnifiedRadixCache(params=CacheInitParams(
             req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=page,
@@ -333,7 +333,7 @@ def publish_config(config: ModelConfig) -> Any:
     args = ServerArgs(
         model_path=_write_tiny_model(), device="cpu", skip_tokenizer_init=True,
         load_format="dummy", attention_backend=backend,
-        disable_radix_cache=not is_radix_force_miss(),
+        disable_radix_cache=not is_tree_on(cfg),
         page_size=page, max_running_requests=preset.max_running_requests,
         max_total_tokens=cfg.kv_tokens, disable_cuda_graph=True,
         disable_overlap_schedule=not cfg.cell.overlap,

@@ -67,8 +67,8 @@ from overlap_spec.harness.drive.witness import get_plan, replay_witnesses
 from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, get_cell
 from overlap_spec.spec.interface import ObservableState
 from overlap_spec.spec.invariants import INVARIANTS, InvariantViolation
-from overlap_spec.spec.state import Observation
-from overlap_spec.spec.units import RequestId
+from overlap_spec.spec.state import Observation, TreeView
+from overlap_spec.spec.units import PageId, RequestId
 
 
 class UpstreamChecker(InvariantChecker):
@@ -205,15 +205,35 @@ def normalize_slots(state: ObservableState, page_size: int) -> ObservableState:
             page = labels.setdefault(slot // page_size, len(labels))
             row.append(page * page_size + slot % page_size)
         requests.append(replace(req, req_to_token=tuple(row)))
-    return replace(state, requests=tuple(requests))
+    return replace(state, requests=tuple(requests), tree=_normalize_tree(state.tree, labels))
+
+
+def _normalize_tree(tree: TreeView | None, labels: dict[int, int]) -> TreeView | None:
+    """A radix cell's tree with its nodes named by their whole key from the root (node ids
+    are each implementation's own) and ordered by it, and its pages renumbered as the rows
+    were (a page no row reaches by first appearance in that order): what both must agree
+    on is the nodes' keys and boundaries, their locks, which rows share which node's pages,
+    and the two sizes."""
+    if tree is None:
+        return None
+    keyed = sorted(((tuple(k for n in tree.get_path(node.id) for k in n.key), node)
+                    for node in tree.nodes), key=lambda item: repr(item[0]))
+    ids = {node.id: index for index, (_, node) in enumerate(keyed)}
+    nodes = tuple(replace(node, id=ids[node.id],
+                          parent=None if node.parent is None else ids[node.parent], key=key,
+                          pages=tuple(PageId(labels.setdefault(p, len(labels)))
+                                      for p in node.pages))
+                  for key, node in keyed)
+    return replace(tree, nodes=nodes)
 
 
 def get_differences(reference: ObservableState, upstream: ObservableState, page_size: int = 1
                     ) -> list[tuple[str, Any, Any]]:
-    """Every differing field as (path, reference value, upstream value), rows compared
-    after :func:`normalize_slots`. The tree's page count is not compared: with the
-    release's tree on (``upstream.fields.is_radix_force_miss``) it dedups identical keys
-    and evicts at a retraction and by nodes, none of which the reference's sink models
+    """Every differing field as (path, reference value, upstream value), rows and a radix
+    cell's tree compared after :func:`normalize_slots`. Outside radix cells the tree's
+    page count is not compared: with the release's tree on under
+    ``upstream.fields.is_radix_force_miss`` it dedups identical keys and evicts at a
+    retraction and by nodes, none of which the reference's sink models
     (``docs/upstream-radix-sharing.md`` section 5, step 0)."""
     reference = normalize_slots(reference, page_size)
     upstream = normalize_slots(upstream, page_size)
@@ -236,7 +256,7 @@ def get_differences(reference: ObservableState, upstream: ObservableState, page_
             if a != b:
                 out.append((f"{name}.{f.name}", a, b))
     for name in ("free_pages", "kv_write_faults", "accept_counters", "new_token_ratio",
-                 "batch_is_full"):
+                 "batch_is_full", "tree"):
         a, b = getattr(reference, name), getattr(upstream, name)
         if a != b:
             out.append((name, a, b))

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Final
 
 from hypothesis import strategies as st
 
@@ -37,6 +37,13 @@ class OpStrategies:
     rarely: Any
     spec_steps: Any
     eos_offset: Any
+    family: Any  # Admit.family: radix cells share prompts; elsewhere always None
+
+
+# The families a radix cell's admissions draw: mostly the first two requests' prompts, so
+# that prefixes are shared (a request of family 0 shares request 0's prompt), shrinking to
+# the request's own.
+RADIX_FAMILIES: Final = (None, 0, 0, 1)
 
 
 def get_prompt_lens(preset: Preset) -> list[int]:
@@ -76,6 +83,7 @@ def get_strategies(config: ModelConfig, upstream: bool = False) -> OpStrategies:
         rarely=st.sampled_from([False, False, False, True]),
         spec_steps=spec_steps,
         eos_offset=st.integers(0, max_accept - 1),
+        family=st.sampled_from(RADIX_FAMILIES) if config.cell.radix else st.just(None),
     )
 
 
@@ -98,7 +106,8 @@ def generate_random_ops(config: ModelConfig, rng: random.Random, count: int) -> 
                                          rng.randint(2, preset.max_new_tokens)))
             else:
                 ops.append(Admit(rng.choice(prompt_lens),
-                                 rng.randint(1, preset.max_new_tokens)))
+                                 rng.randint(1, preset.max_new_tokens),
+                                 rng.choice(RADIX_FAMILIES) if config.cell.radix else None))
         elif roll > 0.95:
             ops.append(Abort(rng.randrange(admitted)))
         else:

@@ -139,9 +139,10 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
             apply_op(self.model, op, self.admitted)
 
         @precondition(lambda self: len(self.admitted) < MAX_REQUESTS)
-        @rule(prompt_len=draw.prompt_len, max_new_tokens=draw.max_new_tokens)
-        def admit(self, prompt_len: int, max_new_tokens: int) -> None:
-            self._apply(Admit(prompt_len, max_new_tokens))
+        @rule(prompt_len=draw.prompt_len, max_new_tokens=draw.max_new_tokens,
+              family=draw.family)
+        def admit(self, prompt_len: int, max_new_tokens: int, family: int | None) -> None:
+            self._apply(Admit(prompt_len, max_new_tokens, family))
 
         @precondition(lambda self: not (upstream or chunked)
                       and len(self.admitted) < MAX_REQUESTS)

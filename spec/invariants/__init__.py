@@ -1,7 +1,8 @@
 """The invariants, one predicate per ID of digest section 4, one module per family: ``sl``
 (sequence-length mirror), ``kv`` (KV accounting), ``fm`` (FutureMap relay), ``st`` (stream
-ordering), ``rp`` (result processing); ``registry`` holds what they share. ``st`` also says
-which stream claim a race breaks (``classify_race``), for FM and ST alike.
+ordering), ``rp`` (result processing), ``rx`` (the radix prefix cache); ``registry`` holds
+what they share. ``st`` also says which stream claim a race breaks (``classify_race``), for
+FM and ST alike.
 
 Each ``check_*`` takes the model configuration and one :class:`Observation`, raises
 :class:`InvariantViolation` naming the ID, the request and both values when the claim is
@@ -21,13 +22,13 @@ the claims by ID use ``INVARIANTS_BY_ID`` (a mapping from ID to :class:`Invarian
 from collections.abc import Mapping
 from typing import Final
 
-from overlap_spec.spec.invariants import fm, kv, rp, sl, st
+from overlap_spec.spec.invariants import fm, kv, rp, rx, sl, st
 from overlap_spec.spec.invariants.registry import REGISTERED, Invariant, InvariantViolation
 from overlap_spec.spec.invariants.rp import check_rp4
 from overlap_spec.spec.invariants.st import classify_race
 
 __all__ = ["INVARIANTS", "INVARIANTS_BY_ID", "INVARIANT_IDS", "Invariant", "InvariantViolation",
-           "check_rp4", "classify_race", "fm", "get_invariant", "kv", "rp", "sl", "st"]
+           "check_rp4", "classify_race", "fm", "get_invariant", "kv", "rp", "rx", "sl", "st"]
 
 # The claims in report order (a tuple: iterate it); INVARIANTS_BY_ID, the same by ID.
 INVARIANTS: Final[tuple[Invariant, ...]] = tuple(REGISTERED)

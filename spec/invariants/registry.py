@@ -20,9 +20,10 @@ from overlap_spec.spec.config import Cell, ModelConfig, enumerate_cells
 from overlap_spec.spec.state import Observation
 
 # The families, in report order: SL (sequence-length mirror), KV (KV accounting), FM
-# (FutureMap relay), ST (stream ordering), RP (result processing). An ID is a family and
-# a number; INVARIANTS is in that order, whichever family module registers first.
-FAMILIES: Final = ("SL", "KV", "FM", "ST", "RP")
+# (FutureMap relay), ST (stream ordering), RP (result processing), RX (the radix prefix
+# cache). An ID is a family and a number; INVARIANTS is in that order, whichever family
+# module registers first.
+FAMILIES: Final = ("SL", "KV", "FM", "ST", "RP", "RX")
 
 
 class InvariantViolation(AssertionError):
