@@ -6,7 +6,9 @@ release_kv_cache), ``mem_cache/radix_cache.py`` (cache_finished_req).
 
 Modelling compromises:
 - The allocator works in pages; with page_size 1 a page is a slot.
-- The radix tree is a sink: a finish release hands it the whole pages the release's
+- A radix cell (``Cell.radix``) keeps the release's prefix tree (:class:`RadixCache`, over
+  ``spec/radix.py``); what the scheduler does with it is ``reference/mem_cache.py``'s.
+- Elsewhere the radix tree is a sink: a finish release hands it the whole pages the release's
   tree would key (``compute_inserted_len``: ``floor_p(owned)``, ``floor_p(owned - 1)``
   under EAGLE) and frees the partial page; they stay evictable and are evicted
   first-in first-out when the allocator runs short. No prefix is ever matched, so no
@@ -20,6 +22,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
+from overlap_spec.spec.radix import RadixTree
 from overlap_spec.spec.units import PageId, PoolRow
 
 
@@ -68,6 +71,27 @@ class TreeCache:
 
     def get_pages(self) -> list[PageId]:
         return [page for chunk in self.chunks for page in chunk]
+
+
+class RadixCache:
+    """The radix prefix cache of a radix cell (``UnifiedRadixCache``, enabled), behind the
+    sink's interface in pages: the evictable pages are the unlocked nodes', every node's
+    pages are the tree's, and an allocation evicts least recently used leaves for its
+    shortfall (``evict_to_free_tokens``, allocator/base.py:155-169)."""
+
+    def __init__(self, page_size: int, is_eagle: bool) -> None:
+        self.tree = RadixTree(page_size, is_eagle)
+
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size // self.tree.page_size
+
+    def evict(self, pages_needed: int, allocator: TokenToKVPoolAllocator) -> None:
+        shortfall = pages_needed - allocator.available_size()
+        if shortfall > 0:
+            allocator.free(self.tree.evict(shortfall))
+
+    def get_pages(self) -> list[PageId]:
+        return self.tree.get_pages()
 
 
 @dataclass

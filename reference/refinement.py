@@ -12,6 +12,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
+from overlap_spec.reference.memory import RadixCache
 from overlap_spec.reference.runtime import Runtime
 from overlap_spec.spec.interface import Observer
 from overlap_spec.spec.relation import RequestRecord, count_middle_chunks
@@ -23,6 +24,7 @@ from overlap_spec.spec.state import (
     Observation,
     ObservationPoint,
     RequestView,
+    TreeView,
 )
 from overlap_spec.spec.units import PageId, PoolRow, RequestId, SlotId, TokenCount
 
@@ -47,9 +49,10 @@ class Refinement:
         self.observer = observer
         self.races_seen = 0
         self.checked_seen = 0
-        # Per request: the record, row and pages its last view was built from, and the view.
+        # Per request: the record, row, pages and lock its last view was built from, and
+        # the view.
         self._views: dict[RequestId, tuple[RequestRecord, tuple[SlotId, ...],
-                                           tuple[PageId, ...], RequestView]] = {}
+                                           tuple[PageId, ...], int | None, RequestView]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # The view cache is not state: a copy (the exhaustive tier's pickled states, its
@@ -75,17 +78,21 @@ class Refinement:
             # SlotId is a NewType (the identity at run time): a cast, not a per-slot call.
             row = cast("tuple[SlotId, ...]", tuple(values))
         pages = tuple(req.pages)
+        # The held lock's node (a lock on the root, no prefix, shows as none: the root is
+        # not one of TreeView's nodes).
+        lock = None if req.lock is None or req.lock.parent is None else req.lock.id
         previous = self._views.get(state.rid)
         if (previous is not None and previous[0] is state and previous[1] == row
-                and previous[2] == pages):
-            return previous[3]
-        view = self._build_request_view(req, row, pages)
-        self._views[state.rid] = (state, row, pages, view)
+                and previous[2] == pages and previous[3] == lock):
+            return previous[4]
+        view = self._build_request_view(req, row, pages, lock)
+        self._views[state.rid] = (state, row, pages, lock, view)
         return view
 
     def _build_request_view(self, req: Req, row: tuple[SlotId, ...],
-                            pages: tuple[PageId, ...]) -> RequestView:
+                            pages: tuple[PageId, ...], lock: int | None) -> RequestView:
         g = req.ghost
+        radix = isinstance(self.rt.tree, RadixCache)
         return RequestView(
             rid=req.rid,
             prompt_len=req.prompt_len,
@@ -99,7 +106,8 @@ class Refinement:
             waiting=req.waiting,
             holds_kv=req.holds_kv,
             row_slots=row,
-            owned_pages=pages,
+            # Its own pages: below cache_protected_len the row holds the tree's.
+            owned_pages=pages[req.cache_protected_len // self.rt.config.page_size:],
             release_count=req.release_count,
             cached_len=req.cached_len,
             inserted_len=req.inserted_len,
@@ -114,6 +122,9 @@ class Refinement:
             prefix_len=req.prefix_len,
             extend_end=req.extend_end,
             inflight_middle_chunks=req.inflight_middle_chunks,
+            cache_protected_len=req.cache_protected_len,
+            lock_node=lock,
+            prompt_family=req.family if radix else None,
             ghost=GhostView(
                 epoch=g.epoch,
                 kv_len_true=TokenCount(g.kv_len_true),
@@ -166,6 +177,11 @@ class Refinement:
             row_width=rt.req_to_token.width,
         )
 
+    def get_tree_view(self) -> TreeView | None:
+        """The radix tree of a radix cell (every node, locked ones too); None elsewhere."""
+        tree = self.rt.tree
+        return tree.tree.view() if isinstance(tree, RadixCache) else None
+
     def observe(self, point: ObservationPoint, scheduler: Observed, **parts: Any) -> None:
         if self.observer is None:
             return
@@ -184,6 +200,7 @@ class Refinement:
             races=tuple(races),
             checked_pairs=checked,
             chunked_rid=None if scheduler.chunked_req is None else scheduler.chunked_req.rid,
+            tree=self.get_tree_view(),
             **parts,
         )
         self.observer(obs)

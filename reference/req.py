@@ -14,7 +14,9 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Concatenate, ParamSpec
 
+from overlap_spec.spec.radix import Node
 from overlap_spec.spec.relation import Ghost, RequestRecord, admit
+from overlap_spec.spec.state import get_prompt_tokens
 from overlap_spec.spec.units import PageId, PoolRow, RequestId, TokenCount
 
 P = ParamSpec("P")
@@ -25,8 +27,17 @@ class Req:
                  prebuilt: bool = False, refused: bool = False, family: int | None = None) -> None:
         self.state = admit(rid, prompt_len, max_new_tokens, prebuilt, refused, family)
         self.family = rid if family is None else family  # the prompt's tokens (spec.state)
-        self.pages: list[PageId] = []  # page k holds columns [k*p, (k+1)*p)
+        self.refused = refused
+        # Page k holds columns [k*p, (k+1)*p); below cache_protected_len the tree's pages.
+        self.pages: list[PageId] = []
         self.inserted_len: int | None = None  # what the tree keyed at the finish release
+        # The radix cache: the node the request's tree lock holds (``Req.lock``, taken at
+        # admission, moved by each checkpoint, dropped at the release; the root: no prefix).
+        self.lock: Node | None = None
+        # The last result's accepted tokens past the visible output (an abort's run past the
+        # cap or EOS): committed KV that a finish release keys, as the release's
+        # ``output_ids`` hold them behind ``finished_len``.
+        self.hidden_ids: tuple[int, ...] = ()
 
     def apply(self, transition: Callable[Concatenate[RequestRecord, P], RequestRecord],
               *args: P.args, **kwargs: P.kwargs) -> None:
@@ -34,6 +45,11 @@ class Req:
 
     def finished(self) -> bool:
         return self.state.is_finished()
+
+    def get_fill_tokens(self) -> list[int]:
+        """``full_untruncated_fill_ids``: the prompt's tokens and every output token."""
+        return get_prompt_tokens(self.family, self.prompt_len, self.refused) + list(
+            self.output_ids)
 
     # Read-only views of the record, under upstream's names.
     @property
@@ -111,6 +127,10 @@ class Req:
     @property
     def prefix_len(self) -> int:
         return self.state.prefix_len
+
+    @property
+    def cache_protected_len(self) -> int:
+        return self.state.cache_protected_len
 
     @property
     def extend_end(self) -> int:

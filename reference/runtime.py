@@ -10,7 +10,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from overlap_spec.reference.memory import ReqToTokenPool, TokenToKVPoolAllocator, TreeCache
+from overlap_spec.reference.memory import (
+    RadixCache,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+    TreeCache,
+)
 from overlap_spec.spec.config import ModelConfig, SpecShape
 from overlap_spec.spec.happens_before import FORWARD, SCHEDULE, HappensBefore
 
@@ -19,8 +24,6 @@ from overlap_spec.spec.happens_before import FORWARD, SCHEDULE, HappensBefore
 class DeviceTensor:
     tensor_id: int
     values: list[int]
-
-
 
 
 @dataclass
@@ -34,7 +37,9 @@ class Runtime:
     def __post_init__(self) -> None:
         cfg = self.config
         self.allocator = TokenToKVPoolAllocator(cfg.page_size, cfg.kv_pages)
-        self.tree = TreeCache()
+        # A radix cell keeps the release's prefix tree; the others a sink (memory.py).
+        self.tree: TreeCache | RadixCache = (
+            RadixCache(cfg.page_size, cfg.cell.is_spec) if cfg.cell.radix else TreeCache())
         self.req_to_token = ReqToTokenPool(cfg.preset.max_running_requests,
                                            cfg.get_row_width(self.faults))
         self.shape: SpecShape = cfg.get_shape()  # the adaptive rung of this iteration

@@ -23,8 +23,12 @@ from typing import Any
 
 from overlap_spec.reference.future_map import FutureMap
 from overlap_spec.reference.mem_cache import (
+    checkpoint_kv_cache,
+    evict_after_retract,
     get_available_pages,
     get_decode_pages_needed,
+    get_radix,
+    match_prefix,
     release_kv_cache,
 )
 from overlap_spec.reference.refinement import Refinement
@@ -225,7 +229,7 @@ class Scheduler:
             new_token_ratio=self.new_token_ratio,
             batch_is_full=bool(self.running_batch and self.running_batch.reqs
                                and self.running_batch.batch_is_full),
-            tree_pages=rt.tree.evictable_size(),
+            tree_pages=len(rt.tree.get_pages()),
         )
 
     @staticmethod
@@ -242,8 +246,10 @@ class Scheduler:
         self.process_prebuilt()
         if self.chunked_req is not None and (
                 self.chunked_req.extend_end > self.chunked_req.prefix_len):
-            # The chunk scheduled last becomes the next one's prefix.
+            # The chunk scheduled last becomes the next one's prefix (checkpoint_kv_cache).
             self.chunked_req.apply(relation.stash_chunked_request)
+            if get_radix(self.rt) is not None:
+                checkpoint_kv_cache(self.rt, self.chunked_req, self.chunked_req.extend_end)
         last = self.last_batch
         if last is not None and last.forward_mode in ("extend", "mixed"):
             excluded = self.get_merge_exclusions(last)
@@ -406,8 +412,11 @@ class Scheduler:
         With ``chunked_prefill_size``, each admission also spends the step's chunk budget
         (page-ceiled); a prompt that does not fit what is left is cut to its page-floored
         rest and reserves no ``max_new_tokens`` (``_select_prefill_admission``); a spent
-        budget stops admission without the latch. Returns the requests, each one's extend
-        end and the view KV11 checks."""
+        budget stops admission without the latch. In a radix cell each waiting request is
+        matched as it comes and asks only for its extend past the prefix, from the free KV
+        with its own prefix pinned and the earlier admissions' locked (section 1.6 of
+        ``docs/upstream-radix-sharing.md``); the admitted keep the lock. Returns the
+        requests, each one's extend end and the view KV11 checks."""
         rt, cfg = self.rt, self.config
         running = self.running_batch
         members = [] if running is None else running.reqs
@@ -458,30 +467,47 @@ class Scheduler:
             continuation = (continued.rid, continued.prefix_len, fill, continued.max_new_tokens,
                             end)
         latch = rows <= 0 and continued is None
+        # A radix cell matches each candidate as it comes (init_next_round_input) and pins
+        # its matched path for its check (add_one_req's _lock_node, schedule_policy.py:
+        # 1429-1431); an admitted one keeps that lock (_commit_prefill_admission, :1690), so
+        # the free KV, read live by the release, moves within the pass.
+        radix = get_radix(rt)
+        free = available
+        prefixes: list[int] = []
+        frees: list[int] = []
         for req in waiting if rows > 0 and not latched else []:
-            if chunk is not None and chunk <= 0 and available - total > 0 and (
-                    available - current > 0):
+            if chunk is not None and chunk <= 0 and free - total > 0 and free - current > 0:
                 break  # OTHER: the step's chunk budget is spent
             if len(chosen) >= rows:
                 latch = True
                 break
             fill = compute_fill_len(req.prompt_len, len(req.output_ids))
+            prefix, node = 0, None
+            if radix is not None:
+                prefix, node = match_prefix(rt, req)
+                radix.lock(node)
+                free = get_available_pages(rt) * page
+                prefixes.append(prefix)
+                frees.append(free)
             asked = compute_prefill_check_tokens(fill, req.max_new_tokens, len(req.output_ids),
-                                                 page)
-            if not asked < available - total:
-                latch = bool(chosen) or bool(members)
+                                                 page, prefix)
+            end = compute_chunk_first_end(fill, chunk, page, prefix)
+            if not asked < free - total or end <= prefix:
+                if radix is not None and node is not None:
+                    radix.unlock(node)
+                # NO_TOKEN latches; OTHER (no whole page of the chunk budget left) does not.
+                latch = latch or (not asked < free - total and (bool(chosen) or bool(members)))
                 break
-            end = compute_chunk_first_end(fill, chunk, page)
-            if end <= 0:
-                break  # OTHER: no whole page of the chunk budget is left
+            assert req.lock is None, f"r{req.rid} admitted holding a tree lock"
+            req.lock = node
             chosen.append(req)
             ends.append(end)
-            total += compute_prefill_reserved_tokens(end, req.max_new_tokens if end == fill
-                                                     else 0, page)
-            current += compute_page_align_up(end, page) + page
+            total += compute_prefill_reserved_tokens(end - prefix, req.max_new_tokens
+                                                     if end == fill else 0, page)
+            current += compute_page_align_up(end - prefix, page) + page
             if chunk is not None:
-                chunk -= compute_page_align_up(end, page)
-            if not (available - total > 0 and available - current > 0):
+                chunk -= compute_page_align_up(end - prefix, page)
+            if not (free - total > 0 and free - current > 0):
                 latch = True
                 break
             if chunk is not None and chunk <= 0:
@@ -500,7 +526,7 @@ class Scheduler:
             chunk_size=cfg.preset.chunked_prefill_size, continued=continuation,
             continued_limit=limit,
             ends=tuple(ends[1:] if continued is not None else ends), latched=latched,
-            mixed_decode_tokens=mixed)
+            mixed_decode_tokens=mixed, prefixes=tuple(prefixes), frees=tuple(frees))
         return chosen, ends, view
 
     def update_running_batch(self, batch: ScheduleBatch, forced_retracts: int) -> bool:
@@ -563,7 +589,7 @@ class Scheduler:
             victim = order.pop()
             keep.discard(victim)
             req = batch.reqs[victim]
-            self.release_req(req)
+            self.release_req(req, len(order))
             retracted.append(req)
         aborted = not self._fits(batch, keep)
         if aborted and self.rt.has_fault("B25"):  # before #19881: the scheduler dies
@@ -574,7 +600,7 @@ class Scheduler:
             # its KV is released as at a retraction and it leaves as a waiting abort does,
             # finished "abort", in no queue. A result still in flight for it is stale.
             req = batch.reqs[order.pop()]
-            self.release_req(req)
+            self.release_req(req, 0)
             req.apply(relation.abort)
         kept = [batch.reqs[j] for j in order]
         self.new_token_ratio = compute_ratio_after_retract(
@@ -589,8 +615,11 @@ class Scheduler:
         return sum(get_decode_pages_needed(self.rt, batch.reqs[j], batch.seq_lens.values[j])
                    for j in keep)
 
-    def release_req(self, req: Req) -> None:
+    def release_req(self, req: Req, remaining: int) -> None:
+        """``release_req``: the KV released without caching (checkpoint=False), then in a
+        radix cell the tree evicts for the ``remaining`` requests at once."""
         release_kv_cache(self.rt, req, is_insert=False)
+        evict_after_retract(self.rt, remaining)
         req.apply(relation.reset_for_retract)
 
     # ------------------------------------------------------------------ run_batch
@@ -834,14 +863,22 @@ class Scheduler:
             out_before, committed_before = len(req.output_ids), req.kv_committed_len
             start = j * result.stride
             tokens = tuple(result.next_token_ids[start:start + result.stride])
-            req.apply(relation.process_result, cfg.cell, result.step, result.get_row_mode(j),
+            mode = result.get_row_mode(j)
+            middle = mode == "extend" and req.inflight_middle_chunks > 0
+            req.apply(relation.process_result, cfg.cell, result.step, mode,
                       accept, eos_at, tokens, rt.faults)
             all_correct += accept - 1
             if not stale:
                 live_correct += accept - 1
                 live_count += 1
+                req.hidden_ids = tokens[len(req.output_ids) - out_before:accept]
                 if req.finished() and req.holds_kv:
                     release_kv_cache(rt, req, is_insert=True)
+                elif (mode == "extend" and not middle and not req.finished() and req.holds_kv
+                      and get_radix(rt) is not None):
+                    # A prefill that did not finish publishes its KV (checkpoint_kv_cache,
+                    # batch_result_processor.py:393-394); a decode row never does.
+                    checkpoint_kv_cache(rt, req, req.extend_end)
             entries.append(ProcessedEntry(
                 rid=req.rid, stale=stale, finished_before=finished_before,
                 accept_len=accept, stride=result.stride,

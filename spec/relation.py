@@ -140,6 +140,9 @@ class RequestRecord:
     prefix_len: int = 0
     extend_end: int = 0
     inflight_middle_chunks: int = 0
+    # The radix cache (``req.kv.cache_protected_len``): row[0:cpl] are the tree's slots (a
+    # matched prefix, then what checkpoints inserted); the request's own KV is past it.
+    cache_protected_len: int = 0
     ghost: Ghost = field(default_factory=Ghost)
     last_prompt_token: int = 0  # origin_input_ids[-1], where the token chain starts (RP7)
 
@@ -280,26 +283,33 @@ def abort(req: RequestRecord) -> RequestRecord:
 
 
 @transition("req_pool_idx", "holds_kv", "kv_allocated_len", "kv_committed_len",
-            "is_retracted", "waiting", "extend_end", "inflight_middle_chunks",
-            "ghost.extend_inflight")
-def prepare_for_extend(req: RequestRecord, row: PoolRow,
-                       extend_end: int | None = None) -> RequestRecord:
+            "is_retracted", "waiting", "extend_end", "inflight_middle_chunks", "prefix_len",
+            "cache_protected_len", "ghost.extend_inflight", "ghost.kv_len_true",
+            "ghost.settled_len")
+def prepare_for_extend(req: RequestRecord, row: PoolRow, extend_end: int | None = None,
+                       prefix_len: int = 0) -> RequestRecord:
     """``ScheduleBatch.prepare_for_extend`` / ``alloc_for_extend`` for one request: a pool
     row and committed = allocated = the extend's end, ``extend_end``: fill_len (prompt plus
     every output token, so a retracted request is re-prefilled) unless chunked prefill cut
     a first chunk. A chunk short of fill_len is a middle chunk (``inflight_middle_chunks``
-    + 1, as ``_get_new_batch_prefill_raw`` counts it). Leaves output_ids."""
+    + 1, as ``_get_new_batch_prefill_raw`` counts it). Leaves output_ids.
+
+    With the radix cache the extend starts past the prefix admission matched
+    (``match_kv_cache``: ``prefix_len`` and ``cache_protected_len``, common.py:244,
+    schedule_batch.py:1742), whose KV another request wrote and settled."""
     name = "prepare_for_extend"
     require(req.waiting, name, req, "waiting", "expected a waiting request")
     require(not req.holds_kv, name, req, "holds_kv", "expected a request without KV")
     require(not req.is_finished(), name, req, "finished_reason", "expected None")
     fill_len = compute_fill_len(req.prompt_len, req.output_len)
     end, middle = compute_extend_kv(req.prompt_len, req.output_len, extend_end)
-    require(0 < end <= fill_len, name, req, "extend_end", f"chunk end {end} outside 1..{fill_len}")
+    require(0 <= prefix_len < end <= fill_len, name, req, "extend_end",
+            f"extend [{prefix_len}, {end}) outside 1..{fill_len}")
     return replace(req, req_pool_idx=row, holds_kv=True, kv_allocated_len=end,
                    kv_committed_len=end, is_retracted=False, waiting=False, extend_end=end,
                    inflight_middle_chunks=req.inflight_middle_chunks + middle,
-                   ghost=ghost_prepare_extend(req.ghost))
+                   prefix_len=prefix_len, cache_protected_len=prefix_len,
+                   ghost=ghost_prepare_extend(req.ghost, prefix_len))
 
 
 def compute_extend_kv(prompt_len: int, output_len: int, extend_end: int | None = None
@@ -339,6 +349,18 @@ def stash_chunked_request(req: RequestRecord) -> RequestRecord:
     extend_end``; with the radix cache off nothing else changes, the row is kept)."""
     _require_decodable("stash_chunked_request", req)
     return replace(req, prefix_len=req.extend_end)
+
+
+@transition("cache_protected_len")
+def checkpoint_into_tree(req: RequestRecord, inserted_len: int) -> RequestRecord:
+    """``checkpoint_into_tree`` (unified_radix_cache.py:1164-1318), at the chunk stash, a
+    prefill's completion and a finish release: the tree holds the request's first
+    ``inserted_len`` positions (its key's whole pages), now its protected prefix."""
+    require(req.holds_kv, "checkpoint_into_tree", req, "holds_kv", "expected its row held")
+    require(req.cache_protected_len <= inserted_len <= req.kv_committed_len,
+            "checkpoint_into_tree", req, "cache_protected_len",
+            f"inserted {inserted_len}, committed {req.kv_committed_len}")
+    return replace(req, cache_protected_len=inserted_len)
 
 
 @transition("kv_allocated_len", "kv_committed_len", "ghost.prepared_steps")
@@ -542,7 +564,7 @@ def compute_release_cached(cell: Cell, committed: int, prompt_len: int, output_l
 
 @transition("is_retracted", "prebuilt", "kv_committed_len", "kv_allocated_len",
             "req_pool_idx", "holds_kv", "waiting", "release_count", "prefix_len", "extend_end",
-            "inflight_middle_chunks", "ghost.epoch",
+            "inflight_middle_chunks", "cache_protected_len", "ghost.epoch",
             "ghost.kv_len_true", "ghost.settled_len", "ghost.inflight_steps",
             "ghost.prepared_steps", "ghost.extend_inflight")
 def reset_for_retract(req: RequestRecord) -> RequestRecord:
@@ -554,7 +576,7 @@ def reset_for_retract(req: RequestRecord) -> RequestRecord:
     return replace(req, is_retracted=True, prebuilt=False, kv_committed_len=0,
                    kv_allocated_len=0, req_pool_idx=None, holds_kv=False, waiting=True,
                    release_count=0, prefix_len=0, extend_end=0, inflight_middle_chunks=0,
-                   ghost=ghost_retract(req.ghost))
+                   cache_protected_len=0, ghost=ghost_retract(req.ghost))
 
 
 @transition("output_ids", "ghost.kv_len_true", "ghost.settled_len", "ghost.output_len_true",
@@ -577,10 +599,11 @@ def count_middle_chunks(ghost: Ghost) -> int:
 
 
 # --- the ghost's transitions (the environment's account) ---------------------------------------
-@transition("extend_inflight")
-def ghost_prepare_extend(ghost: Ghost) -> Ghost:
-    """A prefill claims its whole fill length at prepare time; nothing is settled yet."""
-    return replace(ghost, extend_inflight=True)
+@transition("extend_inflight", "kv_len_true", "settled_len")
+def ghost_prepare_extend(ghost: Ghost, prefix_len: int = 0) -> Ghost:
+    """A prefill claims its whole fill length at prepare time; nothing of it is settled
+    yet but a matched radix prefix (another request wrote it)."""
+    return replace(ghost, extend_inflight=True, kv_len_true=prefix_len, settled_len=prefix_len)
 
 
 @transition("prepared_steps")

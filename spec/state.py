@@ -272,6 +272,12 @@ class AdmissionView:
     # (the release takes the whole chunk budget there and dies, "Prefill out of memory":
     # U8). None: the release's rule alone.
     continued_limit: int | None = None
+    # The radix cache, per waiting request that was matched (in queue order, from the first):
+    # its matched prefix (its extend starts there) and the free KV its check saw, its own
+    # matched path pinned and earlier admissions' locks held (add_one_req's ``_lock_node``).
+    # Past them, no prefix and the free KV the last one left. Empty: no radix cache.
+    prefixes: tuple[int, ...] = ()
+    frees: tuple[int, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -73,10 +73,13 @@ def compute_running_token_offset(max_new_tokens: int, output_len: int, ratio: fl
 
 
 def compute_prefill_check_tokens(fill_len: int, max_new_tokens: int, output_len: int,
-                                 page_size: int) -> int:
-    """What ``add_one_req`` asks the budget for: the fill, the remaining ``max_new_tokens``
-    (clipped, at least 0) and a page; admitted while it is ``<`` what remains."""
-    return fill_len + min(max(max_new_tokens - output_len, 0), CLIP_MAX_NEW_TOKENS) + page_size
+                                 page_size: int, prefix_len: int = 0) -> int:
+    """What ``add_one_req`` asks the budget for: the extend (the fill past a matched radix
+    prefix, which costs nothing: schedule_policy.py:1409-1412), the remaining
+    ``max_new_tokens`` (clipped, at least 0) and a page; admitted while it is ``<`` what
+    remains."""
+    return (fill_len - prefix_len + min(max(max_new_tokens - output_len, 0), CLIP_MAX_NEW_TOKENS)
+            + page_size)
 
 
 def compute_prefill_reserved_tokens(fill_len: int, max_new_tokens: int, page_size: int) -> int:
@@ -99,14 +102,17 @@ def compute_ratio_after_retract(output_lens: list[int], max_new_tokens: list[int
     return min(1.0, estimate)
 
 
-def compute_chunk_first_end(fill_len: int, chunk_budget: int | None, page_size: int) -> int:
-    """``_select_prefill_admission``: where a prompt's first extend ends. All of it when
-    chunking is off or its paged length fits what is left of the step's chunk budget; else
-    that budget page-floored (a first chunk, reserving no ``max_new_tokens``; 0: no page
+def compute_chunk_first_end(fill_len: int, chunk_budget: int | None, page_size: int,
+                            prefix_len: int = 0) -> int:
+    """``_select_prefill_admission``: where a prompt's first extend, from its matched radix
+    prefix (page-aligned), ends. All of it when chunking is off or the extend's paged length
+    fits what is left of the step's chunk budget; else that budget page-floored past the
+    prefix (a first chunk, reserving no ``max_new_tokens``; at most ``prefix_len``: no page
     is left, ``AddReqResult.OTHER``)."""
-    if chunk_budget is None or compute_page_align_up(fill_len, page_size) <= chunk_budget:
+    if chunk_budget is None or compute_page_align_up(fill_len - prefix_len,
+                                                     page_size) <= chunk_budget:
         return fill_len
-    return chunk_budget // page_size * page_size
+    return prefix_len + chunk_budget // page_size * page_size
 
 
 def compute_chunk_continuation_end(prefix_len: int, fill_len: int, chunk_budget: int,

@@ -54,6 +54,7 @@ VALID_CALLS: list[tuple[str, Any, tuple[Any, ...]]] = [
     ("prepare_next_chunk", relation.stash_chunked_request(
         relation.prepare_for_extend(new(), PoolRow(1), 2)), (4,)),
     ("stash_chunked_request", relation.prepare_for_extend(new(), PoolRow(1), 2), ()),
+    ("checkpoint_into_tree", relation.prepare_for_extend(new(), PoolRow(1)), (4,)),
     ("finish_chunked_abort", relation.abort(relation.prepare_for_extend(new(), PoolRow(1), 2)),
      ()),
     ("prepare_for_decode", prefilled(), (5,)),

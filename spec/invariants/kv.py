@@ -380,9 +380,13 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
     current total and the chunk budget, and a chunked request is never continued with no chunk
     budget left (the release would prefill an empty or negative chunk, ``extend_end <=
     prefix_len``; admissions keep the running requests below the chunk size while one is
-    pending, and where PD-prebuilt arrivals fill it the chunk waits).
+    pending, and where PD-prebuilt arrivals fill it the chunk waits). With the radix cache a
+    request's fill and chunk count from its matched prefix (which costs nothing), and the free
+    KV is what its own check saw: its matched path pinned, earlier admissions' prefixes locked
+    (the free term moves within one admission).
 
-    Source: schedule_policy.py PrefillAdder, add_chunked_req, mem_cache/prefill_budget.py.
+    Source: schedule_policy.py PrefillAdder, add_chunked_req, add_one_req's ``_lock_node``
+    (:1409-1431), _commit_prefill_admission (:1685-1705), mem_cache/prefill_budget.py.
     """
     view = obs.admission
     if view is None or obs.batch is None:
@@ -422,12 +426,17 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
         chunk -= paged
     held = continued is not None
     for k, (rid, fill, max_new, out) in enumerate(view.waiting):
-        asked = fill + min(max(max_new - out, 0), clip) + page
-        fits = asked < free - total
+        # The radix cache: the extend starts past the matched prefix, and the free KV moves
+        # as admissions lock their prefixes (the loop's top judges what the last one left).
+        prefix = view.prefixes[k] if k < len(view.prefixes) else 0
         capacity = free - total > 0 and free - current > 0
+        free = view.frees[k] if k < len(view.frees) else free
+        asked = fill - prefix + min(max(max_new - out, 0), clip) + page
+        fits = asked < free - total
         # A fill the chunk budget cannot hold is cut to its whole pages (none: OTHER).
-        first = fill if chunk is None or -(-fill // page) * page <= chunk else chunk // page * page
-        spent = capacity and first <= 0
+        first = fill if chunk is None or -(-(fill - prefix) // page) * page <= chunk else (
+            prefix + chunk // page * page)
+        spent = capacity and first <= prefix
         if k == view.admitted:
             if (not view.latched and k + held < view.rows and capacity and fits
                     and not spent):
@@ -443,7 +452,7 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
         if end != first:
             raise fail("KV11", obs, f"for request r{rid}: its extend ends at {end} of {fill} "
                        f"with {chunk} left of the chunk budget")
-        paged = tr.compute_page_align_up(end, page)
+        paged = tr.compute_page_align_up(end - prefix, page)
         total += paged + page + (min(max_new, clip) if end == fill else 0)
         current += paged + page
         chunk = None if chunk is None else chunk - paged
