@@ -49,13 +49,14 @@ PROJECT = set(ALLOWED)
 # and still kept at 2175 when the proofs came to lift the relation (issue 45: the integer
 # cores of the prefill, the result's commit and the release, about 15 lines) and
 # duplicated shape, cell-name and validity logic, counters and dead helpers went (2186 ->
-# 2101), leaving about 70 lines for the radix family, and raised to 2425 for the radix
+# 2101), leaving about 70 lines for the radix family, and raised to 2475 for the radix
 # prefix cache, the release's default (issue 42): the tree both implementations keep
 # (spec/radix.py, about 140 lines: it is host-side state they may not import from each
-# other), its view in the observation and the RX family over it.
+# other), its view in the observation, the RX family over it (about 170 lines), and the
+# relation's prefix (cache_protected_len, the checkpoint) with KV11 per candidate.
 # The GUIDE's target is well under 2,000: this is still past it; the invariants (about
 # 1,000 lines) are most of the rest.
-SPEC_CODE_LINE_CAP = 2425
+SPEC_CODE_LINE_CAP = 2475
 
 
 def _module_name(path: Path) -> str:

@@ -164,7 +164,7 @@ def test_review_failure_block_gives_the_claim_and_the_picture_command(
     claim = lines.index("    claim: KV4 (req_to_token rows own their slots): "
                         "req_to_token[row, 0:kv_allocated_len] holds")
     assert lines[claim + 1].startswith("      slots of pages the request owns"), out
-    picture = lines[claim + 2]
+    picture = next(line for line in lines[claim:] if line.startswith("    picture"))
     path = re.search(r"trace: (\S+) ", trace).group(1)  # type: ignore[union-attr]
     assert picture == f"    picture (lengths and bound): overlap-spec trace plot {path}"
     assert lines.index(trace) < claim

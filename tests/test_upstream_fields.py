@@ -28,6 +28,9 @@ READER_FIELDS = {"rid", "finished", "release_count", "cached_len", "inserted_len
                  "committed_at_release", "inflight_at_release", "claimed_at_release",
                  "finish_reason", "ghost"}
 PLACEMENT_FIELDS = {"waiting", "row_slots", "owned_pages"}
+# A radix cell's prefix (upstream.fields.read_prefix) and the prompt family the adapter
+# admitted the request with.
+PREFIX_FIELDS = {"cache_protected_len", "lock_node", "prompt_family"}
 
 
 def _fields(view: type) -> set[str]:
@@ -37,8 +40,8 @@ def _fields(view: type) -> set[str]:
 def test_every_request_view_field_is_read_in_one_place() -> None:
     mapped = [f.view for f in REQUEST_FIELDS + TOKEN_FIELDS]
     assert len(mapped) == len(set(mapped))
-    assert not set(mapped) & (READER_FIELDS | PLACEMENT_FIELDS)
-    assert set(mapped) | READER_FIELDS | PLACEMENT_FIELDS == _fields(RequestView)
+    assert not set(mapped) & (READER_FIELDS | PLACEMENT_FIELDS | PREFIX_FIELDS)
+    assert set(mapped) | READER_FIELDS | PLACEMENT_FIELDS | PREFIX_FIELDS == _fields(RequestView)
 
 
 def test_every_batch_view_field_is_read_in_one_place() -> None:
