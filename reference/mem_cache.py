@@ -101,6 +101,28 @@ def alloc_for_decode(rt: Runtime, req: Req, seq_len: int) -> None:
     back_columns(rt, req, allocated, "alloc_for_decode")
 
 
+def evict_for_batch(rt: Runtime, tokens: int, requests: int) -> None:
+    """A radix cell's eviction before a batch's allocation, for the release's demand: on
+    pages > 1 the batch's new tokens plus a page per request (``alloc_paged_token_slots_
+    extend`` / ``_decode``, allocation.py:186-199,582-585; a decode's new tokens are 0);
+    on page 1 the new tokens alone (``alloc_token_slots``), which the per-request
+    allocations evict for anyway. Elsewhere nothing: the sink evicts when it allocates."""
+    p = rt.config.page_size
+    if get_radix(rt) is not None and p > 1 and requests:
+        rt.tree.evict(compute_pages_for_len(tokens + requests * p, p), rt.allocator)
+
+
+def get_spec_decode_demand(rt: Runtime, reqs: list[Req]) -> int:
+    """``num_needed_tokens`` of ``alloc_for_spec_decode``: what the batch's reserve targets
+    add to its allocations (the relation's own target, read without applying it)."""
+    cfg = rt.config
+    targets = [relation.prepare_for_decode_spec_v2(req.state, rt.get_decode_reserve(),
+                                                   cfg.page_size, cfg.cell.preclaim,
+                                                   rt.faults).kv_allocated_len
+               for req in reqs]
+    return sum(t - req.kv_allocated_len for t, req in zip(targets, reqs, strict=True))
+
+
 def alloc_for_decode_spec_v2(rt: Runtime, req: Req) -> None:
     """Spec v2: grow to the reserve target (spec.relation.prepare_for_decode_spec_v2)."""
     cfg = rt.config

@@ -38,6 +38,7 @@ class Req:
         # cap or EOS): committed KV that a finish release keys, as the release's
         # ``output_ids`` hold them behind ``finished_len``.
         self.hidden_ids: tuple[int, ...] = ()
+        self.matched_len = 0  # the last match's length while waiting (get_protected_len)
 
     def apply(self, transition: Callable[Concatenate[RequestRecord, P], RequestRecord],
               *args: P.args, **kwargs: P.kwargs) -> None:
@@ -45,6 +46,13 @@ class Req:
 
     def finished(self) -> bool:
         return self.state.is_finished()
+
+    def get_protected_len(self) -> int:
+        """``req.kv.cache_protected_len`` as the release shows it: a waiting request's is its
+        last match's length (``match_kv_cache`` sets it, schedule_batch.py:1742, whether
+        or not admission takes it); the record holds it from the prefill on."""
+        held = self.holds_kv or self.release_count > 0
+        return self.cache_protected_len if held else self.matched_len
 
     def get_fill_tokens(self) -> list[int]:
         """``full_untruncated_fill_ids``: the prompt's tokens and every output token."""

@@ -13,12 +13,19 @@ from overlap_spec.reference.mem_cache import (
     alloc_for_decode,
     alloc_for_decode_spec_v2,
     alloc_for_extend,
+    evict_for_batch,
+    get_radix,
+    get_spec_decode_demand,
 )
 from overlap_spec.reference.req import Req
 from overlap_spec.reference.runtime import DeviceTensor, Runtime
 from overlap_spec.spec import relation
 from overlap_spec.spec.happens_before import SCHEDULE
-from overlap_spec.spec.transitions import compute_decode_seq_len_ns, is_prefill_only
+from overlap_spec.spec.transitions import (
+    compute_decode_seq_len_ns,
+    compute_fill_len,
+    is_prefill_only,
+)
 from overlap_spec.spec.units import PoolRow
 
 
@@ -59,6 +66,15 @@ class ScheduleBatch:
         pages. Batch: seq_lens (pinned H2D), seq_lens_cpu, seq_lens_sum (eager).
         """
         lens: list[int] = []
+        radix = get_radix(rt)
+        if radix is not None:  # the batch's new tokens: each extend past its prefix
+            p = rt.config.page_size
+            starts = [req.prefix_len if req.holds_kv else 0 if req.lock is None
+                      else len(radix.get_path_pages(req.lock)) * p for req in reqs]
+            tails = [compute_fill_len(req.prompt_len, len(req.output_ids)) if ends is None
+                     else ends[j]
+                     for j, req in enumerate(reqs)]
+            evict_for_batch(rt, sum(tails) - sum(starts), len(reqs))
         for j, req in enumerate(reqs):
             alloc_for_extend(rt, req, None if ends is None else ends[j])
             lens.append(req.kv_allocated_len)
@@ -126,9 +142,13 @@ class ScheduleBatch:
         rt = self.rt
         self.forward_mode = "decode"
         if rt.config.cell.is_spec:
+            demand = get_spec_decode_demand(rt, self.reqs)
+            if demand > 0:
+                evict_for_batch(rt, demand, len(self.reqs))
             for req in self.reqs:
                 alloc_for_decode_spec_v2(rt, req)
             return
+        evict_for_batch(rt, 0, len(self.reqs))
         old = self.seq_lens.values
         for req, seq_len in zip(self.reqs, old, strict=True):
             alloc_for_decode(rt, req, seq_len)

@@ -31,6 +31,7 @@ from overlap_spec.reference.mem_cache import (
     match_prefix,
     release_kv_cache,
 )
+from overlap_spec.reference.memory import RadixCache
 from overlap_spec.reference.refinement import Refinement
 from overlap_spec.reference.req import Req
 from overlap_spec.reference.runtime import Runtime
@@ -218,7 +219,8 @@ class Scheduler:
             requests.append(RequestState(req.rid, status, tuple(req.output_ids),
                                          req.kv_committed_len, req.kv_allocated_len, row,
                                          req.cached_len, req.finished_reason,
-                                         req.spec_verify_ct, req.spec_num_correct_drafts))
+                                         req.spec_verify_ct, req.spec_num_correct_drafts,
+                                         req.get_protected_len()))
         return ObservableState(
             requests=tuple(requests),
             running=self._get_batch_state(self.running_batch),
@@ -230,6 +232,7 @@ class Scheduler:
             batch_is_full=bool(self.running_batch and self.running_batch.reqs
                                and self.running_batch.batch_is_full),
             tree_pages=len(rt.tree.get_pages()),
+            tree=rt.tree.tree.view() if isinstance(rt.tree, RadixCache) else None,
         )
 
     @staticmethod
@@ -485,6 +488,7 @@ class Scheduler:
             prefix, node = 0, None
             if radix is not None:
                 prefix, node = match_prefix(rt, req)
+                req.matched_len = prefix  # the release's cpl from the match on (:1742)
                 radix.lock(node)
                 free = get_available_pages(rt) * page
                 prefixes.append(prefix)
@@ -567,7 +571,12 @@ class Scheduler:
                 and is_next_output_finishing_by_length(len(req.output_ids), req.max_new_tokens)}
 
     def _fits(self, batch: ScheduleBatch, keep: set[int]) -> bool:
-        return self._pages_needed_for(batch, keep) <= get_available_pages(self.rt)
+        """``check_decode_mem``; in a radix cell it evicts the shortfall first, as the
+        release's ``check_decode_capacity`` does (allocator/base.py:171-185)."""
+        needed = self._pages_needed_for(batch, keep)
+        if isinstance(self.rt.tree, RadixCache):
+            self.rt.tree.evict(needed, self.rt.allocator)
+        return needed <= get_available_pages(self.rt)
 
     def retract_decode(self, batch: ScheduleBatch, forced: int) -> None:
         """Retract until the next decode fits, plus ``forced`` more; keep at least one, and
@@ -621,6 +630,7 @@ class Scheduler:
         release_kv_cache(self.rt, req, is_insert=False)
         evict_after_retract(self.rt, remaining)
         req.apply(relation.reset_for_retract)
+        req.matched_len = 0
 
     # ------------------------------------------------------------------ run_batch
     def run_batch(self, batch: ScheduleBatch, choices: IterationChoices) -> ForwardResult:

@@ -165,6 +165,7 @@ class UpstreamScheduler:
         # PrefillAdder's inputs, read when get_new_batch_prefill starts (KV11), and the
         # chunked request it continues first (its Req and prefix_len then), if any.
         self.admission: AdmissionView | None = None
+        self.candidate_free: int | None = None  # the radix cell's current candidate's
         self.continued: tuple[Any, int] | None = None
         # The requests of the prefill being prepared that already held KV: a continuing
         # chunk (prepare_next_chunk in the spec, which leaves the ghost alone).
@@ -505,6 +506,21 @@ class UpstreamScheduler:
             mixed_decode_tokens=len(running) if sched.is_mixed_chunk else 0,
             # _get_new_batch_prefill_raw clears a stale latch on an empty running batch.
             latched=bool(running_batch.batch_is_full) and not running_batch.is_empty())
+
+    def on_candidate_free(self, free: int | None) -> None:
+        self.candidate_free = free
+
+    def on_candidate_end(self, req: Any) -> None:
+        """A radix cell's candidate: its matched prefix and the free KV its check saw (the
+        last one's where its check did not run)."""
+        view = self.admission
+        if view is None or not self.config.cell.radix:
+            return
+        free = self.candidate_free
+        if free is None:
+            free = view.frees[-1] if view.frees else view.available_tokens
+        self.admission = replace(view, prefixes=(*view.prefixes, int(req.prefix_len)),
+                                 frees=(*view.frees, free))
 
     def _complete_admission(self, admission: AdmissionView, batch: Any) -> AdmissionView:
         """The admission as the prepared prefill shows it: the continued chunk first."""

@@ -151,9 +151,33 @@ def install(scheduler_module: Any) -> None:
         return
     from sglang.srt.managers import overlap_utils
     from sglang.srt.managers.schedule_batch import NextBatchPlan, ScheduleBatch
+    from sglang.srt.managers.schedule_policy import PrefillAdder
     from sglang.srt.managers.scheduler_components.metrics_reporter import (
         SchedulerMetricsReporter,
     )
+    from sglang.srt.mem_cache.prefill_budget import PrefillBudget
+
+    # A radix cell's admission (KV11): each candidate's matched prefix and the free KV its
+    # own budget check saw, inside add_one_req's pin of its matched path.
+    add_one = PrefillAdder.add_one_req
+
+    @functools.wraps(add_one)
+    def add_one_req(self: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+        HOST.on_candidate_free(None)
+        try:
+            return add_one(self, req, *args, **kwargs)
+        finally:
+            HOST.on_candidate_end(req)
+
+    PrefillAdder.add_one_req = add_one_req
+    check_prefill = PrefillBudget.check_prefill
+
+    @functools.wraps(check_prefill)
+    def check_prefill_wrapper(self: Any, **kwargs: Any) -> Any:
+        HOST.on_candidate_free(int(self._available_and_evictable()))
+        return check_prefill(self, **kwargs)
+
+    PrefillBudget.check_prefill = check_prefill_wrapper
 
     sb = ScheduleBatch
     sb.prepare_for_extend = _batch_call(ObservationPoint.PREPARE_FOR_EXTEND,

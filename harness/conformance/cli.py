@@ -46,7 +46,7 @@ from overlap_spec.harness.drive.cells import (
     PROFILE_NAMES,
     ArgumentParser,
     NoCellMatches,
-    cell_patterns,
+    any_cell_patterns,
     check_sizes,
     format_sizes,
     get_upstream_config,
@@ -59,7 +59,7 @@ from overlap_spec.harness.drive.cells import (
 from overlap_spec.harness.drive.cells import UsageError as CommandUsageError
 from overlap_spec.harness.drive.cells import select_cells as select_cell_records
 from overlap_spec.harness.verdict import EXIT_CANNOT_DRIVE, CheckReport
-from overlap_spec.spec.config import PRESETS, enumerate_cells
+from overlap_spec.spec.config import PRESETS, get_cell
 
 REPO_ROOT = Path(__file__).resolve().parents[2]  # harness/conformance/cli.py
 CELL_TIMEOUT_S = 900
@@ -132,11 +132,13 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def select_cells(patterns: str | None) -> list[str]:
+def select_cells(patterns: str | None, radix: bool = False) -> list[str]:
     try:
-        return [c.name for c in select_cell_records(patterns)]
+        return [c.name for c in select_cell_records(patterns, radix)]
     except NoCellMatches as error:
-        raise UsageError(str(error)) from None
+        hint = ("; radix cells need --radix" if not radix else
+                "; --radix selects among the radix cells only")
+        raise UsageError(f"{error}{hint}") from None
 
 
 def _failed_cell(reason: str) -> dict[str, Any]:
@@ -315,7 +317,7 @@ def plan_upstream_check(args: argparse.Namespace) -> UpstreamPlan:
                          f"{', '.join(PROFILE_NAMES)}")
     if args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
-    cells = select_cells(args.cells)
+    cells = select_cells(args.cells, getattr(args, "radix", False))
     python = _require_python()
     environment = find_upstream_python()[1]
     out = Path(args.out or os.environ.get("OVERLAP_SPEC_OUT", ".overlap-spec")) / "upstream"
@@ -323,8 +325,8 @@ def plan_upstream_check(args: argparse.Namespace) -> UpstreamPlan:
     results: dict[str, dict[str, Any]] = {}
     runnable = []
     for name in cells:
-        config = get_upstream_config(next(c for c in enumerate_cells() if c.name == name),
-                                     args.preset, getattr(args, "sizes", None) or {})
+        config = get_upstream_config(get_cell(name), args.preset,
+                                     getattr(args, "sizes", None) or {})
         problem = check_sizes(config)
         if problem is not None:
             raise UsageError(problem)
@@ -544,9 +546,10 @@ def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("file", nargs="?",
                         help="the script, for 'replay'; the finding (U5, U6, U7, or all "
                              "with --out), for 'export'")
-    parser.add_argument("--cells", type=cell_patterns, default=None,
-                        help="comma-separated cell names or globs (default: every cell; "
-                             "cells the adapter cannot drive report n/a)")
+    parser.add_argument("--cells", type=any_cell_patterns, default=None,
+                        help="comma-separated cell names or globs (default: every cell, or "
+                             "every radix cell with --radix; cells the adapter cannot drive "
+                             "report n/a)")
     parser.add_argument("--sglang-src", default=None, metavar="DIR",
                         help="drive this SGLang source tree (a PR branch checkout) instead of "
                              "the installed release")
@@ -567,6 +570,11 @@ def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
                         default=max(1, min(2, os.cpu_count() or 1)),
                         help="cells run at once, one forked process each (default %(default)s)")
     parser.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
+    parser.add_argument("--radix", action="store_true",
+                        help="drive the radix cells instead (overlap-spec cells --radix): the "
+                             "release's prefix cache on and shared, prompts drawn from a few "
+                             "families, the tree compared by the differential and judged by "
+                             "the RX invariants (docs/upstream-tier.md)")
     parser.add_argument("--radix-force-miss", action="store_true",
                         help="run the release's own radix tree (python core, bigram keys "
                              "under EAGLE) with every match forced to miss "

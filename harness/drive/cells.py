@@ -28,6 +28,7 @@ from overlap_spec.spec.config import (
     ModelConfig,
     Preset,
     enumerate_cells,
+    enumerate_radix_cells,
     get_departures,
 )
 
@@ -67,11 +68,13 @@ def report_usage_error(error: UsageError) -> int:
     return 2
 
 
-def select_cells(patterns: str | None) -> list[Cell]:
-    """The cells whose names match any of the comma-separated globs (all when None).
-    Each glob must match a cell: a misspelt name among others is a usage error, not a
+def select_cells(patterns: str | None, radix: bool = False) -> list[Cell]:
+    """The cells whose names match any of the comma-separated globs (all when None), among
+    :func:`enumerate_cells`, or with ``radix`` among the radix cells
+    (:func:`enumerate_radix_cells`, which only the reference and the upstream tier drive so
+    far). Each glob must match a cell: a misspelt name among others is a usage error, not a
     cell silently left out."""
-    cells = list(enumerate_cells())
+    cells = list(enumerate_radix_cells() if radix else enumerate_cells())
     if not patterns:
         return cells
     wanted = [p.strip() for p in patterns.split(",") if p.strip()]
@@ -390,6 +393,19 @@ def cell_patterns(text: str) -> str:
         select_cells(text)
     except NoCellMatches as error:
         raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def any_cell_patterns(text: str) -> str:
+    """:func:`cell_patterns` among the radix cells too (the upstream tier's ``--cells``:
+    which list applies is its ``--radix``, checked when the command starts)."""
+    try:
+        select_cells(text)
+    except NoCellMatches:
+        try:
+            select_cells(text, radix=True)
+        except NoCellMatches as error:
+            raise argparse.ArgumentTypeError(str(error)) from None
     return text
 
 

@@ -264,9 +264,11 @@ class CorpusError(ValueError):
 
 
 def load_plan(config: ModelConfig) -> WitnessPlan | None:
-    """The corpus's witnesses for ``config`` (None: the corpus does not hold its sizes)."""
+    """The corpus's witnesses for ``config`` (None: the corpus does not hold its sizes, or
+    the cell is a radix cell, which the corpus does not hold yet: the seeded search finds
+    its witnesses at each run)."""
     path = get_corpus_path(config)
-    if not path.exists():
+    if not path.exists() or config.cell.radix:
         return None
     try:
         document = json.loads(path.read_text())
