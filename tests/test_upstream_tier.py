@@ -1303,3 +1303,72 @@ def test_an_untouched_copy_of_the_release_passes_at_quick_whatever_the_seed(
         assert witnesses["ran"] >= 1 and witnesses["lost"] == {}, (cell, witnesses)
         if "-none" in cell:
             assert entry["invariants"]["RP8"] == "pass" and entry["exercised"]["RP8"] > 0
+
+
+# The radix cells (issue 42): the release's prefix cache on and shared. Each breakage is an
+# upstream radix-era bug put back into a copy of 0.5.23; the tier must fail with the RX (or
+# KV) invariant that states what it broke.
+RADIX_BREAKAGES: dict[str, tuple[str, str, str, str, set[str]]] = {
+    # #32170 (b), #40681: the checkpoint takes its new lock without dropping the old one.
+    "checkpoint-keeps-its-old-lock": (
+        "srt/mem_cache/unified_radix_cache.py",
+        "        self.unlock(req.lock)\n        # Opt-in: leave the matched-prefix mamba",
+        "        # Opt-in: leave the matched-prefix mamba",
+        "ov-p1-none-radix", {"RX2", "RX3"}),
+    # #13714 / #11351: a release frees from the start of the row, the tree's prefix too.
+    "release-frees-the-prefix": (
+        "srt/mem_cache/common.py",
+        "    tree_cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, owned_kv_len)])\n",
+        "    tree_cache.free_kv_row(req.kv, [(0, owned_kv_len)])\n",
+        "ov-p1-none-radix", {"RX1", "KV7", "UC", "crash"}),
+    # mini-sglang #142: duplicates freed, the row not repointed at the tree's pages.
+    "checkpoint-without-the-repoint": (
+        "srt/mem_cache/unified_radix_cache.py",
+        "        self.req_to_token_pool.write(\n"
+        "            (req.kv.req_pool_idx, slice(req.kv.cache_protected_len, len(new_indices))),\n"
+        "            new_indices[req.kv.cache_protected_len :],\n"
+        "        )\n",
+        "",
+        "ov-p1-none-radix", {"RX4", "RX1", "KV4", "KV7", "UC"}),
+}
+
+
+@needs_sglang
+def test_release_passes_in_radix_cells(tmp_path: Path) -> None:
+    """The release with its radix cache on: every RX invariant judged and passing, and the
+    reference's tree (nodes, locks, sizes, the rows' shared pages) agreeing with it."""
+    report_path = tmp_path / "r.json"
+    cells = ("ov-p1-none-radix", "ov-p4-v2chain-cpu-honest-radix")
+    done = run_cli("check", "--radix", "--cells", ",".join(cells), "--profile", "quick",
+                   "--json", str(report_path), "--out", str(tmp_path), "-q")
+    assert done.returncode == 0, done.stdout + done.stderr
+    report = json.loads(report_path.read_text())
+    for cell in cells:
+        entry = report["cells"][cell]
+        assert entry["verdict"] == "pass"
+        for rx in ("RX1", "RX2", "RX3", "RX4", "RX5", "RX6", "RX7"):
+            assert entry["invariants"][rx] == "pass" and entry["exercised"][rx] > 0, rx
+        diff = report["differential"]["cells"][cell]
+        assert diff["verdict"] == "pass" and diff["operations_agreed"] > 0
+    # A radix cell's name needs --radix; --radix takes radix cells only.
+    for args in (("--cells", "ov-p1-none-radix"), ("--radix", "--cells", "ov-p1-none")):
+        refused = run_cli("check", *args, "-q")
+        assert refused.returncode == 2 and "--radix" in refused.stderr, refused.stderr
+
+
+@needs_sglang
+@pytest.mark.parametrize("name", sorted(RADIX_BREAKAGES))
+def test_broken_radix_copy_fails_with_the_right_invariant(tmp_path: Path, name: str) -> None:
+    relative, old, new, cell, expected = RADIX_BREAKAGES[name]
+    source, env, _ = break_release(tmp_path, relative, old, new)
+    report_path = tmp_path / "r.json"
+    done = run_cli("check", "--radix", "--cells", cell, *source, "--profile", "quick",
+                   "--json", str(report_path), "--out", str(tmp_path), "-q", env=env)
+    assert done.returncode == 1, done.stdout + done.stderr
+    report = json.loads(report_path.read_text())
+    new_ids = {f["invariant"] for f in report["findings"] if not f["listed"]}
+    result = report["cells"][cell]
+    if not new_ids and "crash" in expected:
+        assert "the release crashed" in result.get("reason", ""), result
+        return
+    assert new_ids & expected, (new_ids, result)
