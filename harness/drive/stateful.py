@@ -138,11 +138,17 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
             self.model.set_step_index(len(self.script.ops) - 1)
             apply_op(self.model, op, self.admitted)
 
-        @precondition(lambda self: len(self.admitted) < MAX_REQUESTS)
-        @rule(prompt_len=draw.prompt_len, max_new_tokens=draw.max_new_tokens,
-              family=draw.family)
-        def admit(self, prompt_len: int, max_new_tokens: int, family: int | None) -> None:
-            self._apply(Admit(prompt_len, max_new_tokens, family))
+        if config.cell.radix:  # prompts of a few families, so prefixes are shared
+            @precondition(lambda self: len(self.admitted) < MAX_REQUESTS)
+            @rule(prompt_len=draw.prompt_len, max_new_tokens=draw.max_new_tokens,
+                  family=draw.family)
+            def admit(self, prompt_len: int, max_new_tokens: int, family: int | None) -> None:
+                self._apply(Admit(prompt_len, max_new_tokens, family))
+        else:  # the rule as it was, so a seed draws what it drew before radix cells
+            @precondition(lambda self: len(self.admitted) < MAX_REQUESTS)
+            @rule(prompt_len=draw.prompt_len, max_new_tokens=draw.max_new_tokens)
+            def admit(self, prompt_len: int, max_new_tokens: int) -> None:
+                self._apply(Admit(prompt_len, max_new_tokens))
 
         @precondition(lambda self: not (upstream or chunked)
                       and len(self.admitted) < MAX_REQUESTS)
