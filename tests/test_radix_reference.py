@@ -18,6 +18,7 @@ Every run here checks every applicable invariant at every observation
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, replace
 
@@ -37,7 +38,7 @@ from overlap_spec.harness.drive.script import (
 from overlap_spec.reference.scheduler import Scheduler
 from overlap_spec.spec import relation
 from overlap_spec.spec.config import ModelConfig, enumerate_radix_cells, get_cell
-from overlap_spec.spec.invariants import InvariantViolation, get_invariant
+from overlap_spec.spec.invariants import INVARIANTS, InvariantViolation, get_invariant
 from overlap_spec.spec.relation import GuardViolation
 from overlap_spec.spec.state import (
     AdmissionView,
@@ -67,6 +68,7 @@ class Run:
     model: Scheduler
     seen: list[Observation]
     admitted: list[RequestId]
+    checker: InvariantChecker | None = None  # its witness counts (exercised)
 
     @classmethod
     def start(cls, cell: str, sizes: dict[str, int] | None = None,
@@ -82,7 +84,9 @@ class Run:
                 also(obs)
             seen.append(obs)
 
-        return cls(config, Scheduler(config, frozenset(), observe), seen, [])
+        run = cls(config, Scheduler(config, frozenset(), observe), seen, [])
+        run.checker = checker
+        return run
 
     def do(self, *ops: Op) -> None:
         for op in ops:
@@ -362,7 +366,10 @@ def check_tree_agrees(obs: Observation) -> None:
 def test_every_invariant_holds_on_random_scripts_with_families(cell: str) -> None:
     """Random scripts whose prompts share (two families) pass every invariant in every radix
     cell, with and without chunked prefill and with a larger pool, and the reference's
-    prefixes, rows and locks agree with its tree throughout."""
+    prefixes, rows and locks agree with its tree throughout; and every RX invariant is
+    exercised in every radix cell, at the default sizes alone (a witness that does not
+    depend on the larger runs)."""
+    exercised: Counter[str] = Counter()
     for sizes in SIZES:
         if check_sizes(Script(cell, "minimal", sizes=dict(sizes)).get_config()) is not None:
             continue  # mixed chunks: not in a spec cell without the CPU mirror
@@ -374,6 +381,10 @@ def test_every_invariant_holds_on_random_scripts_with_families(cell: str) -> Non
                     run.do(op)
                 except InvariantViolation as violation:
                     raise AssertionError(f"sizes {sizes}, seed {seed}: {violation}") from None
+            if not sizes and run.checker is not None:
+                exercised.update(run.checker.exercised)
+    vacuous = [inv.id for inv in INVARIANTS if inv.id.startswith("RX") and not exercised[inv.id]]
+    assert not vacuous, f"no witness in {cell} for {vacuous}"
 
 
 def test_sharing_happens_in_random_scripts() -> None:
