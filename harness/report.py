@@ -85,6 +85,14 @@ def render_table(results: list[CellResult]) -> str:
                      key=_RANK.__getitem__) for members in columns.values()]
         row = "".join(f"{SYMBOLS[verdict]:>3}" for verdict in worst)
         lines.append(f"{inv.id:<6}{row}   {inv.claim}")
+    nowhere = [inv.id for inv in INVARIANTS
+               if not any(inv.applies(r.config.cell) for r in results)]
+    if nowhere:  # said, not left to a row of '-'
+        lines.append(f"n/a in every cell of this run: {', '.join(nowhere)}")
+        if any(i.startswith("RX") for i in nowhere):
+            lines.append("  RX applies to the radix cells only, which this command does not run "
+                         "yet: the reference's tests and 'overlap-spec upstream check --radix' "
+                         "do (docs/upstream-radix-sharing.md)")
     lines += ["", render_mechanisms(get_mechanism_counts(results))]
     failures = render_failures(results)
     na = render_na_reasons(results)
