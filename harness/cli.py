@@ -280,6 +280,20 @@ def cmd_bench(args: argparse.Namespace) -> int:
 def cmd_cells(args: argparse.Namespace) -> int:
     from overlap_spec.spec.config import enumerate_cells
 
+    if getattr(args, "radix", False):
+        from dataclasses import replace
+
+        from overlap_spec.harness.drive.cells import is_serving_default
+        from overlap_spec.spec.config import enumerate_radix_cells
+
+        # The release serves with the radix cache on: a serving default's radix twin is
+        # what it serves (the upstream tier chunks there as in the twin).
+        width = max(len(cell.name) for cell in enumerate_radix_cells())
+        for cell in enumerate_radix_cells():
+            mark = "serving default" if is_serving_default(replace(cell, radix=False)) else ""
+            print(f"{cell.name:<{width}}  {mark}".rstrip())
+        return 0
+
     if args.switches:
         from overlap_spec.harness.drive.cells import is_serving_default
         from overlap_spec.spec.config import get_departures
@@ -587,6 +601,11 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the range of every script and trace op field, per cell")
     cells.add_argument("--preset", choices=sorted(PRESETS), default="minimal",
                        help="the sizes the limits are for (default minimal)")
+    cells.add_argument("--radix", action="store_true",
+                       help="the radix cells instead: each release cell with the radix prefix "
+                            "cache on, which the reference's tests and 'overlap-spec upstream "
+                            "check --radix' run (check, review and the other tiers do not "
+                            "take them yet)")
     cells.add_argument("--switches", action="store_true",
                        help="each cell's design switches, and which of them are an earlier "
                             "era or a proposal rather than sglang 0.5.23")

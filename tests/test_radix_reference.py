@@ -442,3 +442,14 @@ def test_non_radix_cells_show_no_tree() -> None:
     assert all(o.tree is None for o in seen)
     assert all(r.cache_protected_len == 0 and r.lock_node is None and r.prompt_family is None
                for o in seen for r in o.requests)
+
+
+def test_cells_lists_the_radix_cells_with_the_serving_defaults_marked(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    from overlap_spec.harness.cli import main
+
+    assert main(["cells", "--radix"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == [c.name for c in enumerate_radix_cells()]
+    marked = {line.split()[0] for line in lines if line.endswith("serving default")}
+    assert marked == {c.name for c in enumerate_radix_cells() if c.overlap}
