@@ -11,9 +11,12 @@ What is a tensor here and what is not:
   0 is the CUDA-graph padding row and is never handed out. Only the schedule stream
   writes it (``index_put_`` / ``index_fill_`` on the whole table, so the race detector
   sees one buffer); the forward reads it.
-- ``page_owner[page]`` is the request id that owns a KV page, or -1. Upstream has no such
-  table; the stand-in forward needs it to decide on the device whether a slot it writes
-  belongs to the request (the reference asks ``slot // page_size in req.pages``).
+- ``page_owner[page]`` is the request id that owns a KV page, :data:`TREE_OWNER` for a
+  page of a radix cell's tree, or -1. Upstream has no such table; the stand-in forward
+  needs it to decide on the device whether a slot it writes belongs to the request (the
+  reference asks ``slot // page_size in req.pages``). A tree page sits in a request's row
+  below its ``cache_protected_len``: readable, never a write target of the request (the
+  one exception, a mixed chunk's decode row, is ``gpu_impl/worker.py``'s).
 - ``kv_cache`` is the KV slot buffer the forward writes; its last element is a trash slot
   that masked writes land in, so a wrong write is counted, never a crash.
 - The free page list and the tree cache's FIFO of evictable chunks stay on the host, as
@@ -21,9 +24,11 @@ What is a tensor here and what is not:
   list first, frees appended, whole chunks evicted oldest first), and host-side page ids
   are what the scheduler's admission arithmetic reads.
 
-Modelling compromise, as in the reference: the radix tree is a sink that takes the whole
+Outside a radix cell, as in the reference, the radix tree is a sink that takes the whole
 pages the release's tree keys at a finish (``compute_inserted_len``); nothing is matched
-and nothing is checkpointed before the release.
+and nothing is checkpointed before the release. A radix cell (``Cell.radix``) keeps the
+release's prefix tree (:class:`RadixCache`, over ``spec/radix.py``, host-side like the
+free list); what the scheduler does with it is ``gpu_impl/mem_cache.py``'s.
 """
 
 from __future__ import annotations
@@ -34,7 +39,11 @@ import torch
 
 from overlap_spec.gpu_impl.streams import Streams
 from overlap_spec.spec.happens_before import SCHEDULE
+from overlap_spec.spec.radix import RadixTree
 from overlap_spec.spec.units import PageId, PoolRow
+
+# page_owner of a page the radix tree holds (a radix cell): no request's to write.
+TREE_OWNER = -2
 
 
 class OutOfMemory(Exception):
@@ -77,6 +86,31 @@ class TreeCache:
     def evict(self, pages_needed: int, allocator: TokenToKVPoolAllocator) -> None:
         while self.chunks and allocator.available_size() < pages_needed:
             allocator.free(self.chunks.popleft())
+
+
+class RadixCache:
+    """The radix prefix cache of a radix cell (``UnifiedRadixCache``, enabled), behind the
+    sink's interface in pages (``reference.memory.RadixCache``): the evictable pages are the
+    unlocked nodes', every node's pages are the tree's, and an allocation evicts least
+    recently used leaves for its shortfall (``evict_to_free_tokens``); an evicted page's
+    ``page_owner`` goes back to -1 (on S)."""
+
+    def __init__(self, page_size: int, is_eagle: bool, kv: KvPages) -> None:
+        self.tree = RadixTree(page_size, is_eagle)
+        self.kv = kv
+
+    def evictable_size(self) -> int:
+        return self.tree.evictable_size // self.tree.page_size
+
+    def evict(self, pages_needed: int, allocator: TokenToKVPoolAllocator) -> None:
+        shortfall = pages_needed - allocator.available_size()
+        if shortfall > 0:
+            freed = self.tree.evict(shortfall)
+            self.kv.set_owner(list(freed), [-1] * len(freed))
+            allocator.free(freed)
+
+    def get_pages(self) -> list[PageId]:
+        return self.tree.get_pages()
 
 
 class ReqToTokenPool:
@@ -125,7 +159,8 @@ class KvPages:
         streams.name(self.kv_cache, "kv_cache")
 
     def set_owner(self, pages: list[int], owners: list[int]) -> None:
-        """``page_owner[pages] = owners`` on S (a request id, or -1 when freed or cached)."""
+        """``page_owner[pages] = owners`` on S (a request id, -1 when freed or in the sink, or
+        :data:`TREE_OWNER`)."""
         if pages:
             streams = self.streams
             self.page_owner.index_put_((streams.device_tensor(pages),),

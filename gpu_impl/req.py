@@ -17,6 +17,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from overlap_spec.spec.radix import Node
+from overlap_spec.spec.state import get_prompt_tokens
 from overlap_spec.spec.units import PageId, PoolRow, RequestId, TokenCount
 
 
@@ -71,9 +73,31 @@ class Req:
     prefix_len: int = 0
     extend_end: int = 0
     inflight_middle_chunks: int = 0
+    # The prompt's tokens (spec.state.get_prompt_tokens): its family's, one token if refused.
+    family: int = 0
+    refused: bool = False
+    # The radix cache (a radix cell): row[0:cache_protected_len] holds the tree path's slots
+    # (pages[:cpl // page] are the tree's); ``lock`` is the node the request's tree lock
+    # holds (taken at admission, moved by each checkpoint, dropped at the release; the
+    # root: no prefix); ``matched_len`` the last match while waiting; ``hidden_ids`` the last
+    # result's accepted tokens past the visible output, which a finish release keys.
+    cache_protected_len: int = 0
+    lock: Node | None = None
+    matched_len: int = 0
+    hidden_ids: tuple[int, ...] = ()
 
     def finished(self) -> bool:
         return self.finished_reason is not None
+
+    def get_protected_len(self) -> int:
+        """``req.kv.cache_protected_len`` as the release shows it (reference ``Req``): a
+        waiting request's is its last match's; from its prefill on, the request's own."""
+        held = self.holds_kv or self.release_count > 0
+        return self.cache_protected_len if held else self.matched_len
+
+    def get_fill_tokens(self) -> list[int]:
+        """``full_untruncated_fill_ids``: the prompt's tokens and every output token."""
+        return get_prompt_tokens(self.family, self.prompt_len, self.refused) + self.output_ids
 
     def update_finish_state(self, hit_eos: bool) -> None:
         """A deferred abort wins, then EOS, then the length limit."""
@@ -98,3 +122,5 @@ class Req:
         self.prefix_len = 0
         self.extend_end = 0
         self.inflight_middle_chunks = 0
+        self.cache_protected_len = 0
+        self.lock = None

@@ -6,7 +6,13 @@ non-overlap forward on the scheduler's own stream), exactly as in the reference.
 
 from __future__ import annotations
 
-from overlap_spec.gpu_impl.memory import KvPages, ReqToTokenPool, TokenToKVPoolAllocator, TreeCache
+from overlap_spec.gpu_impl.memory import (
+    KvPages,
+    RadixCache,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+    TreeCache,
+)
 from overlap_spec.gpu_impl.streams import Streams
 from overlap_spec.spec.config import ModelConfig, SpecShape
 from overlap_spec.spec.happens_before import FORWARD, SCHEDULE
@@ -18,11 +24,14 @@ class Runtime:
         self.faults = faults
         self.streams = streams
         self.allocator = TokenToKVPoolAllocator(config.kv_pages)
-        self.tree = TreeCache()
         # The release's row, or one not widened on pages > 1 (B21: #26972 reverted).
         self.req_to_token_pool = ReqToTokenPool(streams, config.preset.max_running_requests,
                                                 config.get_row_width(faults))
         self.kv = KvPages(streams, config.kv_pages, config.page_size)
+        # A radix cell keeps the release's prefix tree; the others a sink (memory.py).
+        self.tree: TreeCache | RadixCache = (
+            RadixCache(config.page_size, config.cell.is_spec, self.kv) if config.cell.radix
+            else TreeCache())
         self.shape: SpecShape = config.get_shape()  # this iteration's adaptive rung
         # "B" is today's design; "A" the pre-#25465 baseline that ``bench gpu`` compares.
         self.era = "B"

@@ -30,7 +30,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from overlap_spec.gpu_impl.mem_cache import alloc_for_decode, alloc_for_extend, grow_to
+from overlap_spec.gpu_impl.mem_cache import (
+    alloc_for_decode,
+    alloc_for_extend,
+    evict_for_batch,
+    get_radix,
+    grow_to,
+)
 from overlap_spec.gpu_impl.req import Req
 from overlap_spec.gpu_impl.runtime import Runtime
 from overlap_spec.spec.transitions import (
@@ -82,6 +88,12 @@ class ScheduleBatch:
         fill_lens: list[int] = [compute_fill_len(req.prompt_len, len(req.output_ids))
                                 for req in reqs]
         lens = list(fill_lens) if ends is None else list(ends)
+        radix = get_radix(rt)
+        if radix is not None:  # the batch's new tokens: each extend past its prefix
+            p = rt.config.page_size
+            starts = [req.prefix_len if req.holds_kv else 0 if req.lock is None
+                      else len(radix.get_path_pages(req.lock)) * p for req in reqs]
+            evict_for_batch(rt, sum(lens) - sum(starts), len(reqs))
         alloc_for_extend(rt, reqs, lens, fill_lens)
         for req in reqs:
             req.is_retracted = False
@@ -140,6 +152,7 @@ class ScheduleBatch:
         if self.rt.config.cell.is_spec:
             self._prepare_for_decode_spec_v2()
             return
+        evict_for_batch(self.rt, 0, len(self.reqs))  # a radix cell's paged decode demand
         alloc_for_decode(self.rt, self.reqs, self.get_seq_lens_host())
         # A new tensor with and without overlap (#30669): under overlap the in-flight
         # forward still reads the old one.
@@ -157,6 +170,10 @@ class ScheduleBatch:
         # B12 (no max(cur, ...) clamp) and B22 (no page rounding) are the target's faults.
         targets = [compute_v2_alloc_target(req.kv_committed_len, req.kv_allocated_len,
                                            reserve, page_size, rt.faults) for req in self.reqs]
+        # ``alloc_for_spec_decode``'s num_needed_tokens: a radix cell evicts for it first.
+        demand = sum(t - req.kv_allocated_len for t, req in zip(targets, self.reqs, strict=True))
+        if demand > 0:
+            evict_for_batch(rt, demand, len(self.reqs))
         grow_to(rt, self.reqs, targets)
         if rt.config.cell.preclaim:
             for req in self.reqs:

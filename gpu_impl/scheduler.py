@@ -25,6 +25,12 @@ after every operation) and the race detector (``gpu_impl/race.py``) listening to
 streams; it reports no spec Observations, so the ``observer`` argument is accepted for
 the shared factory signature and ignored. ``faults`` re-introduces the historical bugs
 of the catalogue (``spec/bugs.py``'s IDs) as the mistake upstream made, in torch code.
+
+A radix cell (``Cell.radix``) keeps the release's prefix tree on the host and does what
+the reference does with it (``docs/upstream-radix-sharing.md`` sections 1 and 2): each
+admission candidate matched and pinned, the prefix's slots in the row, checkpoints at the
+chunk stash and at a prefill's completion, the release by section 1.4's table, retraction's
+immediate eviction, and the release's eviction demands (``gpu_impl/mem_cache.py``).
 """
 
 from __future__ import annotations
@@ -36,10 +42,15 @@ import torch
 
 from overlap_spec.gpu_impl.future_map import FutureMap
 from overlap_spec.gpu_impl.mem_cache import (
+    checkpoint_kv_cache,
+    evict_after_retract,
     get_available_pages,
     get_decode_pages_needed,
+    get_radix,
+    match_prefix,
     release_kv_cache,
 )
+from overlap_spec.gpu_impl.memory import RadixCache
 from overlap_spec.gpu_impl.req import Req
 from overlap_spec.gpu_impl.runtime import Runtime
 from overlap_spec.gpu_impl.schedule_batch import ResultBatch, ScheduleBatch
@@ -88,8 +99,9 @@ class QueuedResult:
 
 @dataclass
 class PrefillBudget:
-    """``PrefillBudget`` with a disabled tree (nothing evictable): offsets against the free
-    tokens, the running requests' estimate first (a float), then each admission's."""
+    """``PrefillBudget``: offsets against the free tokens (the allocator's and the tree's
+    evictable; a radix cell re-reads them per candidate, its prefix pinned), the running
+    requests' estimate first (a float), then each admission's."""
 
     available: int
     total_offset: float = 0
@@ -118,10 +130,6 @@ class Scheduler:
             raise ValueError(f"unknown fault IDs {sorted(unknown)}; gpu_impl supports "
                              f"{sorted(SUPPORTED_FAULTS)}")
         del observer  # see the module header: gpu_impl emits no spec Observations
-        if config.cell.radix:
-            raise NotImplementedError(
-                f"gpu_impl does not model the radix prefix cache yet ({config.cell.name}): "
-                "docs/upstream-radix-sharing.md section 5, step 3")
         self.config = config
         self.streams = streams if streams is not None else Streams(
             device if device is not None else torch.device("cpu"))
@@ -172,7 +180,8 @@ class Scheduler:
         req = Req(rid, TokenCount(1 if refused else prompt_len), TokenCount(capped),
                   get_last_prompt_token(rid if family is None else family, prompt_len, refused),
                   prebuilt=prebuilt,
-                  to_finish="abort" if refused else None)
+                  to_finish="abort" if refused else None,
+                  family=rid if family is None else family, refused=refused)
         self.requests[rid] = req
         self.waiting_queue.append(req)
         return rid
@@ -256,7 +265,9 @@ class Scheduler:
             requests.append(RequestState(req.rid, status, tuple(req.output_ids),
                                          req.kv_committed_len, req.kv_allocated_len, row,
                                          req.cached_len, req.finished_reason,
-                                         req.spec_verify_ct, req.spec_num_correct_drafts))
+                                         req.spec_verify_ct, req.spec_num_correct_drafts,
+                                         req.get_protected_len()))
+        tree = self.rt.tree
         return ObservableState(
             requests=tuple(requests),
             running=self._get_batch_state(self.running_batch),
@@ -267,7 +278,9 @@ class Scheduler:
             new_token_ratio=self.ratio,
             batch_is_full=bool(self.running_batch is not None and self.running_batch.reqs
                                and self.running_batch.batch_is_full),
-            tree_pages=self.rt.tree.evictable_size(),
+            tree_pages=(len(tree.get_pages()) if isinstance(tree, RadixCache)
+                        else tree.evictable_size()),
+            tree=tree.tree.view() if isinstance(tree, RadixCache) else None,
         )
 
     def _get_batch_state(self, batch: ScheduleBatch | None) -> BatchState | None:
@@ -284,8 +297,11 @@ class Scheduler:
         self.process_prebuilt()
         chunked = self.chunked_req
         if chunked is not None and chunked.extend_end > chunked.prefix_len:
-            # stash_chunked_request: the chunk scheduled last is the next one's prefix.
+            # stash_chunked_request: the chunk scheduled last is the next one's prefix,
+            # which a radix cell checkpoints into its tree (checkpoint_kv_cache).
             chunked.prefix_len = chunked.extend_end
+            if get_radix(self.rt) is not None:
+                checkpoint_kv_cache(self.rt, chunked, chunked.extend_end)
         last = self.last_batch
         if last is not None and last.forward_mode in ("extend", "mixed"):
             size = len(last.reqs)
@@ -433,7 +449,7 @@ class Scheduler:
             running.batch_is_full = False
         if running.is_empty():
             return
-        if sum(self._decode_pages_needed(running)) > get_available_pages(self.rt):
+        if not self._fits(sum(self._decode_pages_needed(running))):
             return
         running.prepare_for_decode()
         batch.mix_with_running(running)
@@ -481,6 +497,10 @@ class Scheduler:
             ends.append(end)
         if slots <= 0:
             return admitted, ends, continued is None
+        # A radix cell matches each candidate as it comes (init_next_round_input) and pins
+        # its matched path for its check (add_one_req's _lock_node); an admitted one keeps
+        # that lock (_commit_prefill_admission), so the free KV moves within the pass.
+        radix = get_radix(self.rt)
         for req in queue:
             if chunk is not None and chunk <= 0 and budget.has_capacity():
                 return admitted, ends, False  # OTHER: the step's chunk budget is spent
@@ -488,19 +508,31 @@ class Scheduler:
                 return admitted, ends, True
             out = len(req.output_ids)
             fill = compute_fill_len(req.prompt_len, out)
+            prefix, node = 0, None
+            if radix is not None:
+                prefix, node = match_prefix(self.rt, req)
+                req.matched_len = prefix  # the release's cpl from the match on (:1742)
+                radix.lock(node)
+                budget.available = get_available_pages(self.rt) * page
             if not budget.admits(compute_prefill_check_tokens(fill, req.max_new_tokens, out,
-                                                              page)):
+                                                              page, prefix)):
+                if radix is not None and node is not None:
+                    radix.unlock(node)
                 return admitted, ends, bool(admitted or members)  # NO_TOKEN
-            end = compute_chunk_first_end(fill, chunk, page)
-            if end <= 0:
+            end = compute_chunk_first_end(fill, chunk, page, prefix)
+            if end <= prefix:
+                if radix is not None and node is not None:
+                    radix.unlock(node)
                 return admitted, ends, False  # OTHER: no whole page of the chunk budget
+            assert req.lock is None, f"r{req.rid} admitted holding a tree lock"
+            req.lock = node
             admitted.append(req)
             ends.append(end)
             budget.reserve(compute_prefill_reserved_tokens(
-                end, req.max_new_tokens if end == fill else 0, page),
-                compute_pages_for_len(end, page) * page + page)
+                end - prefix, req.max_new_tokens if end == fill else 0, page),
+                compute_page_align_up(end - prefix, page) + page)
             if chunk is not None:
-                chunk -= compute_page_align_up(end, page)
+                chunk -= compute_page_align_up(end - prefix, page)
             if not budget.has_capacity():
                 return admitted, ends, True
             if chunk is not None and chunk <= 0:
@@ -516,11 +548,12 @@ class Scheduler:
         left_out = {id(req) for req in finishing}
         batch.filter_batch([j for j, req in enumerate(batch.reqs)
                             if not req.finished() and id(req) not in left_out])
-        short = sum(self._decode_pages_needed(batch)) > get_available_pages(self.rt)
-        if batch.is_empty() or (finishing and short):
+        needed = sum(self._decode_pages_needed(batch))
+        # The reference's order of the checks: in a radix cell each one evicts first.
+        if batch.is_empty() or (finishing and not self._fits(needed)):
             batch.batch_is_full = False
             return False
-        if short or forced_retracts > 0:
+        if forced_retracts > 0 or not self._fits(needed):
             self.retract_decode(batch, forced_retracts)
         else:
             self.ratio = compute_decayed_ratio(self.ratio)
@@ -556,18 +589,18 @@ class Scheduler:
         retracted: list[Req] = []
 
         def short_of_pages() -> bool:
-            return sum(needs[j] for j in order) > get_available_pages(self.rt)
+            return not self._fits(sum(needs[j] for j in order))
 
         while len(order) > 1 and (forced > len(retracted) or short_of_pages()):
             req = batch.reqs[order.pop()]
-            self.release_req(req)
+            self.release_req(req, len(order))
             retracted.append(req)
         aborted = short_of_pages()
         if aborted and self.rt.has_fault("B25"):  # before #19881: the scheduler dies
             raise ValueError(LAST_REQUEST_OOM)
         if aborted:  # the last one alone does not fit: aborted, not a crash (reference)
             req = batch.reqs[order.pop()]
-            self.release_req(req)
+            self.release_req(req, 0)
             req.waiting = False
             req.is_retracted = False
             req.finished_reason = "abort"
@@ -584,9 +617,20 @@ class Scheduler:
         return [get_decode_pages_needed(self.rt, req, s)
                 for req, s in zip(batch.reqs, seq_lens, strict=True)]
 
-    def release_req(self, req: Req) -> None:
+    def _fits(self, pages_needed: int) -> bool:
+        """``check_decode_mem``; in a radix cell it evicts the shortfall first, as the
+        release's ``check_decode_capacity`` does (allocator/base.py:171-185)."""
+        if get_radix(self.rt) is not None:
+            self.rt.tree.evict(pages_needed, self.rt.allocator)
+        return pages_needed <= get_available_pages(self.rt)
+
+    def release_req(self, req: Req, remaining: int) -> None:
+        """``release_req``: the KV released without caching (checkpoint=False); a radix
+        cell's tree then evicts for the ``remaining`` requests at once."""
         release_kv_cache(self.rt, req, is_insert=False)
+        evict_after_retract(self.rt, remaining)
         req.reset_for_retract()
+        req.matched_len = 0
 
     # ------------------------------------------------------------------ run_batch
     def run_batch(self, batch: ScheduleBatch, choices: IterationChoices) -> ForwardResult:
@@ -737,6 +781,8 @@ class Scheduler:
                 # A middle chunk (process_batch_result_prefill's chunked branch): one off
                 # the counter; no token, no finish check, no commit.
                 req.inflight_middle_chunks -= 1
+                if not (req.finished() or req.is_retracted):
+                    req.hidden_ids = tuple(tokens[j * result.stride:j * result.stride + accept])
                 if rt.has_fault("B4") or not (req.finished() or req.is_retracted):
                     counted[0] += accept - 1
                     counted[1] += 1
@@ -766,6 +812,9 @@ class Scheduler:
                     cell, req.kv_committed_len, settled, False, False)
             start = j * result.stride
             req.output_ids += tokens[start:start + run_len]
+            # Accepted past the visible output (an abort's run past the cap or EOS): KV a
+            # radix cell's finish release keys.
+            req.hidden_ids = tuple(tokens[start + run_len:start + accept])
             if cell.is_spec and is_decode:
                 req.spec_verify_ct += 1
                 req.spec_num_correct_drafts += accept - 1
@@ -777,6 +826,11 @@ class Scheduler:
                 req.kv_committed_len += 1
             if req.finished() and req.holds_kv:
                 release_kv_cache(rt, req, is_insert=True)
+            elif (mode == "extend" and not req.finished() and req.holds_kv
+                  and get_radix(rt) is not None):
+                # A prefill that did not finish publishes its KV (checkpoint_kv_cache,
+                # batch_result_processor.py:393-394); a decode row never does.
+                checkpoint_kv_cache(rt, req, req.extend_end)
         # Only spec decode results feed the metrics (update_spec_metrics).
         metered = cell.is_spec and result.forward_mode == "decode"
         self.num_correct_drafts, self.metrics_batch_size = counted if metered else (0, 0)

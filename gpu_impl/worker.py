@@ -17,6 +17,15 @@ A write through a -1 entry, past ``kv_allocated_len`` or into a page another req
 is masked into the trash slot and counted as a kv_write_fault, all with tensor ops; a
 request that holds no pool row counts one fault per write, as in the reference.
 
+In a radix cell a request's row below its ``cache_protected_len`` holds the tree's pages
+(``page_owner`` :data:`~gpu_impl.memory.TREE_OWNER`): read, never written, so a write into
+one is a fault. One exception keeps the release's order, as the reference does
+(``tests/test_radix_reference.py::test_a_mixed_decode_writes_below_the_checkpoint_it_
+follows``): a mixed batch's decode row writes the token ``mix_with_running`` set its
+``extend_end`` past, which its prefill's checkpoint may already have keyed into the tree.
+The reference, which asks only whether the page is in the request's row, flags no write
+into its own tree pages at all; a correct run makes no other such write.
+
 The environment's choices (accept lengths, EOS) arrive by H2D copies enqueued on the
 forward stream, so nothing the schedule stream owns has to outlive them. The read-done
 event of the fine WAR fence (#28363) is recorded after the last ``req_to_token`` read:
@@ -33,6 +42,7 @@ from dataclasses import dataclass
 
 import torch
 
+from overlap_spec.gpu_impl.memory import TREE_OWNER
 from overlap_spec.gpu_impl.req import compute_env_tokens_tensor, get_env_chain_coefficients
 from overlap_spec.gpu_impl.runtime import Runtime
 from overlap_spec.gpu_impl.schedule_batch import ScheduleBatch
@@ -107,6 +117,16 @@ class RequestInputs:
     rid: torch.Tensor
     kv_allocated_len: torch.Tensor
     holds_row: torch.Tensor  # bool
+    # A radix cell's mixed batch: the rows that may write a tree page of their own row
+    # (its decode rows; see the module header). None elsewhere: no row may.
+    tree_writable: torch.Tensor | None = None  # bool
+
+    def is_own(self, owner: torch.Tensor) -> torch.Tensor:
+        """Whether each slot's ``owner`` ([bs, W]) lets its row write it."""
+        own = owner == self.rid[:, None]
+        if self.tree_writable is None:
+            return own
+        return own | ((owner == TREE_OWNER) & self.tree_writable[:, None])
 
 
 class ModelWorker:
@@ -131,12 +151,17 @@ class ModelWorker:
         streams = self.rt.streams
         stream = self.rt.forward_stream
         reqs = batch.reqs
+        tree_writable = None
+        if self.rt.config.cell.radix and batch.forward_mode == "mixed":
+            tree_writable = streams.device_tensor(
+                [batch.is_decode_row(j) for j in range(len(reqs))], stream) > 0
         return RequestInputs(
             rid=streams.device_tensor([req.rid for req in reqs], stream),
             kv_allocated_len=streams.device_tensor([req.kv_allocated_len for req in reqs],
                                                    stream),
             holds_row=streams.device_tensor([req.req_pool_idx is not None for req in reqs],
                                             stream) > 0,
+            tree_writable=tree_writable,
         )
 
     def _write_kv(self, fb: ForwardBatch, inputs: RequestInputs, starts: torch.Tensor,
@@ -163,7 +188,7 @@ class ModelWorker:
                * inputs.holds_row)
         live = (offsets < lengths[:, None]) & inputs.holds_row[:, None]
         good = ((offsets < end[:, None]) & (positions >= 0) & (slots >= 0)
-                & (owner == inputs.rid[:, None]))
+                & inputs.is_own(owner))
         faults = (live ^ good).sum() + (~inputs.holds_row).sum()  # good is a subset of live
         target = torch.where(good, slots, kv.trash_slot)
         kv.kv_cache.index_put_((target,), inputs.rid[:, None].expand_as(target))
@@ -191,7 +216,7 @@ class ModelWorker:
         live = live & inputs.holds_row[:, None]
         end = inputs.kv_allocated_len.clamp(max=pool.width)[:, None]
         good = (live & (positions >= 0) & (positions < end) & (slots >= 0)
-                & (owner == inputs.rid[:, None]))
+                & inputs.is_own(owner))
         faults = (live ^ good).sum() + (~inputs.holds_row).sum()  # good is a subset of live
         source_slots = pool.req_to_token[rows, sources.clamp(0, pool.width - 1)]
         copied = kv.kv_cache[torch.where(source_slots >= 0, source_slots, kv.trash_slot)]
