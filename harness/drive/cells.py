@@ -71,9 +71,9 @@ def report_usage_error(error: UsageError) -> int:
 def select_cells(patterns: str | None, radix: bool = False) -> list[Cell]:
     """The cells whose names match any of the comma-separated globs (all when None), among
     :func:`enumerate_cells`, or with ``radix`` among the radix cells
-    (:func:`enumerate_radix_cells`, which only the reference and the upstream tier drive so
-    far). Each glob must match a cell: a misspelt name among others is a usage error, not a
-    cell silently left out."""
+    (:func:`enumerate_radix_cells`, which the reference's and gpu_impl's tests and the
+    upstream tier drive so far). Each glob must match a cell: a misspelt name among others
+    is a usage error, not a cell silently left out."""
     cells = list(enumerate_radix_cells() if radix else enumerate_cells())
     if not patterns:
         return cells
