@@ -213,7 +213,8 @@ def compute_owned_len(rt: Runtime, req: Req) -> int:
     return max(0, min(cached, req.kv_allocated_len))
 
 
-def checkpoint_kv_cache(rt: Runtime, req: Req, up_to: int) -> int:
+def checkpoint_kv_cache(rt: Runtime, req: Req, up_to: int, finish: bool = False
+                        ) -> int:
     """``checkpoint_into_tree`` (unified_radix_cache.py:1164-1318) of a radix cell: the fill
     ids up to ``up_to`` are keyed (K positions: whole pages, one short under EAGLE) and
     inserted with the row's pages, ``cache_protected_len`` as ``prev_prefix_len``. The
@@ -236,7 +237,10 @@ def checkpoint_kv_cache(rt: Runtime, req: Req, up_to: int) -> int:
         f"r{req.rid}: checkpoint of {inserted} with cpl {protected}, "
         f"committed {req.kv_committed_len}")
     own = req.pages[protected // p:inserted // p]
-    _, node, duplicates = radix.insert(key, req.pages[:inserted // p], protected)
+    # B32: a finish's insert is handed the key uncut, with the whole pages' values.
+    handed = (radix.make_key(tokens, whole_pages=False) if finish and rt.has_fault("B32")
+              else key)
+    _, node, duplicates = radix.insert(handed, req.pages[:inserted // p], protected)
     rt.allocator.free(duplicates)
     dropped = set(duplicates)
     rt.kv.set_owner(list(own), [-1 if page in dropped else TREE_OWNER for page in own])
@@ -245,10 +249,12 @@ def checkpoint_kv_cache(rt: Runtime, req: Req, up_to: int) -> int:
         radix.insert(prompt_key, req.pages[:len(prompt_key) // p], len(prompt_key))
     path = radix.get_path_pages(node)
     assert len(path) * p == inserted, f"path of {len(path)} pages, key of {inserted}"
-    repoint_row(rt, req, path, protected, inserted)
-    if req.lock is not None:
-        radix.unlock(req.lock)
-    req.lock = radix.lock(node)
+    if not rt.has_fault("B29"):  # B29: the duplicates are freed, the row still names them
+        repoint_row(rt, req, path, protected, inserted)
+    if not rt.has_fault("B30"):  # B30: the lock stays on the node the request held before
+        if req.lock is not None:
+            radix.unlock(req.lock)
+        req.lock = radix.lock(node)
     req.cache_protected_len = inserted
     return inserted
 
@@ -277,20 +283,30 @@ def release_into_tree(rt: Runtime, radix: RadixTree, req: Req, is_insert: bool) 
     recorded_pages = compute_pages_for_len(req.kv_allocated_len, p)
     owned = compute_owned_len(rt, req) if is_insert else 0
     if is_insert and owned:
-        checkpoint_kv_cache(rt, req, owned)
+        checkpoint_kv_cache(rt, req, owned, finish=True)
     req.release_count += 1
     if is_insert:
         req.cached_len = owned
     elif req.finished():  # a chunked request's abort (checkpoint=False): nothing cached
         req.cached_len = 0
-    first_own = req.cache_protected_len // p
+    first_own = get_first_own_page(rt, req)
     rt.kv.set_owner(list(req.pages[first_own:]), [-1] * len(req.pages[first_own:]))
     rt.allocator.free(req.pages[first_own:recorded_pages])
     if req.lock is not None:
-        radix.unlock(req.lock)
+        if not rt.has_fault("B26"):  # B26: the release leaves its lock behind (#32170)
+            radix.unlock(req.lock)
         req.lock = None
     rt.req_to_token_pool.free(req.req_pool_idx)
     req.pages = []
     req.holds_kv = False
     req.req_pool_idx = None
     req.kv_allocated_len = 0  # ReqKvInfo.mark_kv_released
+
+
+def get_first_own_page(rt: Runtime, req: Req) -> int:
+    """The first page a release frees: the request's own start at ``cache_protected_len``;
+    B27 frees from 0 (#32170, #11351), B28 from the admission's match, not the prefix a
+    checkpoint advanced since (#13714, #38355): the tree's pages with them."""
+    start = (0 if rt.has_fault("B27") else req.matched_len if rt.has_fault("B28")
+             else req.cache_protected_len)
+    return start // rt.config.page_size

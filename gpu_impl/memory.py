@@ -95,8 +95,9 @@ class RadixCache:
     recently used leaves for its shortfall (``evict_to_free_tokens``); an evicted page's
     ``page_owner`` goes back to -1 (on S)."""
 
-    def __init__(self, page_size: int, is_eagle: bool, kv: KvPages) -> None:
-        self.tree = RadixTree(page_size, is_eagle)
+    def __init__(self, page_size: int, is_eagle: bool, kv: KvPages,
+                 faults: frozenset[str] = frozenset()) -> None:
+        self.tree = RadixTree(page_size, is_eagle, faults)
         self.kv = kv
 
     def evictable_size(self) -> int:

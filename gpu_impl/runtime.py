@@ -28,10 +28,11 @@ class Runtime:
         self.req_to_token_pool = ReqToTokenPool(streams, config.preset.max_running_requests,
                                                 config.get_row_width(faults))
         self.kv = KvPages(streams, config.kv_pages, config.page_size)
-        # A radix cell keeps the release's prefix tree; the others a sink (memory.py).
+        # A radix cell keeps the release's prefix tree; the others a sink (memory.py). B33:
+        # the tree keys plain tokens under EAGLE (before #10846).
         self.tree: TreeCache | RadixCache = (
-            RadixCache(config.page_size, config.cell.is_spec, self.kv) if config.cell.radix
-            else TreeCache())
+            RadixCache(config.page_size, config.cell.is_spec and "B33" not in faults,
+                       self.kv, faults) if config.cell.radix else TreeCache())
         self.shape: SpecShape = config.get_shape()  # this iteration's adaptive rung
         # "B" is today's design; "A" the pre-#25465 baseline that ``bench gpu`` compares.
         self.era = "B"

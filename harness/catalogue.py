@@ -1,8 +1,9 @@
-"""The catalogue of historical bugs B1-B25 (digest section 5; B16 is the reserve upstream
+"""The catalogue of historical bugs B1-B34 (digest section 5; B16 is the reserve upstream
 fixed in #26354, B17 what the upstream tier found the release doing, B18 a chunked-prefill
 counter bug of the JAX port, B19 and B20 mixed-chunk bugs, B21 the row of a tree on pages
 > 1, B22 an unaligned spec-v2 allocation, B23 the release's page-1 tree row: U7, B24
-a prompt too long admitted, B25 the crash when the last request does not fit), each a
+a prompt too long admitted, B25 the crash when the last request does not fit; B26-B34 the
+radix prefix cache's, in the radix cells only), each a
 mutant the checkers must kill.
 
 Each entry names the upstream PRs, the trigger, the invariants the digest says it
@@ -55,7 +56,17 @@ class Bug:
     # listed invariant or by exactly this crash (type, raising function, words of the
     # message); any other crash is no kill.
     crash: Crash | None = None
+    # A bug of the radix prefix cache (B26-B34): it applies in radix cells only, and the
+    # earlier bugs in the cells without the cache (``harness/mutants/select.py``).
+    radix: bool = False
 
+
+# The radix bugs' Z3 column: the BMC keeps the tree as a sink (proofs/bmc.py).
+_NO_TREE_IN_BMC: Final = "the BMC keeps the tree cache as a sink: no radix tree (proofs/bmc.py)"
+# Their representative cells: serving defaults (overlap on), one without speculation and one
+# keying bigrams (EAGLE); tests/test_mutants.py kills each in every radix cell it applies in.
+_RADIX_CELLS: Final = ("ov-p1-none-radix", "ov-p1-v2chain-cpu-honest-radix")
+_PAGED_RADIX_CELLS: Final = ("ov-p4-none-radix", "ov-p4-v2chain-cpu-honest-radix")
 
 BUGS: Final[tuple[Bug, ...]] = (
     Bug("B1", "stale seq_lens_sum kept across filter/merge", "#25818",
@@ -308,6 +319,93 @@ BUGS: Final[tuple[Bug, ...]] = (
         sizes=(("kv_tokens", 12), ("paged_tree_kv_tokens", 40), ("chain_steps", 5),
                ("tree_topk", 3)),
         crash=Crash("ValueError", "retract_decode", LAST_REQUEST_OOM)),
+    # The radix prefix cache's bugs (issue 42; docs/upstream-radix-sharing.md section 4):
+    # each applies in the radix cells only, where a request holds a prefix of the tree.
+    Bug("B26", "a release that keeps its tree lock",
+        "#32170 (open, 2026-07-23: a PD decode release moved protected_size_ with no lock "
+        "taken; the lock walk and the release must pair)",
+        "a finish, abort or retraction releases a request that holds a lock on its prefix "
+        "node: the node stays locked with no holder, protected forever (never evictable)",
+        "release_kv_cache drops the request's lock without dec_lock_ref", ("RX2",),
+        lambda cell: cell.radix, radix=True, not_in_z3=_NO_TREE_IN_BMC,
+        representative_cells=_RADIX_CELLS),
+    Bug("B27", "a release that frees its prefix's pages",
+        "#32170 (open: a PD decode release freed [0, cache_protected_len), the tree's "
+        "slots); #11351 (merged 2025-10-09: release_req routed through "
+        "cache_finished_req(is_insert=False))",
+        "a request holding a prefix of the tree (matched, or checkpointed at its prefill "
+        "completion) is released: its row's pages from 0 are freed, the tree's with them",
+        "the release frees the row's pages from 0, not from cache_protected_len",
+        ("RX1",), lambda cell: cell.radix, radix=True, not_in_z3=_NO_TREE_IN_BMC,
+        representative_cells=_RADIX_CELLS),
+    Bug("B28", "a release that frees from the admission's match",
+        "#13714 (merged 2025-11-21: cache_protected_len introduced, apart from the match's "
+        "prefix); #38355 (open, 2026-09-07: chunk pages inserted mid-prefill freed by a "
+        "retract or abort)",
+        "a checkpoint (a chunk's stash, the prefill's completion) advanced the protected "
+        "prefix past what the admission matched; the release frees from the match, so the "
+        "pages the checkpoint gave the tree are freed too",
+        "the release frees from the admission's matched length, not cache_protected_len",
+        ("RX1",), lambda cell: cell.radix, radix=True, not_in_z3=_NO_TREE_IN_BMC,
+        representative_cells=_RADIX_CELLS),
+    Bug("B29", "a checkpoint that frees duplicates without repointing the row",
+        "sgl-project/mini-sglang #142 (open, 2026-07-08: duplicate prefix pages freed, the "
+        "page table still naming them: a use after free)",
+        "two requests of one family prefill the same prompt; the second's checkpoint finds "
+        "the pages already in the tree, frees its own copies and leaves its row on them",
+        "checkpoint_into_tree frees the duplicates and skips the row repoint",
+        ("RX4", "RX1"), lambda cell: cell.radix, radix=True, not_in_z3=_NO_TREE_IN_BMC,
+        # A chain's duplicate needs its two requests prefilled together: gpu_impl's search
+        # missed it at some seeds (2 of 6); the tree cell's kill came at every seed tried.
+        representative_cells=("ov-p1-none-radix", "ov-p1-v2tree-cpu-honest-radix")),
+    Bug("B30", "a checkpoint that keeps the lock on the node before the insert",
+        "#40681 (open, 2026-09-22: PD + EAGLE: inserted nodes left unlocked while they "
+        "alias the request's slots)",
+        "a checkpoint inserts past the request's prefix and moves cache_protected_len to the "
+        "insert's end, but the lock stays where it was: the new nodes are evictable while "
+        "the request reads them",
+        "checkpoint_into_tree neither drops the old lock nor takes the new node's",
+        ("RX4", "RX2"), lambda cell: cell.radix, radix=True, not_in_z3=_NO_TREE_IN_BMC,
+        representative_cells=_RADIX_CELLS),
+    Bug("B31", "a lock walk that skips the node itself",
+        "sgl-project/mini-sglang #52 (merged 2025-12-29: lock_handle moved to the parent "
+        "before counting, so the matched node stayed at ref_count 0 and evictable)",
+        "a request locks a prefix node (admission, checkpoint): its ancestors are counted, "
+        "the node itself is not, so it can be evicted under the request",
+        "the tree's lock and unlock walks start at the node's parent", ("RX2",),
+        lambda cell: cell.radix, radix=True, not_in_z3=_NO_TREE_IN_BMC,
+        representative_cells=_RADIX_CELLS),
+    # A finish only: a live holder's path would show RX5 first (the partial page's key).
+    Bug("B32", "a finish inserts a key not cut to whole pages",
+        "#23107 (merged 2026-04-17: the insert entry cuts the key, RadixKey.page_aligned, and "
+        "slices the values to it); #28692 (open, 2026-06-19: MambaRadixCache matched an "
+        "uncut key and built an invalid node); #10637 (merged 2025-09-19: the key cut on "
+        "pages > 1)",
+        "on pages > 1 a finish's checkpoint hands the tree its key uncut with the values of "
+        "the whole pages: the leaf's key runs past its pages",
+        "cache_finished_req's insert takes the uncut key", ("RX6", "RX5"),
+        lambda cell: cell.radix and cell.page_size > 1, radix=True,
+        not_in_z3=_NO_TREE_IN_BMC, representative_cells=_PAGED_RADIX_CELLS),
+    Bug("B33", "EAGLE's tree keyed by tokens, not bigrams",
+        "#10846 (merged 2025-09-24: with EAGLE the tree keys (t[i], t[i+1]) pairs, since the "
+        "draft's KV at a position depends on the next token; acceptance fell with the cache "
+        "on before it)",
+        "a speculative cell's tree keys plain tokens: a prefix is shared between prompts "
+        "whose draft KV differs, and a hit is not the request's own (bigram) key",
+        "the tree is built with is_eagle False in speculative cells", ("RX5", "RX7"),
+        lambda cell: cell.radix and cell.is_spec, radix=True, not_in_z3=_NO_TREE_IN_BMC,
+        representative_cells=("ov-p1-v2chain-cpu-honest-radix",
+                              "ov-p1-v2tree-cpu-honest-radix")),
+    # The unit slip of #10637 (key against value lengths); here pages against tokens.
+    Bug("B34", "eviction takes another unit off the evictable size",
+        "#10637 (merged 2025-09-19: evictable_size_ moved by the key's length on one side "
+        "and the value's on the other); UbiquitousLearning/mllm #656 (open, 2026-03-20: "
+        "evictable + protected drifted from the tree's size)",
+        "on pages > 1 an eviction (an allocation short of pages, a retraction) subtracts "
+        "the victim's page count where its insert added its token count",
+        "evict subtracts len(node.pages), not len(node.key)", ("RX3",),
+        lambda cell: cell.radix and cell.page_size > 1, radix=True,
+        not_in_z3=_NO_TREE_IN_BMC, representative_cells=_PAGED_RADIX_CELLS),
 )
 
 def get_bug(bug_id: str) -> Bug:

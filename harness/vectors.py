@@ -43,7 +43,7 @@ from overlap_spec.harness.drive.script import (
 from overlap_spec.harness.trace.codec import CodecError, decode_dataclass, encode_value
 from overlap_spec.harness.trace.format import TraceFormatError
 from overlap_spec.harness.trace.record import RecordedRun, record_script
-from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells
+from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells, enumerate_radix_cells
 from overlap_spec.spec.invariants import INVARIANT_IDS, InvariantViolation
 from overlap_spec.spec.state import Observation
 
@@ -120,12 +120,13 @@ def generate_vectors(directory: Path, seed: int = DEFAULT_SEED, scripts_per_cell
                      ops_per_script: int = 6, fault_tries: int = 60,
                      preset: str = "minimal") -> GenerationReport:
     """Write valid vectors (every op of seeded random clean scripts) and one invalid vector
-    per (bug, cell) the random search trips, for every cell."""
+    per (bug, cell) the random search trips, for every cell, the radix cells included (a
+    radix bug's vectors in those, the others' in the cells without the cache)."""
     started = time.perf_counter()
     report = GenerationReport()
     index: list[dict[str, Any]] = []
     directory.mkdir(parents=True, exist_ok=True)
-    for cell in enumerate_cells():
+    for cell in (*enumerate_cells(), *enumerate_radix_cells()):
         config = ModelConfig(cell, PRESETS[preset])
         rng = random.Random(f"{seed}:{cell.name}")
         count = 0
@@ -157,7 +158,7 @@ def generate_vectors(directory: Path, seed: int = DEFAULT_SEED, scripts_per_cell
         for bug in BUGS:
             # A vector's verdict is an invariant ID; a bug that was only a crash (B25) has
             # none (B2, killed by SL1 or by its crash, keeps its vectors).
-            if not bug.applies(cell) or not bug.invariants:
+            if bug.radix != cell.radix or not bug.applies(cell) or not bug.invariants:
                 continue
             sized = ModelConfig(cell, make_preset(preset, dict(bug.sizes)))  # B18: chunks
             for _ in range(fault_tries):

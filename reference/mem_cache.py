@@ -173,7 +173,8 @@ def release_kv_cache(rt: Runtime, req: Req, is_insert: bool) -> None:
     req.pages = []
 
 
-def checkpoint_kv_cache(rt: Runtime, req: Req, up_to: int) -> int:
+def checkpoint_kv_cache(rt: Runtime, req: Req, up_to: int, finish: bool = False
+                        ) -> int:
     """``checkpoint_into_tree`` (unified_radix_cache.py:1164-1318), of a radix cell: the fill
     ids up to ``up_to`` are keyed (K positions: whole pages, one short under EAGLE) and
     inserted with the row's pages, ``cache_protected_len`` as ``prev_prefix_len``; the pages
@@ -188,18 +189,23 @@ def checkpoint_kv_cache(rt: Runtime, req: Req, up_to: int) -> int:
         return req.cache_protected_len
     key = radix.make_key(tokens)
     inserted, protected = len(key), req.cache_protected_len
-    _, node, duplicates = radix.insert(key, req.pages[:inserted // p], protected)
+    # B32: a finish's insert is handed the key uncut, with the whole pages' values.
+    handed = (radix.make_key(tokens, whole_pages=False) if finish and rt.has_fault("B32")
+              else key)
+    _, node, duplicates = radix.insert(handed, req.pages[:inserted // p], protected)
     rt.allocator.free(duplicates)
     prompt_key = radix.make_key(req.get_fill_tokens()[:req.prompt_len])
     if 0 < len(prompt_key) < inserted:
         radix.insert(prompt_key, req.pages[:len(prompt_key) // p], len(prompt_key))
     path = radix.get_path_pages(node)
     assert len(path) * p == inserted, f"path of {len(path)} pages, key of {inserted}"
-    req.pages[protected // p:inserted // p] = path[protected // p:]
-    write_row_columns(rt, req, protected, inserted, "checkpoint_into_tree")
-    if req.lock is not None:
-        radix.unlock(req.lock)
-    req.lock = radix.lock(node)
+    if not rt.has_fault("B29"):  # B29: the duplicates are freed, the row still names them
+        req.pages[protected // p:inserted // p] = path[protected // p:]
+        write_row_columns(rt, req, protected, inserted, "checkpoint_into_tree")
+    if not rt.has_fault("B30"):  # B30: the lock stays on the node the request held before
+        if req.lock is not None:
+            radix.unlock(req.lock)
+        req.lock = radix.lock(node)
     req.apply(relation.checkpoint_into_tree, inserted)
     return inserted
 
@@ -215,12 +221,13 @@ def release_into_tree(rt: Runtime, radix: RadixTree, req: Req, is_insert: bool) 
     assert row is not None
     recorded_pages = compute_pages_for_len(req.kv_allocated_len, p)
     owned = relation.release_kv_cache(req.state, rt.config.cell, is_insert, rt.faults).cached_len
-    inserted = checkpoint_kv_cache(rt, req, owned) if is_insert and owned else 0
+    inserted = checkpoint_kv_cache(rt, req, owned, finish=True) if is_insert and owned else 0
     req.apply(relation.release_kv_cache, rt.config.cell, is_insert, rt.faults)
     req.inserted_len = None if req.cached_len is None else inserted
-    rt.allocator.free(req.pages[req.cache_protected_len // p:recorded_pages])
+    rt.allocator.free(req.pages[get_first_own_page(rt, req):recorded_pages])
     if req.lock is not None:
-        radix.unlock(req.lock)
+        if not rt.has_fault("B26"):  # B26: the release leaves its lock behind (#32170)
+            radix.unlock(req.lock)
         req.lock = None
     rt.req_to_token.free(row)
     req.pages = []
@@ -233,3 +240,12 @@ def evict_after_retract(rt: Runtime, remaining: int) -> None:
     if get_radix(rt) is not None:
         rt.tree.evict(compute_pages_for_len(remaining * RETRACT_DECODE_STEPS,
                                             rt.config.page_size), rt.allocator)
+
+
+def get_first_own_page(rt: Runtime, req: Req) -> int:
+    """The first page a release frees: the request's own start at ``cache_protected_len``;
+    B27 frees from 0 (#32170, #11351), B28 from the admission's match, not the prefix a
+    checkpoint advanced since (#13714, #38355): the tree's pages with them."""
+    start = (0 if rt.has_fault("B27") else req.matched_len if rt.has_fault("B28")
+             else req.cache_protected_len)
+    return start // rt.config.page_size

@@ -79,8 +79,9 @@ class RadixCache:
     pages are the tree's, and an allocation evicts least recently used leaves for its
     shortfall (``evict_to_free_tokens``, allocator/base.py:155-169)."""
 
-    def __init__(self, page_size: int, is_eagle: bool) -> None:
-        self.tree = RadixTree(page_size, is_eagle)
+    def __init__(self, page_size: int, is_eagle: bool,
+                 faults: frozenset[str] = frozenset()) -> None:
+        self.tree = RadixTree(page_size, is_eagle, faults)
 
     def evictable_size(self) -> int:
         return self.tree.evictable_size // self.tree.page_size

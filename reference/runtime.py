@@ -37,9 +37,11 @@ class Runtime:
     def __post_init__(self) -> None:
         cfg = self.config
         self.allocator = TokenToKVPoolAllocator(cfg.page_size, cfg.kv_pages)
-        # A radix cell keeps the release's prefix tree; the others a sink (memory.py).
+        # A radix cell keeps the release's prefix tree; the others a sink (memory.py). B33:
+        # the tree keys plain tokens under EAGLE (before #10846).
         self.tree: TreeCache | RadixCache = (
-            RadixCache(cfg.page_size, cfg.cell.is_spec) if cfg.cell.radix else TreeCache())
+            RadixCache(cfg.page_size, cfg.cell.is_spec and not self.has_fault("B33"),
+                       self.faults) if cfg.cell.radix else TreeCache())
         self.req_to_token = ReqToTokenPool(cfg.preset.max_running_requests,
                                            cfg.get_row_width(self.faults))
         self.shape: SpecShape = cfg.get_shape()  # the adaptive rung of this iteration

@@ -45,8 +45,10 @@ class Node:
 
 
 class RadixTree:
-    def __init__(self, page_size: int, is_eagle: bool) -> None:
-        self.page_size, self.is_eagle = page_size, is_eagle
+    def __init__(self, page_size: int, is_eagle: bool, faults: frozenset[str] = frozenset()
+                 ) -> None:
+        # B31: the lock walks skip the node itself; B34: eviction counts pages, not tokens.
+        self.page_size, self.is_eagle, self.faults = page_size, is_eagle, faults
         self.clock = 0
         self.next_id = 0
         self.root = Node(self, (), [], None)
@@ -57,11 +59,11 @@ class RadixTree:
         self.clock += 1
         return self.clock - 1
 
-    def make_key(self, tokens: Sequence[int]) -> tuple[object, ...]:
-        """The key over ``tokens``: bigrams under EAGLE, cut to whole pages."""
+    def make_key(self, tokens: Sequence[int], whole_pages: bool = True) -> tuple[object, ...]:
+        """The key over ``tokens``: bigrams under EAGLE, cut to whole pages (uncut: B32)."""
         pairs = zip(tokens, tokens[1:], strict=False)
         key: tuple[object, ...] = tuple(pairs) if self.is_eagle else tuple(tokens)
-        return key[:len(key) // self.page_size * self.page_size]
+        return key[:len(key) // self.page_size * self.page_size] if whole_pages else key
 
     def _common(self, a: tuple[object, ...], b: tuple[object, ...]) -> int:
         """Positions ``a`` and ``b`` share from their start, in whole pages."""
@@ -137,7 +139,7 @@ class RadixTree:
         return pages
 
     def lock(self, node: Node) -> Node:
-        walk: Node | None = node
+        walk: Node | None = node.parent if "B31" in self.faults else node
         while walk is not None and walk is not self.root:
             if walk.lock_ref == 0:
                 self.evictable_size -= len(walk.key)
@@ -147,7 +149,7 @@ class RadixTree:
         return node
 
     def unlock(self, node: Node) -> None:
-        walk: Node | None = node
+        walk: Node | None = node.parent if "B31" in self.faults else node
         while walk is not None and walk is not self.root:
             assert walk.lock_ref > 0, f"unlock of node {walk.id} at lock_ref 0"
             walk.lock_ref -= 1
@@ -175,7 +177,7 @@ class RadixTree:
             victim = min(leaves, key=lambda n: (n.last_access, n.id))
             assert victim.parent is not None
             del victim.parent.children[victim.key[:self.page_size]]
-            self.evictable_size -= len(victim.key)
+            self.evictable_size -= len(victim.pages if "B34" in self.faults else victim.key)
             freed += victim.pages
         return freed
 

@@ -17,9 +17,12 @@ from overlap_spec.harness.drive.minimize import minimize_script
 from overlap_spec.harness.drive.script import Admit, Iterate, Script, load_script, run_script
 from overlap_spec.harness.drive.stateful import get_profile
 from overlap_spec.harness.mutants.matrix import MutantResult, run_mutants
-from overlap_spec.harness.mutants.select import KILLED, get_representative_cells
+from overlap_spec.harness.mutants.select import (
+    KILLED,
+    get_applicable_cells,
+    get_representative_cells,
+)
 from overlap_spec.spec.bugs import BUG_IDS
-from overlap_spec.spec.config import enumerate_cells
 from overlap_spec.spec.invariants import INVARIANT_IDS
 from overlap_spec.spec.state import IterationChoices
 
@@ -41,7 +44,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> dict[str, MutantResult]:
 
 
 def test_catalogue_is_complete_and_consistent() -> None:
-    assert BUG_IDS == tuple(f"B{i}" for i in range(1, 26))
+    assert BUG_IDS == tuple(f"B{i}" for i in range(1, 35))
     # The catalogue (harness) lists exactly the IDs the spec and the implementations take.
     assert tuple(bug.id for bug in BUGS) == BUG_IDS
     for bug in BUGS:
@@ -49,10 +52,14 @@ def test_catalogue_is_complete_and_consistent() -> None:
         # A kill is a listed invariant or, for a bug that was a crash (B2, B25), exactly
         # that crash: never neither.
         assert bug.invariants or bug.crash is not None, bug.id
-        assert any(bug.applies(c) for c in enumerate_cells()), bug.id
+        # A radix bug applies in radix cells only, the others in the cells without the
+        # cache (harness/mutants/select.py).
+        cells = get_applicable_cells(bug)
+        assert cells and all(c.radix == bug.radix for c in cells), bug.id
         assert get_representative_cells(bug), bug.id
         for name in bug.representative_cells:
-            assert any(c.name == name and bug.applies(c) for c in enumerate_cells()), name
+            assert any(c.name == name for c in cells), name
+    assert {b.id for b in BUGS if b.radix} == {f"B{i}" for i in range(26, 35)}
     stream = {b.id for b in BUGS if b.stream_level}
     assert {"B5", "B8", "B9", "B13", "B15"} <= stream
 
@@ -78,6 +85,29 @@ def test_bug_is_killed_by_an_invariant_it_breaks(bug_id: str,
         path = Path(cell.replay.split()[-1])
         replayed = run_script(load_script(path))
         assert replayed.violation is not None and cell.invariant in replayed.violation.all_ids
+
+
+@pytest.mark.slow
+def test_every_radix_invariant_kills_a_radix_bug(matrix: dict[str, MutantResult]) -> None:
+    """Each RX invariant is the one that stops some radix bug in its representative cells
+    (issue 42: every invariant of the family has a mutant it kills)."""
+    killers = {cell.invariant for result in matrix.values() if result.bug.radix
+               for cell in result.cells}
+    rx = {i for i in INVARIANT_IDS if i.startswith("RX")}
+    assert rx and rx <= killers, sorted(rx - killers)
+
+
+@pytest.mark.slow
+def test_every_radix_bug_is_killed_in_every_radix_cell_it_applies_in(tmp_path: Path) -> None:
+    """B26-B34 beyond their representative cells: the Hypothesis column kills each in every
+    radix cell where it applies, at the quick budget (about a minute on 2 cores)."""
+    radix = {bug.id for bug in BUGS if bug.radix}
+    results = run_mutants(get_profile("quick"), SEED, radix, save_dir=tmp_path,
+                          all_cells=True, jobs=2)
+    for result in results:
+        assert result.verdict == KILLED, [(c.cell, c.verdict, c.detail) for c in result.cells]
+        assert len(result.cells) == len(get_applicable_cells(result.bug)), result.bug.id
+        assert all(set(c.all_invariants) & set(result.bug.invariants) for c in result.cells)
 
 
 @pytest.mark.slow

@@ -9,7 +9,7 @@ import pytest
 
 from overlap_spec.harness.cli import main
 from overlap_spec.harness.vectors import check_vectors, generate_vectors
-from overlap_spec.spec.config import enumerate_cells
+from overlap_spec.spec.config import enumerate_cells, enumerate_radix_cells
 from overlap_spec.spec.invariants import INVARIANT_IDS
 
 
@@ -41,7 +41,8 @@ def test_vectors_cover_every_cell_and_replay_green(vectors: Path) -> None:
     index = json.loads((vectors / "index.json").read_text())
     entries = index["vectors"]
     assert len(entries) >= 500
-    assert {e["cell"] for e in entries} == {c.name for c in enumerate_cells()}
+    assert {e["cell"] for e in entries} == {c.name for c in (*enumerate_cells(),
+                                                                *enumerate_radix_cells())}
     assert all(e["valid"] or e["invariant"] in INVARIANT_IDS for e in entries)
     count, failures = check_vectors(vectors)
     assert count == len(entries) and not failures, failures[:3]

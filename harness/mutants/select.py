@@ -6,7 +6,7 @@ vocabulary of a kill.
 from __future__ import annotations
 
 from overlap_spec.harness.catalogue import Bug
-from overlap_spec.spec.config import Cell, enumerate_cells
+from overlap_spec.spec.config import Cell, enumerate_cells, enumerate_radix_cells
 
 KILLED, SURVIVED, NOT_APPLICABLE = "killed", "survived", "n/a"
 # A violation, but of no invariant the catalogue lists for the bug: not a kill (the
@@ -25,7 +25,11 @@ def get_gpu_unobservable_reason(bug_id: str, cell: Cell) -> str | None:
 
 
 def get_applicable_cells(bug: Bug, cells: tuple[Cell, ...] | None = None) -> list[Cell]:
-    return [c for c in (cells or enumerate_cells()) if bug.applies(c)]
+    """The cells (among ``cells``) where ``bug`` applies: a radix bug's among the radix
+    cells, the others' among the cells without the cache, whose mechanisms do not touch the
+    tree (their radix twins run the same code, with the tree beside it)."""
+    pool = cells or (enumerate_radix_cells() if bug.radix else enumerate_cells())
+    return [c for c in pool if c.radix == bug.radix and bug.applies(c)]
 
 
 def get_representative_cells(bug: Bug, cells: tuple[Cell, ...] | None = None) -> list[Cell]:

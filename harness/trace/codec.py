@@ -116,7 +116,14 @@ def decode_value(kind: Any, raw: Any, path: str) -> Any:
         return raw
     if kind is typing.Any:
         return raw
+    if kind is object:  # a tree key's position: a token, or a bigram (a list in JSON)
+        return _freeze(raw)
     raise CodecError(path, f"no decoder for type {kind!r}")
+
+
+def _freeze(raw: Any) -> Any:
+    """A JSON value with its lists rebuilt as tuples, as the encoder found them."""
+    return tuple(_freeze(v) for v in raw) if isinstance(raw, list) else raw
 
 
 def decode_dataclass(cls: type[T], raw: Any, path: str) -> T:
