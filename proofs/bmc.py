@@ -49,7 +49,14 @@ Modelling compromises, stated once:
   gpu_impl take it) is excluded; the Hypothesis and differential tiers check it, most
   often at pool sizes set smaller than the presets' (``--sizes``).
 - The tree cache is a sink whose pages are always evictable, so available pages are
-  the pool minus what holders own (``get_available_pages``).
+  the pool minus what holders own (``get_available_pages``), except in a radix cell
+  (``Cell.radix``): there :mod:`proofs.bmc_radix` keeps a bounded prefix tree of one
+  prompt family (a shared trunk of at most T pages with per-page lock counts, a private
+  branch per request, the allocator's free pages, the evictable / protected counters,
+  each request's cache_protected_len, match and lock anchor), makes the reference's
+  match, lock, checkpoints, releases and evictions on it (the eviction order a free
+  choice), and checks RX1..RX4 at every sub-step. A radix cell is unrolled at
+  ``RADIX_BOUND`` (neither the inductive step nor the window: LOOP states no tree facts).
 """
 
 from __future__ import annotations
@@ -90,6 +97,7 @@ __all__ = [
     "EXTRA_INT",
     "LOOP_ID",
     "MODEL_ID",
+    "RADIX_BOUND",
     "RATIO_DECAY",
     "RATIO_INIT",
     "RATIO_MIN",
@@ -116,6 +124,11 @@ __all__ = [
 # cell on 2 cores (docs/proofs.md); the unrolling is the fallback and the mutant path.
 DEFAULT_DEPTH: Final = 6
 DEFAULT_REQUESTS: Final = 3
+# A radix cell's bound (proofs/bmc_radix.py): its tree is unrolled, neither the inductive
+# step nor the window applies, and K=3, B=2 takes about 4 to 10 s of CPU a cell
+# (bench/results/2026-11-29-bmc-radix.md); K=4, B=2 already hits the query timeout in
+# some.
+RADIX_BOUND: Final = (3, 2)
 # Per query. The slowest default-bound query takes about 1 s; a full K=6, B=3 unrolling
 # query (the fallback) about 20 s in the slowest cell.
 DEFAULT_TIMEOUT_MS: Final = 60_000
@@ -266,7 +279,9 @@ def check_bounded(
     started = time.perf_counter()
     lemma = prove_allocation_lemma(ctx, timeout_ms)
     use_lemma = lemma.verdict == zs.PROVED
-    windowed = window and invariants is None
+    # A radix cell unrolls: its tree's state is not among LOOP's facts, so the inductive
+    # step and the window would start from tree states no run reaches.
+    windowed = window and invariants is None and not ctx.config.cell.radix
     inductive = (
         windowed
         and depth >= 2

@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 from overlap_spec.proofs import solver as zs
+from overlap_spec.proofs.bmc_radix import check_radix, get_own_pages, get_tree_pages
 from overlap_spec.proofs.bmc_state import (
     LOOP_ID,
     MODEL_ID,
@@ -69,11 +70,17 @@ def check_state(s: BmcState, iteration: int, where: str) -> None:
             zs.And(g[present], zs.Not(zs.And(cpu, g[total] == mirror_sum))),
             zs.And(g[present], zs.Or(*members)),
         )
-    owned = zs.Sum([zs.If(r["holds_kv"], r["page_count"], 0) for r in s.reqs])
+    if ctx.config.cell.radix:  # rows share the tree's pages: the holders' own and the tree's
+        owned = get_tree_pages(s) + zs.Sum(
+            [zs.If(r["holds_kv"], get_own_pages(ctx, r), 0) for r in s.reqs])
+    else:
+        owned = zs.Sum([zs.If(r["holds_kv"], r["page_count"], 0) for r in s.reqs])
     holders = count([r["holds_kv"] for r in s.reqs])
     violate(
         s, "KV7", iteration, where, zs.Or(owned > s.kv_pages, holders > s.rows), holders >= 2
     )
+    if ctx.config.cell.radix:
+        check_radix(s, iteration, where)
 
 
 def check_point(

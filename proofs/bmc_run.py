@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from overlap_spec.proofs import solver as zs
 from overlap_spec.proofs.bmc_checks import check_loop, check_point, check_state
+from overlap_spec.proofs.bmc_radix import checkpoint, release
 from overlap_spec.proofs.bmc_schedule import Choices, filter_batch, get_next_batch_to_run
 from overlap_spec.proofs.bmc_state import (
     BmcState,
@@ -153,6 +154,7 @@ def process_batch_result(s: BmcState, i: int, which: list[Term], label: str) -> 
     accepts: list[Term] = []
     extends: list[Term] = []
     posts: list[Record] = []
+    notes: list[dict[str, Term]] = []
     for b, r in enumerate(s.reqs):
         step = process_result(ctx, r, r["eos_oldest"], r["eos_index_oldest"])
         check_point(s, "process_result", i, which[b], b, r, step)
@@ -168,6 +170,7 @@ def process_batch_result(s: BmcState, i: int, which: list[Term], label: str) -> 
         processed_live.append(zs.And(which[b], zs.Not(step.notes["stale"])))
         accepts.append(step.notes["accept"])
         extends.append(zs.And(which[b], step.notes["extend"]))
+        notes.append(step.notes)
     if ctx.is_spec:
         # Only a decode result feeds the spec metrics (update_spec_metrics); a prefill
         # result reports none, so RP3 has nothing to judge there.
@@ -184,9 +187,27 @@ def process_batch_result(s: BmcState, i: int, which: list[Term], label: str) -> 
             zs.And(metered, zs.Or(correct != truth, count(counted) != count(expected))),
             zs.And(metered, zs.Or(*expected)),
         )
-    s.reqs = posts
+    pres, s.reqs = s.reqs, posts
+    if ctx.config.cell.radix:
+        release_into_tree(s, which, pres, notes)
     snapshot(s)
     check_state(s, i, label)
+
+
+def release_into_tree(s: BmcState, which: list[Term], pres: list[Record],
+                      notes: list[dict[str, Term]]) -> None:
+    """A radix cell's tree after a result, per request in rid order: a finish releases
+    (its checkpoint up to the cached length, then the free from cpl and the unlock); a
+    live prefill that did not finish checkpoints up to its extend's end."""
+    for b, (pre, note) in enumerate(zip(pres, notes, strict=True)):
+        finish = zs.And(which[b], note["finishing"])
+        cached = note["cached"]
+        cut = zs.If(cached > pre["kv_allocated_len"], pre["kv_allocated_len"], cached)
+        release(s, b, pre, finish, zs.If(cut > 0, cut, 0))
+        r = s.reqs[b]
+        prefilled = zs.And(which[b], zs.Not(note["stale"]), note["extend"],
+                           zs.Not(note["finishing"]), r["holds_kv"])
+        checkpoint(s, b, r["extend_end"], prefilled)
 
 
 def run_batch(

@@ -10,6 +10,13 @@ from dataclasses import dataclass
 
 from overlap_spec.proofs import solver as zs
 from overlap_spec.proofs.bmc_checks import check_point, check_state
+from overlap_spec.proofs.bmc_radix import (
+    evict,
+    get_available,
+    get_match_pages,
+    lock_request,
+    release,
+)
 from overlap_spec.proofs.bmc_state import (
     MODEL_ID,
     ORDER_STRIDE,
@@ -142,7 +149,9 @@ def get_new_batch_prefill(s: BmcState, i: int, allow: Term) -> Term:
     whether there is one."""
     ctx = s.ctx
     g = s.glob
-    chosen = admit_by_budget(s, i, allow)
+    radix = ctx.config.cell.radix
+    matches = [get_match_pages(s, r) for r in s.reqs] if radix else None
+    chosen = admit_by_budget(s, i, allow, matches)
     prefill = zs.Or(*chosen)
     posts = []
     for b, r in enumerate(s.reqs):
@@ -152,6 +161,8 @@ def get_new_batch_prefill(s: BmcState, i: int, allow: Term) -> Term:
         post.update(waiting=zs.BoolVal(False), in_extend_batch=zs.BoolVal(True))
         posts.append(ite(chosen[b], post, r))
     s.reqs = posts
+    if matches is not None:
+        alloc_for_extend(s, i, chosen, matches)
     g["extend_sum_present"] = zs.If(prefill, True, g["extend_sum_present"])
     g["extend_seq_lens_sum"] = zs.If(
         prefill,
@@ -176,9 +187,10 @@ class _Budget:
     paged: list[Term]
 
 
-def _get_budget(s: BmcState, i: int, free: Term) -> _Budget:
+def _get_budget(s: BmcState, i: int, free: Term, prefixes: list[Term] | None = None) -> _Budget:
     """The budget's per-request terms (the remaining max_new_tokens flagged ``MODEL``
-    outside 0..max_new_tokens, where the linear ratio product below is not exact)."""
+    outside 0..max_new_tokens, where the linear ratio product below is not exact); in a
+    radix cell each asks for and reserves its extend past its matched ``prefixes``."""
     page = s.ctx.config.page_size
     ratio = s.glob["new_token_ratio"]
     top = s.ctx.config.preset.max_new_tokens
@@ -192,33 +204,43 @@ def _get_budget(s: BmcState, i: int, free: Term) -> _Budget:
                 zs.And(r["in_running_batch"], zs.Or(left < 0, left > top)))
     running_offset = zs.Sum(offset)
     fill = [lift(tr.compute_fill_len, r["prompt_len"], r["output_len"]) for r in s.reqs]
-    asked = [lift(tr.compute_prefill_check_tokens, f, r["max_new_tokens"], r["output_len"],
-                  page) for f, r in zip(fill, s.reqs, strict=True)]
+    if prefixes is None:
+        asked = [lift(tr.compute_prefill_check_tokens, f, r["max_new_tokens"], r["output_len"],
+                      page) for f, r in zip(fill, s.reqs, strict=True)]
+    else:
+        asked = [lift(tr.compute_prefill_check_tokens, f, r["max_new_tokens"], r["output_len"],
+                      page, x) for f, r, x in zip(fill, s.reqs, prefixes, strict=True)]
+        fill = [f - x for f, x in zip(fill, prefixes, strict=True)]  # the extends
     reserved = [lift(tr.compute_prefill_reserved_tokens, f, r["max_new_tokens"], page)
                 for f, r in zip(fill, s.reqs, strict=True)]
     paged = [lift(tr.compute_page_align_up, f, page) + page for f in fill]
     return _Budget(free, running_offset, asked, reserved, paged)
 
 
-def _left_after(budget: _Budget, among: list[Term]) -> tuple[Term, Term]:
-    """(free - total offset, free - current offset) after admitting ``among``."""
+def _left_after(budget: _Budget, among: list[Term], free: Term | None = None
+                ) -> tuple[Term, Term]:
+    """(free - total offset, free - current offset) after admitting ``among`` (``free``:
+    a radix cell's free tokens as that check reads them)."""
     scale = RATIO_SCALE
+    free = budget.free if free is None else free
     total = budget.running_offset + scale * zs.Sum(
         [zs.If(a, budget.reserved[c], 0) for c, a in enumerate(among)])
     current = scale * zs.Sum([zs.If(a, budget.paged[c], 0) for c, a in enumerate(among)])
-    return budget.free - total, budget.free - current
+    return free - total, free - current
 
 
-def _room_after(s: BmcState, budget: _Budget, among: list[Term], name: str) -> Term:
+def _room_after(s: BmcState, budget: _Budget, among: list[Term], name: str,
+                free: Term | None = None) -> Term:
     """A choice: budget is left after admitting ``among``."""
-    left_total, left_current = _left_after(budget, among)
+    left_total, left_current = _left_after(budget, among, free)
     room = zs.Bool(name)
     add(s, zs.Implies(room, zs.And(left_total >= 0, left_current > 0)))
     add(s, zs.Implies(zs.Not(room), zs.Or(left_total <= 0, left_current <= 0)))
     return room
 
 
-def admit_by_budget(s: BmcState, i: int, allow: Term) -> list[Term]:
+def admit_by_budget(s: BmcState, i: int, allow: Term, matches: list[Term] | None = None
+                    ) -> list[Term]:
     """``Scheduler.admit_by_budget`` (``PrefillAdder``): which waiting requests this
     iteration admits, and the latch it leaves.
 
@@ -227,7 +249,10 @@ def admit_by_budget(s: BmcState, i: int, allow: Term) -> list[Term]:
     running requests' remaining max_new_tokens x ratio and the earlier admissions'
     reservations (paged fill + a page + max_new_tokens), and after an admission some
     budget is left. Each comparison is a choice (``fits``, ``room``) pinned to the exact
-    arithmetic except where that is an equality (see ``RATIO_SCALE``)."""
+    arithmetic except where that is an equality (see ``RATIO_SCALE``). In a radix cell
+    (``matches``: each request's match, in pages) the asks are the extends past the
+    matches, and each check reads the free KV after the matched paths before it are
+    locked (``reference/scheduler.py``)."""
     g, scale = s.glob, RATIO_SCALE
     reqs = s.reqs
     n = len(reqs)
@@ -236,18 +261,28 @@ def admit_by_budget(s: BmcState, i: int, allow: Term) -> list[Term]:
     rows = zs.If(s.rows - running < free_rows, s.rows - running, free_rows)
     free = available_pages(s) * s.ctx.config.page_size * scale
     latched = zs.And(g["batch_is_full"], running > 0)  # an empty batch's latch is dropped
-    budget = _get_budget(s, i, free)
     ahead = [[zs.And(c["waiting"], c["waiting_order"] < r["waiting_order"]) if c is not r
               else zs.BoolVal(False) for c in reqs] for r in reqs]
+    radix = s.ctx.config.cell.radix
+    # A radix cell: each candidate's match, and the free KV each check reads: after the
+    # candidates before it (and, for its own fit, itself) locked their matched paths.
+    matches = matches or []
+    page = s.ctx.config.page_size
+
+    def free_with(pinned: list[Term]) -> Term:
+        return get_available(s, pinned, matches) * page * scale if radix else free
+
+    budget = _get_budget(s, i, free, [m * page for m in matches] if radix else None)
     attempted = zs.And(allow, zs.Not(latched), zs.Or(*[r["waiting"] for r in reqs]))
     fits, room, step_ok = [], [], []
     for b, r in enumerate(reqs):
-        left_total, _ = _left_after(budget, ahead[b])
+        own = [zs.Or(a, zs.BoolVal(c == b)) for c, a in enumerate(ahead[b])]
+        left_total, _ = _left_after(budget, ahead[b], free_with(own))
         fit = zs.Bool(f"i{i}.r{b}.fits")
         add(s, zs.Implies(fit, scale * budget.asked[b] <= left_total))
         add(s, zs.Implies(zs.Not(fit), scale * budget.asked[b] >= left_total))
         fits.append(fit)
-        room.append(_room_after(s, budget, ahead[b], f"i{i}.r{b}.room"))
+        room.append(_room_after(s, budget, ahead[b], f"i{i}.r{b}.room", free_with(ahead[b])))
         ahead_count = count(ahead[b])
         step_ok.append(zs.And(r["waiting"], ahead_count < rows, fit,
                               zs.Or(ahead_count == 0, room[b])))
@@ -270,7 +305,7 @@ def admit_by_budget(s: BmcState, i: int, allow: Term) -> list[Term]:
         latch = zs.Or(latch, zs.And(first_left, why))
         stopped = zs.Or(stopped, first_left)
     spent = zs.And(zs.Not(stopped), admitted > 0,
-                   zs.Not(_room_after(s, budget, chosen, f"i{i}.room_after")))
+                   zs.Not(_room_after(s, budget, chosen, f"i{i}.room_after", free_with(chosen))))
     after = zs.If(rows <= 0, zs.BoolVal(True), zs.Or(latch, spent))
     # Set on an empty running batch it is dropped before it is read again.
     g["batch_is_full"] = zs.And(zs.If(attempted, after, latched), running > 0)
@@ -285,6 +320,7 @@ def update_running_batch(
     no decode if only those are short of KV, retract_decode, prepare_for_decode.
     Returns whether the running batch decodes."""
     decode = zs.And(zs.Not(prefill), zs.Or(*[r["in_running_batch"] for r in s.reqs]))
+    path = decode
     finishing: list[Term] = []
     if s.ctx.config.cell.skips_finishing_decode:
         # _reqs_finishing_inflight: a member of the queued result's batch (a pending
@@ -317,7 +353,7 @@ def update_running_batch(
         r["in_running_batch"] = zs.And(r["in_running_batch"], zs.Not(r["is_retracted"]))
     snapshot(s)
     check_state(s, i, "retract_decode")
-    prepare_for_decode(s, i, decode, choices.rung)
+    prepare_for_decode(s, i, decode, choices.rung, path)
     return decode
 
 
@@ -352,9 +388,18 @@ def retract_decode(
     member = [zs.And(decode, r["in_running_batch"]) for r in reqs]
     need = [decode_pages_needed(s.ctx, r, rung) for r in reqs]
     avail = available_pages(s)
+    radix = s.ctx.config.cell.radix
 
     def needed(of: list[Term]) -> Term:
         return zs.Sum([zs.If(m, need[b], 0) for b, m in enumerate(of)])
+
+    def available_after(released: list[Term]) -> Term:
+        """What ``_fits`` reads once ``released`` are retracted: their pages (in a radix
+        cell their own pages, and the tree's they alone locked, evictable)."""
+        if radix:
+            return get_available(s, released=released)
+        return avail + zs.Sum([zs.If(e, reqs[c]["page_count"], 0)
+                               for c, e in enumerate(released)])
 
     trigger = zs.Not(zs.And(forced == 0, needed(member) <= avail))
     # The new-token ratio: re-estimated over the kept requests when retract_decode runs,
@@ -367,18 +412,20 @@ def retract_decode(
             else zs.BoolVal(False) for c in range(n)
         ]
         kept = [zs.And(member[c], zs.Not(earlier[c])) for c in range(n)]
-        freed = zs.Sum([zs.If(earlier[c], reqs[c]["page_count"], 0) for c in range(n)])
         victims.append(
             zs.And(
                 member[b],
                 trigger,
                 count(kept) > 1,
-                zs.Or(forced > count(earlier), needed(kept) > avail + freed),
+                zs.Or(forced > count(earlier), needed(kept) > available_after(earlier)),
             )
         )
     kept = [zs.And(m, zs.Not(v)) for m, v in zip(member, victims, strict=True)]
-    freed = zs.Sum([zs.If(v, reqs[b]["page_count"], 0) for b, v in enumerate(victims)])
+    after = available_after(victims)
     s.reqs = _retract_victims(s, i, reqs, victims, kept, now)
+    if radix:  # release_req: the KV released without caching
+        for b, v in enumerate(victims):
+            release(s, b, reqs[b], v, None)
     # min(1, (outputs + 20 x kept) / (max_new_tokens + 1)) is 1 here unless the kept
     # requests' max_new_tokens exceed 19 each on average: flagged, not modelled.
     estimate = zs.Sum([zs.If(k, reqs[b]["output_len"] + tr.RETRACT_DECODE_STEPS
@@ -390,7 +437,7 @@ def retract_decode(
     s.glob["new_token_ratio"] = zs.If(
         retracting, RATIO_SCALE, zs.If(zs.Or(*member), decayed, g_ratio))
     s.glob["batch_is_full"] = zs.And(s.glob["batch_is_full"], zs.Not(zs.Or(*victims)))
-    _assume_the_rest_fits(s, rung, kept, avail, freed)
+    _assume_the_rest_fits(s, rung, kept, after)
     if not s.ctx.has("B1"):
         s.glob["running_sum_present"] = zs.And(
             s.glob["running_sum_present"], zs.Not(zs.Or(*victims))
@@ -428,9 +475,7 @@ def _retract_victims(
     return posts
 
 
-def _assume_the_rest_fits(
-    s: BmcState, rung: Term, kept: list[Term], avail: Term, freed: Term
-) -> None:
+def _assume_the_rest_fits(s: BmcState, rung: Term, kept: list[Term], available: Term) -> None:
     """The rest fits, else the reference aborts the last request for want of memory:
     excluded (module header of ``proofs/bmc.py``). Stated over the post records (a kept
     request's post is its pre record), the terms prepare_for_decode and ALLOC use next."""
@@ -442,14 +487,17 @@ def _assume_the_rest_fits(
                 for k, r in zip(kept, s.reqs, strict=True)
             ]
         )
-        <= avail + freed,
+        <= available,
     )
 
 
-def prepare_for_decode(s: BmcState, i: int, decode: Term, rung: Term) -> None:
+def prepare_for_decode(s: BmcState, i: int, decode: Term, rung: Term,
+                       path: Term | None = None) -> None:
     """``ScheduleBatch.prepare_for_decode`` at this iteration's rung on every running
     request when the batch decodes (with ALLOC's instance where it is proved); a
-    non-spec decode drops the batch's sum."""
+    non-spec decode drops the batch's sum. ``path``: the decode path ran (a radix cell's
+    tree may evict there even when nothing decodes)."""
+    path = decode if path is None else path
     posts = []
     for b, r in enumerate(s.reqs):
         fires = zs.And(decode, r["in_running_batch"])
@@ -458,8 +506,33 @@ def prepare_for_decode(s: BmcState, i: int, decode: Term, rung: Term) -> None:
         if s.use_lemma:
             add(s, allocation_lemma(s.ctx, r, rung, merged))
         posts.append(ite(fires, merged.post, r))
-    s.reqs = posts
+    pres, s.reqs = s.reqs, posts
+    if s.ctx.config.cell.radix:
+        # alloc_for_decode: the tree evicts (the decode path's _fits, a retraction's
+        # release_req, the batch's demand: at least the shortfall when it decodes), then
+        # the new pages are allocated.
+        new = zs.Sum([zs.If(zs.And(decode, r["in_running_batch"]),
+                            post["page_count"] - r["page_count"], 0)
+                      for r, post in zip(pres, posts, strict=True)])
+        evict(s, f"i{i}.decode.evict", path, zs.If(decode, new - s.glob["free"], 0))
+        s.glob["free"] = s.glob["free"] - new
     if not s.ctx.is_spec:
         s.glob["running_sum_present"] = zs.And(s.glob["running_sum_present"], zs.Not(decode))
     snapshot(s)
     check_state(s, i, "prepare_for_decode")
+
+
+def alloc_for_extend(s: BmcState, i: int, chosen: list[Term], matches: list[Term]) -> None:
+    """A radix cell's admission, after ``admit_by_budget``: each admitted request keeps the
+    lock on its matched path (cpl = the match), the tree evicts for the extends, and the
+    pages past each prefix are allocated (``alloc_for_extend``)."""
+    for b, r in enumerate(s.reqs):
+        lock_request(s, b, matches[b], chosen[b])
+        for name, value in (("cpl_pages", matches[b]), ("matched_pages", matches[b]),
+                            ("row_path", matches[b]),
+                            ("extend_end", r["kv_allocated_len"])):
+            r[name] = zs.If(chosen[b], value, r[name])
+    needed = zs.Sum([zs.If(c, r["page_count"] - m, 0)
+                     for c, r, m in zip(chosen, s.reqs, matches, strict=True)])
+    evict(s, f"i{i}.extend.evict", zs.Or(*chosen), needed - s.glob["free"])
+    s.glob["free"] = s.glob["free"] - needed

@@ -20,7 +20,7 @@ from overlap_spec.proofs.model import prepare_for_decode as model_prepare_for_de
 from overlap_spec.proofs.solver import Term
 from overlap_spec.proofs.symbolic import lift
 from overlap_spec.spec import transitions as tr
-from overlap_spec.spec.config import SpecMode, SpecShape
+from overlap_spec.spec.config import Cell, SpecMode, SpecShape
 
 MODEL_ID: Final = "MODEL"
 LOOP_ID: Final = "LOOP"
@@ -142,6 +142,8 @@ def new_state(
         "batch_is_full": zs.BoolVal(False),  # the running batch's admission latch
     }
     s = BmcState(ctx, Unrolling(ctx, depth, requests), use_lemma, ratio_init, reqs, glob)
+    if ctx.config.cell.radix:
+        add_radix_fields(s)
     if symbolic_start:
         s.glob = {
             name: (zs.Bool if zs.is_bool(term) else zs.Int)(f"g.f0.{name}")
@@ -187,6 +189,8 @@ def add_initial_state(s: BmcState) -> None:
                 zs.Not(r["eos_newest"]),
             ),
         )
+        if s.ctx.config.cell.radix:
+            add(s, get_initial_radix(r))
         if b > 0:  # requests are admitted in rid order (symmetry breaking)
             add(s, s.reqs[b - 1]["admit_at"] <= r["admit_at"])
         s.out.admit_at.append(r["admit_at"])
@@ -238,6 +242,10 @@ def count(terms: list[Term]) -> Term:
 
 # ---------------------------------------------------------------------- helpers
 def available_pages(s: BmcState) -> Term:
+    """``get_available_pages``: free + evictable (a radix cell's tree: its counters; else
+    the sink, always evictable: the pool less what holders own)."""
+    if s.ctx.config.cell.radix:
+        return s.glob["free"] + s.glob["evictable"]
     owned = zs.Sum([zs.If(r["holds_kv"], r["page_count"], 0) for r in s.reqs])
     return s.kv_pages - owned
 
@@ -304,3 +312,41 @@ def decode_pages_needed(ctx: Context, r: Record, rung: Term) -> Term:
             page,
         ),
     )
+
+
+# ---------------------------------------------------------------------- radix state
+# The bounded radix tree's fields (proofs/bmc_radix.py, which makes its transitions).
+RADIX_INT = ("cpl_pages", "matched_pages", "lock_trunk", "lock_branch", "branch", "branch_ref",
+             "branch_locked", "row_path", "extend_end")
+RADIX_BOOL = ("has_lock",)
+
+
+def compute_shared_pages(cell: Cell, prompt_len: int) -> int:
+    """Pages of a prompt's key that every longer prompt of its family shares: the key over
+    the prompt (``compute_inserted_len``), as the prefill's checkpoint inserts it."""
+    return tr.compute_inserted_len(cell, prompt_len) // cell.page_size
+
+
+def get_trunk_bound(ctx: Context) -> int:
+    return compute_shared_pages(ctx.config.cell, ctx.config.preset.max_prompt_len)
+
+
+def add_radix_fields(s: BmcState) -> None:
+    """The radix fields of frame 0's records and globals (named, left free: the initial
+    state or the inductive step constrains them)."""
+    for b, r in enumerate(s.reqs):
+        for name in RADIX_INT:
+            r[name] = zs.Int(f"r{b}.f0.{name}")
+        for name in RADIX_BOOL:
+            r[name] = zs.Bool(f"r{b}.f0.{name}")
+    s.glob["free"] = zs.IntVal(s.kv_pages)
+    for name in ("trunk", "evictable", "protected", *get_lock_names(s.ctx)):
+        s.glob[name] = zs.IntVal(0)
+
+
+def get_lock_names(ctx: Context) -> list[str]:
+    return [f"lock{j}" for j in range(get_trunk_bound(ctx))]
+
+
+def get_initial_radix(r: Record) -> Term:
+    return zs.And(*[r[name] == 0 for name in RADIX_INT], zs.Not(r["has_lock"]))

@@ -33,7 +33,13 @@ from overlap_spec.proofs import solver as zs
 from overlap_spec.proofs.induction import Obligation
 from overlap_spec.proofs.model import Context, make_record
 from overlap_spec.spec.bugs import BUG_IDS
-from overlap_spec.spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell
+from overlap_spec.spec.config import (
+    MINIMAL,
+    ModelConfig,
+    enumerate_cells,
+    enumerate_radix_cells,
+    get_cell,
+)
 
 CELLS = [c.name for c in enumerate_cells()]
 
@@ -386,3 +392,64 @@ def test_rp4_in_the_bmc_catches_a_loop_that_decodes_past_a_length_finish(
     monkeypatch.setattr(Cell, "skips_finishing_decode", property(lambda self: False))
     result = _check(cell, 3, 1, invariants=("RP4",))
     assert result.verdict == zs.COUNTEREXAMPLE and result.invariant == "RP4", result
+
+
+# ----------------------------------------------------------------------------- radix cells
+# The bounded tree of proofs/bmc_radix.py: one prompt family, RX1..RX4 checked at every
+# sub-step. Two radix cells in the default tier (non-spec page 1: a five-page trunk; spec
+# page 4: bigram keys, one trunk page), every radix cell at the radix bound in the slow one.
+RADIX_CELLS = ["ov-p1-none-radix", "ov-p4-v2chain-cpu-honest-radix"]
+RADIX_IDS = ("RX1", "RX2", "RX3", "RX4")
+# Each radix bug, the RX claim it breaks first, and the BMC bound that finds it.
+RADIX_BUGS = [("B26", "RX2"), ("B27", "RX1"), ("B28", "RX1"), ("B29", "RX4"), ("B30", "RX4")]
+
+
+@pytest.mark.parametrize("cell", RADIX_CELLS)
+def test_radix_clean_model_has_no_violation_within_k2_b2(cell: str) -> None:
+    result = _check(cell, 2, 2)
+    assert result.verdict == zs.PROVED, (result.invariant, result.where, result.reason)
+    assert result.unrolling is not None
+    checked = {v.invariant for v in result.unrolling.violations}
+    assert set(RADIX_IDS) <= checked
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cell", [c.name for c in enumerate_radix_cells()])
+def test_radix_clean_model_has_no_violation_within_the_radix_bound(cell: str) -> None:
+    result = _check(cell, *bmc.RADIX_BOUND)
+    assert result.verdict == zs.PROVED, (result.invariant, result.where, result.reason)
+
+
+@pytest.mark.parametrize("cell", RADIX_CELLS)
+def test_every_radix_claim_has_a_reachable_witness(cell: str) -> None:
+    """RX1..RX4 each have a run within the witness bound that exercises them: a tree that
+    holds pages (RX1, RX3), a locked page (RX2), a holder with a protected prefix (RX4)."""
+    found = bmc.find_reachable_witnesses(Context(ModelConfig(get_cell(cell), MINIMAL)),
+                                         *get_witness_bound(get_cell(cell)))
+    assert found and all(v == zs.SATISFIABLE for v in found.values()), found
+    assert set(RADIX_IDS) <= set(found)
+
+
+def test_the_release_cells_check_no_radix_claim() -> None:
+    unrolling = bmc.build_unrolling(Context(ModelConfig(get_cell("ov-p1-none"), MINIMAL)), 1, 1)
+    assert not {v.invariant for v in unrolling.violations} & set(RADIX_IDS)
+
+
+@pytest.mark.parametrize("cell", RADIX_CELLS)
+@pytest.mark.parametrize("bug_id,invariant", RADIX_BUGS)
+def test_the_radix_bmc_finds_each_radix_bug(cell: str, bug_id: str, invariant: str) -> None:
+    """Each radix bug switched on in the BMC breaks its RX claim within K=2, B=2 (the
+    clean BMC: none), and the counterexample decodes into a family-0 script of the radix
+    cell that the clean reference runs to its end (the run exists; replaying it with the
+    fault needs the reference's fault switch, which the z3 column then uses)."""
+    found = _check(cell, 2, 2, frozenset({bug_id}), (invariant,))
+    assert found.verdict == zs.COUNTEREXAMPLE and found.invariant == invariant, (
+        found.verdict, found.invariant, found.where, found.reason)
+    clean = _check(cell, 2, 2, invariants=(invariant,))
+    assert clean.verdict == zs.PROVED, (clean.invariant, clean.where)
+    script = decode_counterexample(found, (bug_id,))
+    assert script.cell == cell and script.faults == (bug_id,)
+    admits = [op for op in script.ops if isinstance(op, Admit)]
+    assert admits and all(op.family == 0 for op in admits)
+    outcome = run_script(dataclasses.replace(script, faults=()))
+    assert outcome.violation is None, outcome.violation

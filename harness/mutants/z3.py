@@ -66,8 +66,9 @@ class Z3CellKill:
 
 def decode_counterexample(result: bmc.BmcResult, faults: tuple[str, ...] = (),
                           preset: str = "minimal") -> Script:
-    """The BMC model as a harness script: Admit ops before their iteration, one Iterate
-    per iteration up to the violation, accepts and EOS placed at batch positions."""
+    """The BMC model as a harness script: Admit ops before their iteration (in a radix
+    cell all of family 0), one Iterate per iteration up to the violation, accepts and EOS
+    placed at batch positions."""
     unrolling = result.unrolling
     model = result.raw_model
     assert unrolling is not None and model is not None, "no counterexample to decode"
@@ -83,12 +84,14 @@ def decode_counterexample(result: bmc.BmcResult, faults: tuple[str, ...] = (),
     if result.where.startswith("iteration "):
         last = int(result.where.split()[1].rstrip(":"))
     admissions = [value(t) for t in unrolling.admit_at]
+    # A radix cell's BMC keeps one prompt family (proofs/bmc_radix.py): every request's.
+    family = 0 if unrolling.ctx.config.cell.radix else None
     ops: list[Op] = []
     for i, it in enumerate(unrolling.iterations[:last + 1]):
         for b, at in enumerate(admissions):
             if at == i:
                 ops.append(Admit(value(unrolling.prompt_len[b]),
-                                 value(unrolling.max_new_tokens[b])))
+                                 value(unrolling.max_new_tokens[b]), family))
         members = sorted((value(it.order[b]), b) for b in range(len(it.launched))
                          if flag(it.launched[b]))
         accepts = tuple(value(it.accept[b]) for _, b in members) or (1,)

@@ -56,6 +56,9 @@ def add_prove_arguments(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULT_BMC_TIMEOUT_MS,
                         help=f"per BMC query; a timeout is a failure (default "
                              f"{DEFAULT_BMC_TIMEOUT_MS})")
+    parser.add_argument("--radix", action="store_true",
+                        help="the radix cells instead (the BMC's bounded tree only, at its "
+                             "own bound K=3, B=2; see docs/proofs.md)")
     parser.add_argument("--no-bmc", action="store_true",
                         help="skip the bounded model check and its reachable witnesses")
     parser.add_argument("--timeout-ms", type=int_in(1, MAX_TIMEOUT_MS),
@@ -83,7 +86,7 @@ def cmd_prove(args: argparse.Namespace) -> int:
     from overlap_spec.proofs import solver as zs
     from overlap_spec.proofs.induction import Obligation
 
-    cells = select_cells(args.cells)  # no match: a UsageError, before anything runs
+    cells = select_cells(args.cells, args.radix)  # no match: a UsageError, before anything runs
     started = time.perf_counter()
 
     def progress(name: str, rows: list[Obligation]) -> None:

@@ -36,6 +36,12 @@ DEFAULT_BMC_TIMEOUT_MS = bmc.DEFAULT_TIMEOUT_MS
 # The bound `overlap-spec check` runs in every cell: the same default as `overlap-spec
 # prove` (-K / -B), the issue's K=6, B=3.
 CHECK_BMC_BOUND: Final = (DEFAULT_DEPTH, DEFAULT_REQUESTS)
+# A radix cell runs the BMC only, at its own bound (proofs/bmc.py RADIX_BOUND, whatever
+# -K / -B say): the induction's per-request model and the happens-before protocol have no
+# tree, so their rows are its release cell's. `check` runs these radix cells (about 20 s
+# of CPU together: bench/results/2026-11-29-bmc-radix.md); `prove --radix` runs all 16.
+RADIX_BMC_BOUND: Final = bmc.RADIX_BOUND
+CHECK_RADIX_CELLS: Final = ("ov-p1-none-radix", "ov-p4-v2chain-cpu-honest-radix")
 
 
 def prove_one_cell(cell: Cell, preset: str = "minimal", bound: int = DEFAULT_BATCH_BOUND,
@@ -107,6 +113,8 @@ def witness_rows(cell: Cell, preset: str = "minimal",
 # here, with this reason, until proofs/ encodes it.
 NOT_ENCODED: Final = ("no Z3 encoding: nothing in proofs/ states it (claims.py, the sum claims "
                       "of induction.py, streams.py, the BMC's checks); the other tiers check it")
+NOT_ENCODED_RADIX: Final = ("a radix cell runs the BMC only (its induction and happens-before "
+                             "rows are its release cell's); the other tiers check it")
 NOT_ENCODED_NO_BMC: Final = ("no row without the BMC (--no-bmc): the induction and happens-"
                              "before proofs do not state it; the other tiers check it")
 
@@ -115,6 +123,8 @@ def get_not_encoded(cell: Cell, rows: list[Obligation]) -> dict[str, str]:
     """The spec invariants that apply to ``cell`` and have no row among ``rows``, with why."""
     covered = {row.invariant for row in rows}
     reason = NOT_ENCODED if any(row.transition == "bmc" for row in rows) else NOT_ENCODED_NO_BMC
+    if cell.radix:
+        reason = NOT_ENCODED_RADIX
     return {inv.id: reason for inv in INVARIANTS if inv.applies(cell) and inv.id not in covered}
 
 
@@ -164,6 +174,11 @@ class ProveJob:
 
 def run_job(job: ProveJob) -> list[Obligation]:
     cell = get_cell(job.cell)
+    if cell.radix:  # the BMC's bounded tree only (RADIX_BMC_BOUND)
+        if job.bmc is None:
+            return []
+        return [bmc_row(cell, job.preset, *RADIX_BMC_BOUND, job.bmc_timeout_ms),
+                *witness_rows(cell, job.preset, job.bmc_timeout_ms)]
     rows = prove_one_cell(cell, job.preset, job.bound, job.timeout_ms)
     if job.bmc is not None:
         rows.append(bmc_row(cell, job.preset, job.bmc[0], job.bmc[1], job.bmc_timeout_ms))
@@ -194,7 +209,8 @@ def run_proofs_for_check(cell_names: list[str] | None, jobs: int = 1,
     """The "proofs" section of ``overlap-spec check``'s JSON; ``progress``: a stderr line
     per finished cell."""
     started = time.perf_counter()
-    cells = [c for c in enumerate_cells() if cell_names is None or c.name in cell_names
+    cells = [c for c in (*enumerate_cells(), *map(get_cell, CHECK_RADIX_CELLS))
+             if cell_names is None or c.name in cell_names
              or any(fnmatch.fnmatch(c.name, n) for n in cell_names)]
     job = ProveJob("", "minimal", DEFAULT_BATCH_BOUND, DEFAULT_TIMEOUT_MS, CHECK_BMC_BOUND,
                    DEFAULT_BMC_TIMEOUT_MS)
@@ -215,7 +231,10 @@ def run_proofs_for_check(cell_names: list[str] | None, jobs: int = 1,
                        "proved": sum(r.verdict == zs.PROVED for r in bmc_rows),
                        "counterexample": sum(r.verdict == zs.COUNTEREXAMPLE for r in bmc_rows),
                        "unknown": sum(r.verdict == zs.UNKNOWN for r in bmc_rows),
-                       "seconds": round(sum(r.seconds for r in bmc_rows), 3)}
+                       "seconds": round(sum(r.seconds for r in bmc_rows), 3),
+                       "radix": {"cells": [c.name for c in cells if c.radix],
+                                 "depth": RADIX_BMC_BOUND[0],
+                                 "requests": RADIX_BMC_BOUND[1]}}
     reach = [r for rows in results.values() for r in rows if r.transition == "reachable"]
     document["witnesses"] = {"depth": WITNESS_BOUND[0],
                              "depth_spec_overlap": SPEC_OVERLAP_WITNESS_DEPTH,
