@@ -61,8 +61,10 @@ class Bug:
     radix: bool = False
 
 
-# The radix bugs' Z3 column: the BMC keeps the tree as a sink (proofs/bmc.py).
-_NO_TREE_IN_BMC: Final = "the BMC keeps the tree cache as a sink: no radix tree (proofs/bmc.py)"
+# The radix bugs the BMC's bounded tree cannot express: it counts pages and locks per page
+# of one family's trunk, with no nodes and no keys (proofs/bmc_radix.py).
+_NO_NODES_IN_BMC: Final = ("the BMC's bounded tree counts pages and per-page locks, with no "
+                           "nodes or keys (proofs/bmc_radix.py)")
 # Their representative cells: serving defaults (overlap on), one without speculation and one
 # keying bigrams (EAGLE); tests/test_mutants.py kills each in every radix cell it applies in.
 _RADIX_CELLS: Final = ("ov-p1-none-radix", "ov-p1-v2chain-cpu-honest-radix")
@@ -327,7 +329,7 @@ BUGS: Final[tuple[Bug, ...]] = (
         "a finish, abort or retraction releases a request that holds a lock on its prefix "
         "node: the node stays locked with no holder, protected forever (never evictable)",
         "release_kv_cache drops the request's lock without dec_lock_ref", ("RX2",),
-        lambda cell: cell.radix, radix=True, not_in_z3=_NO_TREE_IN_BMC,
+        lambda cell: cell.radix, radix=True,
         representative_cells=_RADIX_CELLS),
     Bug("B27", "a release that frees its prefix's pages",
         "#32170 (open: a PD decode release freed [0, cache_protected_len), the tree's "
@@ -336,7 +338,7 @@ BUGS: Final[tuple[Bug, ...]] = (
         "a request holding a prefix of the tree (matched, or checkpointed at its prefill "
         "completion) is released: its row's pages from 0 are freed, the tree's with them",
         "the release frees the row's pages from 0, not from cache_protected_len",
-        ("RX1",), lambda cell: cell.radix, radix=True, not_in_z3=_NO_TREE_IN_BMC,
+        ("RX1",), lambda cell: cell.radix, radix=True,
         representative_cells=_RADIX_CELLS),
     Bug("B28", "a release that frees from the admission's match",
         "#13714 (merged 2025-11-21: cache_protected_len introduced, apart from the match's "
@@ -346,7 +348,7 @@ BUGS: Final[tuple[Bug, ...]] = (
         "prefix past what the admission matched; the release frees from the match, so the "
         "pages the checkpoint gave the tree are freed too",
         "the release frees from the admission's matched length, not cache_protected_len",
-        ("RX1",), lambda cell: cell.radix, radix=True, not_in_z3=_NO_TREE_IN_BMC,
+        ("RX1",), lambda cell: cell.radix, radix=True,
         representative_cells=_RADIX_CELLS),
     Bug("B29", "a checkpoint that frees duplicates without repointing the row",
         "sgl-project/mini-sglang #142 (open, 2026-07-08: duplicate prefix pages freed, the "
@@ -354,7 +356,7 @@ BUGS: Final[tuple[Bug, ...]] = (
         "two requests of one family prefill the same prompt; the second's checkpoint finds "
         "the pages already in the tree, frees its own copies and leaves its row on them",
         "checkpoint_into_tree frees the duplicates and skips the row repoint",
-        ("RX4", "RX1"), lambda cell: cell.radix, radix=True, not_in_z3=_NO_TREE_IN_BMC,
+        ("RX4", "RX1"), lambda cell: cell.radix, radix=True,
         # A chain's duplicate needs its two requests prefilled together: gpu_impl's search
         # missed it at some seeds (2 of 6); the tree cell's kill came at every seed tried.
         representative_cells=("ov-p1-none-radix", "ov-p1-v2tree-cpu-honest-radix")),
@@ -365,7 +367,7 @@ BUGS: Final[tuple[Bug, ...]] = (
         "insert's end, but the lock stays where it was: the new nodes are evictable while "
         "the request reads them",
         "checkpoint_into_tree neither drops the old lock nor takes the new node's",
-        ("RX4", "RX2"), lambda cell: cell.radix, radix=True, not_in_z3=_NO_TREE_IN_BMC,
+        ("RX4", "RX2"), lambda cell: cell.radix, radix=True,
         representative_cells=_RADIX_CELLS),
     Bug("B31", "a lock walk that skips the node itself",
         "sgl-project/mini-sglang #52 (merged 2025-12-29: lock_handle moved to the parent "
@@ -373,7 +375,7 @@ BUGS: Final[tuple[Bug, ...]] = (
         "a request locks a prefix node (admission, checkpoint): its ancestors are counted, "
         "the node itself is not, so it can be evicted under the request",
         "the tree's lock and unlock walks start at the node's parent", ("RX2",),
-        lambda cell: cell.radix, radix=True, not_in_z3=_NO_TREE_IN_BMC,
+        lambda cell: cell.radix, radix=True, not_in_z3=_NO_NODES_IN_BMC,
         representative_cells=_RADIX_CELLS),
     # A finish only: a live holder's path would show RX5 first (the partial page's key).
     Bug("B32", "a finish inserts a key not cut to whole pages",
@@ -385,7 +387,7 @@ BUGS: Final[tuple[Bug, ...]] = (
         "the whole pages: the leaf's key runs past its pages",
         "cache_finished_req's insert takes the uncut key", ("RX6", "RX5"),
         lambda cell: cell.radix and cell.page_size > 1, radix=True,
-        not_in_z3=_NO_TREE_IN_BMC, representative_cells=_PAGED_RADIX_CELLS),
+        not_in_z3=_NO_NODES_IN_BMC, representative_cells=_PAGED_RADIX_CELLS),
     Bug("B33", "EAGLE's tree keyed by tokens, not bigrams",
         "#10846 (merged 2025-09-24: with EAGLE the tree keys (t[i], t[i+1]) pairs, since the "
         "draft's KV at a position depends on the next token; acceptance fell with the cache "
@@ -393,7 +395,7 @@ BUGS: Final[tuple[Bug, ...]] = (
         "a speculative cell's tree keys plain tokens: a prefix is shared between prompts "
         "whose draft KV differs, and a hit is not the request's own (bigram) key",
         "the tree is built with is_eagle False in speculative cells", ("RX5", "RX7"),
-        lambda cell: cell.radix and cell.is_spec, radix=True, not_in_z3=_NO_TREE_IN_BMC,
+        lambda cell: cell.radix and cell.is_spec, radix=True, not_in_z3=_NO_NODES_IN_BMC,
         representative_cells=("ov-p1-v2chain-cpu-honest-radix",
                               "ov-p1-v2tree-cpu-honest-radix")),
     # The unit slip of #10637 (key against value lengths); here pages against tokens.
@@ -405,7 +407,7 @@ BUGS: Final[tuple[Bug, ...]] = (
         "the victim's page count where its insert added its token count",
         "evict subtracts len(node.pages), not len(node.key)", ("RX3",),
         lambda cell: cell.radix and cell.page_size > 1, radix=True,
-        not_in_z3=_NO_TREE_IN_BMC, representative_cells=_PAGED_RADIX_CELLS),
+        not_in_z3=_NO_NODES_IN_BMC, representative_cells=_PAGED_RADIX_CELLS),
 )
 
 def get_bug(bug_id: str) -> Bug:

@@ -440,8 +440,8 @@ def test_the_release_cells_check_no_radix_claim() -> None:
 def test_the_radix_bmc_finds_each_radix_bug(cell: str, bug_id: str, invariant: str) -> None:
     """Each radix bug switched on in the BMC breaks its RX claim within K=2, B=2 (the
     clean BMC: none), and the counterexample decodes into a family-0 script of the radix
-    cell that the clean reference runs to its end (the run exists; replaying it with the
-    fault needs the reference's fault switch, which the z3 column then uses)."""
+    cell that the clean reference runs to its end and the faulted reference fails at a
+    catalogue invariant of the bug."""
     found = _check(cell, 2, 2, frozenset({bug_id}), (invariant,))
     assert found.verdict == zs.COUNTEREXAMPLE and found.invariant == invariant, (
         found.verdict, found.invariant, found.where, found.reason)
@@ -453,3 +453,6 @@ def test_the_radix_bmc_finds_each_radix_bug(cell: str, bug_id: str, invariant: s
     assert admits and all(op.family == 0 for op in admits)
     outcome = run_script(dataclasses.replace(script, faults=()))
     assert outcome.violation is None, outcome.violation
+    faulted = run_script(script).violation
+    assert faulted is not None and set(faulted.all_ids) & set(get_bug(bug_id).invariants), (
+        faulted)
