@@ -116,7 +116,13 @@ def decode_value(kind: Any, raw: Any, path: str) -> Any:
         return raw
     if kind is typing.Any:
         return raw
+    if kind is object:  # a radix key's entry: a token, or a bigram written as a list
+        return _as_tuples(raw)
     raise CodecError(path, f"no decoder for type {kind!r}")
+
+
+def _as_tuples(raw: Any) -> Any:
+    return tuple(_as_tuples(v) for v in raw) if isinstance(raw, list) else raw
 
 
 def decode_dataclass(cls: type[T], raw: Any, path: str) -> T:
