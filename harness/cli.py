@@ -27,6 +27,7 @@ from overlap_spec.harness.drive.cells import (
     SIZE_LIMITS,
     ArgumentParser,
     UsageError,
+    any_cell_patterns,
     cell_patterns,
     device_name,
     input_dir,
@@ -47,6 +48,8 @@ from overlap_spec.harness.exhaust import MAX_REQUESTS_BY_SCOPE as EXHAUST_REQUES
 from overlap_spec.harness.exhaust import NON_SPEC_DEPTH, SPEC_DEPTH
 from overlap_spec.harness.exhaust import PD_DECODE as EXHAUST_PD
 from overlap_spec.harness.exhaust import SCOPES as EXHAUST_SCOPES
+from overlap_spec.harness.exhaust import SHARED as EXHAUST_SHARED
+from overlap_spec.harness.exhaust import SHARED_DEPTH as EXHAUST_SHARED_DEPTH
 from overlap_spec.harness.measure import (
     BENCH_BATCH_SIZES,
     MAX_BATCH_SIZE,
@@ -87,7 +90,7 @@ commands:
   mutants      switch each historical bug B1-B25 on alone and print the kill matrix
   exhaust      every operation sequence up to a small depth (1-2 requests; 3 in the
                pd-decode alphabet) in each cell, every invariant checked, states and
-               witnesses counted
+               witnesses counted; --radix: the radix cells, over prompts that share
   diff         gpu_impl against the reference only (--device cuda, --cuda-sanitizer)
   syncs        host syncs, D2H copies and launches per steady-state iteration
   bench gpu    schedule-side host time and syncs per iteration, era A vs today
@@ -482,24 +485,35 @@ def build_parser() -> argparse.ArgumentParser:
                         "(1-3 in the pd-decode alphabet)")
     exhaust.add_argument("--sizes", type=parse_sizes, metavar="NAME=N,...", default=None,
                          help=SIZES_HELP)
-    exhaust.add_argument("--cells", type=cell_patterns, default=None,
-                         help="comma-separated cell names or globs (default: every cell)")
+    exhaust.add_argument("--cells", type=any_cell_patterns, default=None,
+                         help="comma-separated cell names or globs (default: every cell, or "
+                              "every radix cell with --radix)")
+    exhaust.add_argument("--radix", action="store_true",
+                         help="search the radix cells instead (overlap-spec cells --radix), "
+                              f"over the {EXHAUST_SHARED} alphabet unless --alphabet says "
+                              "otherwise; the RX invariants judge the prefix tree")
     exhaust.add_argument("--depth", type=int_in(1, EXHAUST_MAX_DEPTH), default=None,
                          help=f"operations per sequence, 1..{EXHAUST_MAX_DEPTH} (default: "
                               f"{NON_SPEC_DEPTH} in non-speculative cells, {SPEC_DEPTH} in "
-                              "speculative ones)")
+                              f"speculative ones, {EXHAUST_SHARED_DEPTH} over the "
+                              f"{EXHAUST_SHARED} alphabet)")
     exhaust.add_argument("--requests", type=int_in(1, pd_max_requests),
                          default=EXHAUST_MAX_REQUESTS,
                          help=f"admissions per sequence, 1..{EXHAUST_MAX_REQUESTS} "
                               f"(1..{pd_max_requests} with --alphabet {EXHAUST_PD}; "
                               f"default: {EXHAUST_MAX_REQUESTS}); 1 reaches a depth further "
                               "in the same time")
-    exhaust.add_argument("--alphabet", choices=EXHAUST_SCOPES, default=EXHAUST_SCOPES[0],
-                         help=f"{EXHAUST_SCOPES[0]}: every kind of operation (default); "
+    exhaust.add_argument("--alphabet", choices=EXHAUST_SCOPES, default=None,
+                         help=f"{EXHAUST_SCOPES[0]}: every kind of operation (the default "
+                              f"without --radix); "
                               f"{EXHAUST_PD}: PD decode at the stream level, prebuilt "
                               "admissions and EOS positions only, for a deeper search "
                               "(B9 with the release's fence: --depth 6 --requests 3 "
-                              "--sizes max_running_requests=2)")
+                              f"--sizes max_running_requests=2); {EXHAUST_SHARED} (radix "
+                              "cells only, their default): two requests of one prompt "
+                              "family sharing a page of key, iterations varying the "
+                              "retraction, the two extreme accept lengths and the EOS "
+                              "position")
     exhaust.add_argument("--faults", type=bug_ids, default=None,
                          help="switch historical bugs on in the reference, e.g. B16: the "
                               "search stops at the shortest sequence that trips an "
@@ -603,9 +617,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the sizes the limits are for (default minimal)")
     cells.add_argument("--radix", action="store_true",
                        help="the radix cells instead: each release cell with the radix prefix "
-                            "cache on, which the reference's tests and 'overlap-spec upstream "
-                            "check --radix' run (check, review and the other tiers do not "
-                            "take them yet)")
+                            "cache on, which the reference's tests, 'overlap-spec upstream "
+                            "check --radix' and 'overlap-spec exhaust --radix' run (check, "
+                            "review and the other tiers do not take them yet)")
     cells.add_argument("--switches", action="store_true",
                        help="each cell's design switches, and which of them are an earlier "
                             "era or a proposal rather than sglang 0.5.23")

@@ -23,6 +23,7 @@ import pickle
 import random
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -39,8 +40,16 @@ from overlap_spec.harness.drive.script import (
     apply_op,
     load_script,
 )
-from overlap_spec.harness.exhaust import FULL, NON_SPEC_DEPTH, PD_DECODE, SPEC_DEPTH
+from overlap_spec.harness.exhaust import (
+    FULL,
+    NON_SPEC_DEPTH,
+    PD_DECODE,
+    SHARED,
+    SHARED_DEPTH,
+    SPEC_DEPTH,
+)
 from overlap_spec.harness.exhaust.alphabet import (
+    Alphabet,
     ChoiceOracle,
     OracleReadError,
     get_alphabet,
@@ -56,14 +65,26 @@ from overlap_spec.harness.exhaust.tier import (
     CellReport,
     ExhaustTask,
     get_default_depth,
+    get_default_scope,
     render_findings,
     run_exhaust_task,
 )
 from overlap_spec.harness.verdict import Verdict
+from overlap_spec.reference import mem_cache
+from overlap_spec.reference import scheduler as reference_scheduler
 from overlap_spec.reference.scheduler import Scheduler
-from overlap_spec.spec.config import PRESETS, ModelConfig, enumerate_cells, get_cell
+from overlap_spec.spec import relation
+from overlap_spec.spec.config import (
+    PRESETS,
+    Cell,
+    ModelConfig,
+    enumerate_cells,
+    enumerate_radix_cells,
+    get_cell,
+)
 from overlap_spec.spec.invariants import INVARIANTS
 from overlap_spec.spec.state import IterationChoices, Observation
+from overlap_spec.spec.transitions import compute_pages_for_len
 
 
 # How a pair whose kill lies past the default bounds is searched: depth, requests, the
@@ -74,6 +95,22 @@ class Search:
     requests: int
     scope: str = FULL
     sizes: tuple[tuple[str, int], ...] = ()
+
+
+# A bug whose cells are radix cells only (the catalogue's radix mutants, B26 on) is searched
+# there, over the shared alphabet (the radix cells' default scope); every other bug in the
+# release's and the other eras' cells (enumerate_cells), as before. A bug of the release that
+# also applies in radix cells (B1 applies everywhere) is searched in their radix-free twins
+# only, where it applies too (test_a_bug_in_a_radix_cell_applies_in_its_twin): its mechanism
+# is the twin's, and the shared alphabet, narrowed for the tree, would not reach most of them.
+def is_radix_bug(bug_id: str) -> bool:
+    bug = get_bug(bug_id)
+    return (any(map(bug.applies, enumerate_radix_cells()))
+            and not any(map(bug.applies, enumerate_cells())))
+
+
+def get_bug_cells(bug_id: str) -> tuple[Cell, ...]:
+    return enumerate_radix_cells() if is_radix_bug(bug_id) else enumerate_cells()
 
 
 # An abort, the verify launched after it and that verify's late result: five operations
@@ -117,7 +154,7 @@ ROW_RACE_FREE = {(bug.id, cell.name): "overshoot era: a finished request holds i
                  for bug in BUGS for cell in enumerate_cells()
                  if bug.id == "B9" and bug.applies(cell) and not cell.early_fence
                  and cell.overshoot}
-KILL_PAIRS = [(bug.id, cell.name) for bug in BUGS for cell in enumerate_cells()
+KILL_PAIRS = [(bug.id, cell.name) for bug in BUGS for cell in get_bug_cells(bug.id)
               if bug.applies(cell) and (bug.id, cell.name) not in ROW_RACE_FREE]
 
 # One cheap cell per bug (measured on 2 shared cores: B16 about 30 s of CPU, the rest a few
@@ -139,6 +176,20 @@ FAST_KILLS = [
 ]
 
 
+def _get_radix_cost(cell: Cell) -> tuple[bool, bool, int, str]:
+    """Cheapest first (bench/results/2026-11-29-exhaust-radix.md): no speculation, no
+    overlap, page 1."""
+    return cell.is_spec, cell.overlap, cell.page_size, cell.name
+
+
+# The radix bugs' fast cells: each one's cheapest radix cell where it applies (a few seconds
+# of CPU at most), chosen here so that a catalogue entry added for the radix cells joins the
+# default tier without an edit.
+FAST_KILLS += [(bug.id, min((c for c in enumerate_radix_cells() if bug.applies(c)),
+                            key=_get_radix_cost).name)
+               for bug in BUGS if is_radix_bug(bug.id)]
+
+
 def _config(cell: str) -> ModelConfig:
     return ModelConfig(get_cell(cell), PRESETS["minimal"])
 
@@ -150,9 +201,14 @@ def _config(cell: str) -> ModelConfig:
 ONE_REQUEST_FAST_KILLS = {("B16", "ov-p1-v2chain-cpu-honest"), ("B18", "nov-p1-v2tree-cpu-honest")}
 
 
+def get_default_search(cell: str, requests: int = 2) -> Search:
+    """The cell's default bounds: its default alphabet (shared in a radix cell) and depth."""
+    scope = get_default_scope(get_cell(cell))
+    return Search(get_default_depth(get_cell(cell), scope), requests, scope)
+
+
 def _assert_killed(bug_id: str, cell: str, out: Path, requests: int = 2) -> None:
-    search = DEEPER_KILLS.get((bug_id, cell),
-                              Search(get_default_depth(get_cell(cell)), requests))
+    search = DEEPER_KILLS.get((bug_id, cell), get_default_search(cell, requests))
     config = ModelConfig(get_cell(cell), make_preset(
         "minimal", {**dict(get_bug(bug_id).sizes), **dict(search.sizes)}))
     depth, requests = search.depth, search.requests
@@ -235,7 +291,11 @@ def test_every_bug_is_in_the_matrix_in_every_cell_where_it_applies() -> None:
                                            if c.preclaim and not c.early_fence)
     assert len(ROW_RACE_FREE) == 6
     assert sorted([*KILL_PAIRS, *ROW_RACE_FREE]) == sorted(
-        (bug.id, cell.name) for bug in BUGS for cell in enumerate_cells() if bug.applies(cell))
+        (bug.id, cell.name) for bug in BUGS for cell in get_bug_cells(bug.id)
+        if bug.applies(cell))
+    radix = {cell.name for cell in enumerate_radix_cells()}
+    assert all((cell in radix) == is_radix_bug(bug_id) for bug_id, cell in KILL_PAIRS)
+    assert not any(cell in radix for _, cell in DEEPER_KILLS)  # radix pairs: default bounds
     assert sorted(DEEPER_KILLS) == sorted(
         [("B17", c.name) for c in spec_overlap]
         + [("B20", c.name) for c in spec_overlap if c.mixes_spec_tails]
@@ -526,10 +586,15 @@ def _run_from_scratch(config: ModelConfig, ops: list[Op]) -> tuple[list[Observat
     return seen, get_value(state)
 
 
+def _default_alphabet(config: ModelConfig) -> Alphabet:
+    """The cell's default alphabet: the shared one in a radix cell, else the full one."""
+    return get_alphabet(config, scope=get_default_scope(config.cell))
+
+
 def _random_suffix(config: ModelConfig, rng: random.Random, admitted: int,
                    length: int) -> list[Op]:
     """Ops of the cell's alphabet, drawn at random (iterations with concrete choices)."""
-    alphabet = get_alphabet(config)
+    alphabet = _default_alphabet(config)
     domains = alphabet.domains
     ops: list[Op] = []
     for _ in range(length):
@@ -557,12 +622,16 @@ def _count_admissions(ops: tuple[Op, ...] | list[Op]) -> int:
     return sum(isinstance(op, Admit | AdmitPrebuilt) for op in ops)
 
 
+# A radix cell's sample runs one level deeper: its narrow alphabet merges too few prefixes
+# at 3 (the tree, its locks and its LRU clock are in the state).
 @pytest.mark.parametrize("cell", ["ov-p1-none",
                                   pytest.param("ov-p1-v2chain-cpu-honest", marks=SAMPLE_SLOW),
-                                  "nov-p4-v2chain-cpu-preclaim"])
+                                  "nov-p4-v2chain-cpu-preclaim",
+                                  "ov-p4-v2chain-cpu-honest-radix"])
 def test_prefixes_with_the_same_key_behave_the_same(cell: str) -> None:
     config = _config(cell)
-    result = explore(config, 3, keep_paths=True)
+    result = explore(config, 4 if config.cell.radix else 3, keep_paths=True,
+                     alphabet=_default_alphabet(config))
     rng = random.Random(7)
     distinct = [(a, b) for a, b in result.merges if a != b]
     assert len(distinct) >= 20, "too few merged prefixes to sample"
@@ -580,6 +649,8 @@ def test_prefixes_with_the_same_key_behave_the_same(cell: str) -> None:
         assert state_first == state_second
 
 
+# No radix cell: the shared alphabet keeps one value of allow_prefill and disable_overlap,
+# and the model reads retract only where its predicate holds, so there it prunes nothing.
 @pytest.mark.parametrize("cell", ["ov-p1-none",
                                   pytest.param("ov-p1-v2tree-nocpu-preclaim", marks=SAMPLE_SLOW),
                                   "nov-p1-v2chain-cpu-honest"])
@@ -594,14 +665,14 @@ def test_relevance_predicates_lose_no_state(cell: str) -> None:
 
 @pytest.mark.parametrize("cell", ["ov-p4-none",
                                   pytest.param("ov-p1-v2chain-cpu-honest", marks=SAMPLE_SLOW),
-                                  "ov-p1-v2tree-nocpu-preclaim"])
+                                  "ov-p1-v2tree-nocpu-preclaim", "ov-p4-v2chain-cpu-honest-radix"])
 def test_an_oracle_iteration_is_its_concrete_choices(cell: str) -> None:
-    """From states two operations reach (a sample of 12), every distinguishable iteration:
-    the oracle's run and the run of the op it reports give the same observations and the
-    same state."""
+    """From states two operations reach (a sample of 12; three in a radix cell), every
+    distinguishable iteration: the oracle's run and the run of the op it reports give the
+    same observations and the same state."""
     config = _config(cell)
-    alphabet = get_alphabet(config)
-    result = explore(config, 2, keep_paths=True)
+    alphabet = _default_alphabet(config)
+    result = explore(config, 3 if config.cell.radix else 2, keep_paths=True, alphabet=alphabet)
     paths = list(result.paths.values())
     sample = random.Random(3).sample(paths, min(12, len(paths)))
     leaves = 0
@@ -666,3 +737,272 @@ def test_the_clean_tree_passes_at_the_default_bounds(cell: str, tmp_path: Path) 
                                           tmp_path))
     assert report.default_bounds and report.complete
     assert report.verdict is Verdict.PASS, (report.vacuous, report.stopped, report.others)
+
+
+# -- the radix cells: the shared alphabet --------------------------------------------------
+RADIX_CELLS = [cell.name for cell in enumerate_radix_cells()]
+RX_IDS = [inv.id for inv in INVARIANTS if inv.id.startswith("RX")]
+
+
+def test_a_bug_in_a_radix_cell_applies_in_its_twin() -> None:
+    """Why the matrix searches the release's bugs (B1-B25) in the release cells only: each
+    one that applies in a radix cell applies in its twin without the tree, where the matrix
+    kills it (the mechanism is the twin's); the radix bugs run in the radix cells."""
+    for bug in BUGS:
+        if is_radix_bug(bug.id):
+            continue
+        for cell in enumerate_radix_cells():
+            if bug.applies(cell):
+                twin = get_cell(cell.name.removesuffix("-radix"))
+                assert not twin.radix and bug.applies(twin), (bug.id, cell.name)
+
+
+def test_the_shared_alphabet() -> None:
+    """Prompts of one family, a page and one token long (two under EAGLE), so a second
+    request shares the first's page of key; the narrow iteration fields; radix cells only."""
+    prompts = {"nov-p1-none-radix": 2, "ov-p1-v2chain-cpu-honest-radix": 3,
+               "ov-p4-none-radix": 5, "nov-p4-v2tree-cpu-honest-radix": 6}
+    for cell, prompt in prompts.items():
+        config = _config(cell)
+        alphabet = get_alphabet(config, scope=SHARED)
+        assert alphabet.admissions[:2] == (Admit(prompt, 2, family=0), Admit(prompt, 8, family=0))
+        # Without speculation the longest prompt too (refused or capped: RP8's witness).
+        assert alphabet.admissions[2:] == (() if config.cell.is_spec else (Admit(23, 2, family=0),))
+        assert alphabet.domains["retract"] == (0, 1)
+        assert alphabet.domains["eos_position"] == (None, 0, 1)
+        assert alphabet.domains["accept_len"] == tuple(dict.fromkeys((1, config.max_accept_len)))
+        assert all(len(alphabet.domains[name]) == 1 for name in
+                   ("allow_prefill", "disable_overlap", "spec_steps"))
+        assert alphabet.describe().startswith("shared alphabet: up to 2 requests; "
+                                              f"admit({prompt},2,family=0)")
+        assert get_default_scope(config.cell) == SHARED
+        assert get_default_depth(config.cell) == SHARED_DEPTH
+    with pytest.raises(ValueError, match="for radix cells"):
+        get_alphabet(_config("ov-p1-none"), scope=SHARED)
+    with pytest.raises(ValueError, match="outside 1..2"):
+        get_alphabet(_config("ov-p1-none-radix"), 3, SHARED)
+
+
+def _first_choices(config: ModelConfig) -> IterationChoices:
+    """The iteration whose every field takes its domain's first value: the leaf the oracle
+    reaches with every decision 0, so the search runs it from every state."""
+    alphabet = get_alphabet(config, scope=SHARED)
+    first = {name: values[0] for name, values in alphabet.domains.items()}
+    choices = IterationChoices(accept_lens=(int(first["accept_len"]),) * alphabet.rows)
+    assert (choices.allow_prefill, choices.retract, choices.disable_overlap,
+            choices.spec_steps, choices.eos_positions) == (
+        first["allow_prefill"], first["retract"], first["disable_overlap"],
+        first["spec_steps"], frozenset())
+    return choices
+
+
+def _run_ops(config: ModelConfig, ops: list[Op]) -> tuple[list[Observation], list[int]]:
+    seen: list[Observation] = []
+    checker = InvariantChecker(config)
+
+    def observe(obs: Observation) -> None:
+        checker(obs)
+        seen.append(obs)
+
+    model = Scheduler(config, frozenset(), observe)
+    admitted: list[int] = []
+    for index, op in enumerate(ops):
+        model.set_step_index(index)
+        apply_op(model, op, admitted)
+    return seen, admitted
+
+
+@pytest.mark.parametrize("cell", RADIX_CELLS)
+def test_the_shortest_sharing_scenarios_are_within_the_shared_bounds(cell: str) -> None:
+    """docs/upstream-radix-sharing.md section 5, step 5, over the shared alphabet's own
+    operations, each short of the default depth (so the search also runs an operation past
+    it): the dedup (A and B prefilled together; the second checkpoint finds A's page and
+    takes it: one node locked by both, the same slots in both rows) and the match (B
+    admitted after A's prefill result: its admission matches a whole page)."""
+    config = _config(cell)
+    alphabet = get_alphabet(config, scope=SHARED)
+    p, late = config.page_size, int(config.cell.overlap)  # a prefill's result one step later
+    step = Iterate(_first_choices(config))
+    # The longer one asks the most: with another waiting or running, a page-4 spec pool
+    # admits the shorter one only.
+    short, long = alphabet.admissions[:2]
+    dedup: list[Op] = [short, short, step, *[step] * late]
+    match: list[Op] = [long, step, *[step] * late, short, step]
+    assert max(len(dedup), len(match)) < SHARED_DEPTH
+    seen, (a, b) = _run_ops(config, dedup)
+    first, second = seen[-1].get_request(a), seen[-1].get_request(b)
+    assert first.lock_node == second.lock_node is not None
+    assert first.cache_protected_len == second.cache_protected_len >= p
+    assert first.row_slots[:p] == second.row_slots[:p]
+    assert seen[-1].tree is not None
+    assert max(n.lock_ref for n in seen[-1].tree.nodes) == 2
+    seen, (a, b) = _run_ops(config, match)
+    admission = next(o.admission for o in seen if o.admission is not None
+                     and o.admission.waiting and o.admission.waiting[0][0] == b)
+    assert admission.prefixes == (p,)
+    assert seen[-1].get_request(b).row_slots[:p] == seen[-1].get_request(a).row_slots[:p]
+
+
+# One cell per kind (no speculation, chain, tree; overlap or not; pages of 1 and 4) in the
+# default tier, the rest slow: under a second of CPU a cell.
+RX_SAMPLE = {"nov-p1-none-radix", "ov-p4-none-radix", "ov-p1-v2chain-cpu-honest-radix",
+             "nov-p4-v2tree-cpu-honest-radix"}
+
+
+@pytest.mark.parametrize("cell", [pytest.param(c, marks=() if c in RX_SAMPLE else SAMPLE_SLOW)
+                                  for c in RADIX_CELLS])
+def test_every_rx_invariant_is_witnessed_within_the_dedup_depth(cell: str) -> None:
+    """Every radix cell, four operations over the shared alphabet (the dedup's depth): clean,
+    and every RX invariant exercised (a few hundred states a cell; the default bounds below
+    witness every applicable invariant)."""
+    config = _config(cell)
+    result = explore(config, 4, alphabet=get_alphabet(config, scope=SHARED))
+    assert result.complete and not result.findings
+    assert [i for i in RX_IDS if not result.exercised[i]] == []
+    assert RX_IDS == ["RX1", "RX2", "RX3", "RX4", "RX5", "RX6", "RX7"]
+
+
+@pytest.mark.parametrize("cell", [pytest.param(c, marks=() if c == "nov-p1-none-radix"
+                                               else pytest.mark.slow) for c in RADIX_CELLS])
+def test_the_clean_radix_cells_pass_at_the_shared_scopes_defaults(cell: str,
+                                                                   tmp_path: Path) -> None:
+    """What ``overlap-spec exhaust --radix`` says of a clean tree at its defaults: complete,
+    no finding, every applicable invariant witnessed (RX1-RX7 among them). From 3 s of CPU
+    (nov-p1-none-radix, the default tier's) to 26 s a cell, about 4 minutes for the 16
+    (bench/results/2026-11-29-exhaust-radix.md); the others are slow, run by .ci/run's
+    kill-matrix step (-k "not default_bounds")."""
+    config = _config(cell)
+    report = run_exhaust_task(ExhaustTask(config, SHARED_DEPTH, frozenset(), tmp_path,
+                                          scope=SHARED))
+    assert report.default_bounds and report.complete
+    assert report.verdict is Verdict.PASS, (report.vacuous, report.stopped, report.others)
+    assert all(report.exercised.get(i, 0) > 0 for i in [*report.applicable, *RX_IDS])
+
+
+def _release_without_unlock(rt: Any, radix: Any, req: Any, is_insert: bool) -> None:
+    """``reference.mem_cache.release_into_tree`` with the release's unlock left out, the
+    request's anchor still dropped (#32170 b; the catalogue's B26 to be)."""
+    p = rt.config.page_size
+    row = req.req_pool_idx
+    recorded_pages = compute_pages_for_len(req.kv_allocated_len, p)
+    owned = relation.release_kv_cache(req.state, rt.config.cell, is_insert, rt.faults).cached_len
+    inserted = mem_cache.checkpoint_kv_cache(rt, req, owned) if is_insert and owned else 0
+    req.apply(relation.release_kv_cache, rt.config.cell, is_insert, rt.faults)
+    req.inserted_len = None if req.cached_len is None else inserted
+    rt.allocator.free(req.pages[req.cache_protected_len // p:recorded_pages])
+    req.lock = None  # the mutation: no radix.unlock(req.lock) before
+    rt.req_to_token.free(row)
+    req.pages = []
+
+
+def _checkpoint_without_repoint(rt: Any, req: Any, up_to: int) -> int:
+    """``reference.mem_cache.checkpoint_kv_cache`` that frees the duplicates but leaves the
+    row on them (mini-sglang #142; the catalogue's B29 to be)."""
+    radix = mem_cache.get_radix(rt)
+    assert radix is not None
+    p = rt.config.page_size
+    tokens = (req.get_fill_tokens() + list(req.hidden_ids))[:up_to]
+    if not tokens:
+        return int(req.cache_protected_len)
+    key = radix.make_key(tokens)
+    inserted, protected = len(key), req.cache_protected_len
+    _, node, duplicates = radix.insert(key, req.pages[:inserted // p], protected)
+    rt.allocator.free(duplicates)
+    prompt_key = radix.make_key(req.get_fill_tokens()[:req.prompt_len])
+    if 0 < len(prompt_key) < inserted:
+        radix.insert(prompt_key, req.pages[:len(prompt_key) // p], len(prompt_key))
+    # the mutation: no req.pages[protected // p:inserted // p] = the path's pages, no row write
+    if req.lock is not None:
+        radix.unlock(req.lock)
+    req.lock = radix.lock(node)
+    req.apply(relation.checkpoint_into_tree, inserted)
+    return inserted
+
+
+# The two mechanisms, patched in: (the functions replaced, the copy, what a kill trips, the
+# requests the shortest kill needs: a release after any checkpoint takes one; a duplicate
+# takes two of one family).
+RADIX_MUTANTS = {
+    "release-without-unlock": ((("mem_cache", "release_into_tree"),), _release_without_unlock,
+                               "RX2", 1),
+    "checkpoint-without-repoint": ((("mem_cache", "checkpoint_kv_cache"),
+                                    ("scheduler", "checkpoint_kv_cache")),
+                                   _checkpoint_without_repoint, "RX4", 2),
+}
+
+
+@pytest.mark.parametrize("cell", ["nov-p1-none-radix", "ov-p4-v2chain-cpu-honest-radix"])
+@pytest.mark.parametrize("mutant", sorted(RADIX_MUTANTS))
+def test_the_shared_scope_kills_radix_mechanisms(
+        mutant: str, cell: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """Two radix bugs of docs/upstream-radix-sharing.md section 4, patched into the
+    reference (test-only copies; the catalogue's B26 and B29 will switch the same on): the
+    shared scope finds each within its depth, shortest first, saves the script, and the
+    script fails on replay under the mutation and passes without it."""
+    targets, copy, invariant, requests = RADIX_MUTANTS[mutant]
+    modules = {"mem_cache": mem_cache, "scheduler": reference_scheduler}
+    for module, name in targets:
+        monkeypatch.setattr(modules[module], name, copy)
+    report = run_exhaust_task(ExhaustTask(_config(cell), SHARED_DEPTH, frozenset(), tmp_path,
+                                          scope=SHARED))
+    assert report.error is None, report.error  # replayed from scratch, the same violation
+    stopped = report.stopped
+    assert stopped is not None and stopped.kind == "violation", report.others
+    assert invariant in stopped.ids, stopped.message
+    assert stopped.ops <= SHARED_DEPTH and stopped.requests == requests
+    assert stopped.trace_status == "violation"  # its trace, tree included, checked too
+    script = Path(stopped.script)
+    assert script.name == f"{cell}-minimal-shared.json"
+    assert all(op.family == 0 for op in load_script(script).ops if isinstance(op, Admit))
+    capsys.readouterr()
+    assert main(["replay", str(script)]) == 1
+    assert stopped.message in capsys.readouterr().out
+    monkeypatch.undo()
+    assert main(["replay", str(script)]) == 0  # the mutation, not the model, fails it
+
+
+def test_the_radix_cells_through_the_cli(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """--radix selects among the radix cells, over the shared alphabet; a radix cell's name
+    without it, a release cell's with it, and the shared alphabet without it are usage
+    errors that name the flag."""
+    report_path = tmp_path / "report.json"
+    assert main(["exhaust", "--radix", "--cells", "nov-p1-none-radix", "--depth", "3",
+                 "-j", "1", "-q", "--out", str(tmp_path), "--json", str(report_path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("exhaust: every sequence of operations over each cell's alphabet "
+                          "(shared), up to depth 3, at most 2 requests, in 1 radix cell")
+    cell = json.loads(report_path.read_text())["cells"]["nov-p1-none-radix@minimal"]
+    assert cell["alphabet"].startswith("shared alphabet: up to 2 requests; admit(2,2,family=0)")
+    assert cell["verdict"] == "pass" and not cell["default_bounds"]
+    for argv, error in [
+            (["--cells", "nov-p1-none-radix"], "radix cells need --radix"),
+            (["--radix", "--cells", "nov-p1-none"],
+             "--radix selects among the radix cells only"),
+            (["--alphabet", "shared", "--cells", "nov-p1-none"], "add --radix"),
+            (["--radix", "--requests", "3"], "the shared alphabet admits at most 2")]:
+        assert main(["exhaust", *argv, "--out", str(tmp_path)]) == 2, argv
+        assert error in capsys.readouterr().err, argv
+
+
+def test_a_radix_bug_asks_for_radix_cells(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str]) -> None:
+    """A fault that applies only in radix cells, run without --radix (and one that applies
+    only outside them, run with it), applies in none of the selected cells: a usage error
+    naming the flag, never a column of survivals."""
+    import dataclasses
+
+    from overlap_spec.harness.exhaust import tier
+
+    radix_only = dataclasses.replace(get_bug("B1"), applies=lambda cell: cell.radix)
+    monkeypatch.setattr(tier, "get_bug", lambda bug_id: radix_only)
+    assert main(["exhaust", "--cells", "nov-p1-none", "--faults", "B1",
+                 "--out", str(tmp_path)]) == 2
+    assert "B1 applies in none of the selected cells: it applies only in radix cells (add " \
+           "--radix)" in capsys.readouterr().err
+    elsewhere = dataclasses.replace(get_bug("B1"), applies=lambda cell: not cell.radix)
+    monkeypatch.setattr(tier, "get_bug", lambda bug_id: elsewhere)
+    assert main(["exhaust", "--radix", "--cells", "nov-p1-none-radix", "--faults", "B1",
+                 "--out", str(tmp_path)]) == 2
+    assert "it applies only outside the radix cells (drop --radix)" in capsys.readouterr().err

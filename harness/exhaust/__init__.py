@@ -23,7 +23,18 @@ MAX_REQUESTS: Final = 2
 # ``pd-decode``, the decode instance of PD disaggregation at the stream level: prebuilt
 # admissions only, iterations that vary only the EOS position, up to three requests (a row
 # reused while a forward still writes it needs a third). See ``alphabet``.
+# And ``shared``, the radix cells' scope (their default): up to two requests of one prompt
+# family, prompts of a page and one token (two under EAGLE), so the second shares the
+# first's page of key whether it is prefilled with it (the checkpoint's dedup) or after it
+# (a match), and iterations narrow enough for six operations.
 FULL: Final = "full"
 PD_DECODE: Final = "pd-decode"
-SCOPES: Final = (FULL, PD_DECODE)
-MAX_REQUESTS_BY_SCOPE: Final = {FULL: MAX_REQUESTS, PD_DECODE: 3}
+SHARED: Final = "shared"
+SCOPES: Final = (FULL, PD_DECODE, SHARED)
+MAX_REQUESTS_BY_SCOPE: Final = {FULL: MAX_REQUESTS, PD_DECODE: 3, SHARED: MAX_REQUESTS}
+# The shared alphabet's depth, in every radix cell: the match takes five operations under
+# overlap (admit, prefill, its result, admit, prefill), so six reach past it (a release or
+# a retraction of the matched request). From 3 to 26 s of CPU a cell, the spec overlap
+# cells the most, about 4 minutes for the 16; one more level costs three to five times as
+# much (bench/results/2026-11-29-exhaust-radix.md).
+SHARED_DEPTH: Final = 6

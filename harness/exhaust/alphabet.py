@@ -83,6 +83,18 @@ rows free in one result), and a third that takes the stopped one's row, in six
 operations at two pool rows (``--sizes max_running_requests=2``); at the preset's three
 rows it takes a fourth request and a seventh operation. The full alphabet cannot go that
 deep (a sixth operation over it costs hours a cell); this one kills it in 10 to 20 s.
+
+**The shared alphabet** (``--alphabet shared``, the radix cells' default, with ``--radix``)
+is for the prefix tree: every admission is of family 0 (``Admit(..., family=0)``: one
+prompt's tokens), :func:`get_shared_prompt_len` long, the shortest prompt a second request
+matches a whole page of (a match covers at most ``input_len - 1`` tokens, keyed in whole
+pages, of bigrams under EAGLE), with max_new_tokens 2 and the preset's maximum, and in
+non-speculative cells the longest prompt as above (RP8). Its iterations vary the forced
+retraction, the accept length's two ends (1 and the most) and the EOS position; the rest
+keep their first value. So the dedup (two requests prefilled together, the second's
+checkpoint freeing its copy of the page) takes four operations and the match (the second
+admitted after the first's prefill result) five under overlap, and the default depth of 6
+goes one past both.
 """
 
 from __future__ import annotations
@@ -92,7 +104,13 @@ from dataclasses import dataclass
 from typing import Final, cast
 
 from overlap_spec.harness.drive.script import Admit, AdmitPrebuilt
-from overlap_spec.harness.exhaust import FULL, MAX_REQUESTS, MAX_REQUESTS_BY_SCOPE, PD_DECODE
+from overlap_spec.harness.exhaust import (
+    FULL,
+    MAX_REQUESTS,
+    MAX_REQUESTS_BY_SCOPE,
+    PD_DECODE,
+    SHARED,
+)
 from overlap_spec.reference.scheduler import Scheduler
 from overlap_spec.spec.config import ModelConfig, SpecShape
 from overlap_spec.spec.state import IterationChoices
@@ -101,6 +119,9 @@ from overlap_spec.spec.state import IterationChoices
 # one batch position (or none) whose request hits EOS.
 ACCEPT_LEN: Final = "accept_len"
 EOS_POSITION: Final = "eos_position"
+# The iteration fields the shared alphabet varies (the rest keep their first value); its
+# accept length is only the two ends, 1 and the most (see get_alphabet).
+SHARED_FIELDS: Final = frozenset({"retract", ACCEPT_LEN, EOS_POSITION})
 
 
 @dataclass(frozen=True)
@@ -114,12 +135,15 @@ class Alphabet:
     max_requests: int
     domains: dict[str, tuple[Hashable, ...]]
     rows: int  # batch positions the choices index (accept_lens, eos_positions)
-    scope: str = FULL  # the alphabet's name (FULL or PD_DECODE)
+    scope: str = FULL  # the alphabet's name (FULL, PD_DECODE or SHARED)
 
     def describe(self) -> str:
         """One line per kind of operation, for reports."""
         admits = ", ".join(f"{'admit' if isinstance(op, Admit) else 'admit_prebuilt'}"
-                           f"({op.prompt_len},{op.max_new_tokens})" for op in self.admissions)
+                           f"({op.prompt_len},{op.max_new_tokens}"
+                           + (f",family={op.family}" if isinstance(op, Admit)
+                              and op.family is not None else "") + ")"
+                           for op in self.admissions)
         varied = [f"{name} {list(values)}" for name, values in self.domains.items()
                   if len(values) > 1]
         plural = "s" * (self.max_requests != 1)
@@ -143,6 +167,14 @@ def get_prompt_lens(config: ModelConfig) -> tuple[int, ...]:
     return tuple(sorted({1, max(config.cell.page_size - 1, 1)}))
 
 
+def get_shared_prompt_len(config: ModelConfig) -> int:
+    """The shortest prompt whose first page of key a second request of its family shares:
+    a match covers at most ``input_len - 1`` tokens and keys whole pages, of bigrams under
+    EAGLE (every spec cell), so page + 1 tokens, one more under EAGLE: 2 or 3 at page 1, 5
+    or 6 at page 4 (docs/upstream-radix-sharing.md section 5, step 5)."""
+    return config.page_size + 1 + int(config.cell.is_spec)
+
+
 def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
                  scope: str = FULL) -> Alphabet:
     """The cell's alphabet with at most ``max_requests`` admissions per sequence.
@@ -154,7 +186,9 @@ def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
     iteration field but the EOS position keeps its simplest value (accept length 1, the
     configured rung, no forced retraction, no early processing): few enough operations
     for a third request and a sixth operation, which a row reused under an in-flight
-    forward needs (B9 with the release's fence). With ``chunked_prefill_size`` the full
+    forward needs (B9 with the release's fence). ``shared`` (1 or 2, radix cells only):
+    prompts of one family that share a page of key (the module docstring). With
+    ``chunked_prefill_size`` the full
     alphabet admits no prebuilt request (a PD decode instance does not chunk) and a
     prompt of three chunks, and in non-speculative cells or with ``mixed_chunk`` the
     longest prompt, which a small pool caps to 0 new tokens or admission refuses (a
@@ -195,6 +229,18 @@ def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
         admissions = [AdmitPrebuilt(1, 2), *prebuilt]
         domains = {name: values if name == EOS_POSITION else values[:1]
                    for name, values in domains.items()}
+    if scope == SHARED:
+        if not cell.radix:
+            raise ValueError(f"the {SHARED} alphabet is for radix cells; {cell.name} has no "
+                             "prefix tree to share")
+        shared = get_shared_prompt_len(config)
+        admissions = [Admit(shared, 2, family=0), Admit(shared, longest, family=0)]
+        if preset.mixed_chunk or not cell.is_spec:  # RP8's witness, as in the full alphabet
+            admissions.append(Admit(preset.max_context_len - 1, 2, family=0))
+        kept = SHARED_FIELDS
+        domains = {name: values if name in kept else values[:1]
+                   for name, values in domains.items()}
+        domains[ACCEPT_LEN] = tuple(dict.fromkeys((1, config.max_accept_len)))
     return Alphabet(config, tuple(admissions), max_requests, domains, rows, scope)
 
 

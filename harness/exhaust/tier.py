@@ -1,12 +1,14 @@
 """``overlap-spec exhaust``: the small-scope exhaustive tier, one task per cell.
 
 Per cell it runs :func:`~overlap_spec.harness.exhaust.search.explore` to the cell's depth
-(:func:`get_default_depth`, or ``--depth``), saves and replays every counterexample, and
-reports the depth, the distinct states and the transitions explored, the observation
-points checked, each applicable invariant's witness count and the time. Zero after a
-complete search is *vacuous*, a failure, within bounds that hold the default ones (where
-every applicable invariant has a witness in every cell); within smaller or other bounds it
-is n/a with that reason (no sequence within them exercises it), not counted as passed.
+(:func:`get_default_depth`, or ``--depth``) over its alphabet (:func:`get_default_scope`:
+``full``, and ``shared`` in the radix cells, which ``--radix`` selects), saves and replays
+every counterexample, and reports the depth, the distinct states and the transitions
+explored, the observation points checked, each applicable invariant's witness count and the
+time. Zero after a complete search is *vacuous*, a failure, within bounds that hold the
+default ones (where every applicable invariant has a witness in every cell); within smaller
+or other bounds it is n/a with that reason (no sequence within them exercises it), not
+counted as passed.
 
 With ``--faults`` the search stops at the first (shortest) violation of an invariant the
 catalogue lists for one of those bugs: the bug is *killed* there; violations of other IDs
@@ -29,9 +31,12 @@ from typing import Any, Final
 from overlap_spec.harness.catalogue import get_bug, get_bugs_expecting
 from overlap_spec.harness.drive.cells import (
     CONFIG_WIDTH,
+    NoCellMatches,
     UsageError,
+    check_sizes,
     get_fault_sizes,
-    select_configs,
+    make_preset,
+    select_cells,
     split_preset,
 )
 from overlap_spec.harness.drive.script import save_script
@@ -41,6 +46,8 @@ from overlap_spec.harness.exhaust import (
     MAX_REQUESTS_BY_SCOPE,
     NON_SPEC_DEPTH,
     PD_DECODE,
+    SHARED,
+    SHARED_DEPTH,
     SPEC_DEPTH,
 )
 from overlap_spec.harness.exhaust.alphabet import get_alphabet
@@ -57,13 +64,23 @@ from overlap_spec.harness.trace.check import record_script_trace
 from overlap_spec.harness.trace.format import get_trace_path
 from overlap_spec.harness.verdict import Verdict
 from overlap_spec.reference.scheduler import SUPPORTED_FAULTS
-from overlap_spec.spec.config import Cell, ModelConfig
+from overlap_spec.spec.config import Cell, ModelConfig, enumerate_cells, enumerate_radix_cells
 from overlap_spec.spec.invariants import INVARIANTS, Invariant, InvariantViolation
 
 KILLED, SURVIVED, OTHER_ID = "killed", "survived", "other-id"
 
 
-def get_default_depth(cell: Cell) -> int:
+def get_default_scope(cell: Cell) -> str:
+    """The alphabet a cell is searched over unless told: ``shared`` in a radix cell (its
+    prompts share a page of key, what the tree is for), ``full`` elsewhere."""
+    return SHARED if cell.radix else FULL
+
+
+def get_default_depth(cell: Cell, scope: str | None = None) -> int:
+    """The depth of the default bounds for the cell over ``scope`` (its default scope when
+    None): the shared alphabet's in a radix cell, else by speculation."""
+    if (scope or get_default_scope(cell)) == SHARED:
+        return SHARED_DEPTH
     return SPEC_DEPTH if cell.is_spec else NON_SPEC_DEPTH
 
 
@@ -206,8 +223,9 @@ def run_exhaust_task(task: ExhaustTask) -> CellReport:
     wanted = get_wanted_ids(faults)
     report = CellReport(config.name, task.depth, tuple(sorted(faults)), alphabet.describe(),
                         tuple(i.id for i in _applicable(config)))
-    report.default_bounds = (task.depth >= get_default_depth(config.cell)
-                             and task.max_requests >= MAX_REQUESTS and task.scope == FULL
+    report.default_bounds = (task.scope == get_default_scope(config.cell)
+                             and task.depth >= get_default_depth(config.cell, task.scope)
+                             and task.max_requests >= MAX_REQUESTS
                              and not split_preset(config.preset)[1])
     if faults:
         def stop(violation: InvariantViolation) -> bool:
@@ -240,10 +258,14 @@ def _applicable(config: ModelConfig) -> list[Invariant]:
 
 def run_exhaust(configs: list[ModelConfig], depth: int | None, faults: frozenset[str],
                 out_dir: Path, jobs: int, quiet: bool = True,
-                max_requests: int = MAX_REQUESTS, scope: str = FULL) -> list[CellReport]:
-    tasks = [ExhaustTask(c, depth or get_default_depth(c.cell), faults, out_dir, max_requests,
-                         scope)
-             for c in configs]
+                max_requests: int = MAX_REQUESTS, scope: str | None = None) -> list[CellReport]:
+    """Each cell over ``scope`` (None: the cell's default scope) to ``depth`` (None: the
+    default depth of the cell and scope)."""
+    tasks = []
+    for config in configs:
+        alphabet = scope or get_default_scope(config.cell)
+        tasks.append(ExhaustTask(config, depth or get_default_depth(config.cell, alphabet),
+                                 faults, out_dir, max_requests, alphabet))
 
     def progress(task: ExhaustTask, report: CellReport) -> None:
         if not quiet:
@@ -345,29 +367,68 @@ def build_exhaust_json(reports: list[CellReport], elapsed: float) -> dict[str, A
     }
 
 
+def select_exhaust_configs(patterns: str | None, radix: bool,
+                           sizes: dict[str, int] | None) -> list[ModelConfig]:
+    """The selected cells at the minimal preset with ``sizes``: among the release's cells,
+    or with ``radix`` among the radix cells (``overlap-spec cells --radix``), as the
+    upstream tier's ``--radix`` selects; a name from the other list says which flag it
+    needs."""
+    try:
+        cells = select_cells(patterns, radix=radix)
+    except NoCellMatches as error:
+        hint = ("--radix selects among the radix cells only" if radix else
+                "radix cells need --radix")
+        raise NoCellMatches(f"{error}; {hint}") from None
+    configs = [ModelConfig(cell, make_preset("minimal", sizes or {})) for cell in cells]
+    for config in configs:
+        problem = check_sizes(config)
+        if problem is not None:
+            raise UsageError(problem)
+    return configs
+
+
+def check_faults_apply(faults: frozenset[str], configs: list[ModelConfig], radix: bool) -> None:
+    """A bug that applies only among the radix cells, or in none of them, run on the other
+    list applies in none of the selected cells: a usage error naming the flag, never a
+    matrix of survivals."""
+    other = enumerate_cells() if radix else enumerate_radix_cells()
+    for bug_id in sorted(faults):
+        bug = get_bug(bug_id)
+        if any(bug.applies(c.cell) for c in configs) or not any(map(bug.applies, other)):
+            continue
+        raise UsageError(f"{bug_id} applies in none of the selected cells: "
+                         + ("it applies only outside the radix cells (drop --radix)" if radix
+                            else "it applies only in radix cells (add --radix)"))
+
+
 def cmd_exhaust(args: argparse.Namespace) -> int:
     """``overlap-spec exhaust`` (its arguments: ``harness.cli``)."""
     faults = frozenset(f.strip() for f in (args.faults or "").split(",") if f.strip())
     if faults - SUPPORTED_FAULTS:
         raise UsageError(f"unknown fault IDs {sorted(faults - SUPPORTED_FAULTS)}; supported: "
                          f"{', '.join(sorted(SUPPORTED_FAULTS))}")
-    most = MAX_REQUESTS_BY_SCOPE[args.alphabet]
+    scope = args.alphabet or (SHARED if args.radix else FULL)
+    if scope == SHARED and not args.radix:
+        raise UsageError(f"--alphabet {SHARED} is the radix cells' alphabet (add --radix): "
+                         "without a prefix tree no prompt is shared")
+    most = MAX_REQUESTS_BY_SCOPE[scope]
     if args.requests > most:
-        raise UsageError(f"--requests {args.requests}: the {args.alphabet} alphabet admits at "
+        raise UsageError(f"--requests {args.requests}: the {scope} alphabet admits at "
                          f"most {most}" + (f" ({PD_DECODE}: {MAX_REQUESTS_BY_SCOPE[PD_DECODE]})"
-                                           if args.alphabet == FULL else ""))
-    configs = select_configs(args.cells, "minimal",
-                             get_fault_sizes(getattr(args, "sizes", None), faults))
+                                           if scope != PD_DECODE else ""))
+    configs = select_exhaust_configs(args.cells, args.radix,
+                                     get_fault_sizes(getattr(args, "sizes", None), faults))
+    check_faults_apply(faults, configs, args.radix)
     out_dir = Path(args.out or os.environ.get("OVERLAP_SPEC_OUT", ".overlap-spec")) / "exhaust"
     depth = args.depth
-    depths = {depth or get_default_depth(c.cell) for c in configs}
+    depths = {depth or get_default_depth(c.cell, scope) for c in configs}
     bound = (f"depth {depths.pop()}" if len(depths) == 1 else
              f"depth {NON_SPEC_DEPTH} in non-speculative cells, {SPEC_DEPTH} in speculative ones")
-    alphabet = "" if args.alphabet == FULL else f" ({args.alphabet})"
+    alphabet = "" if scope == FULL else f" ({scope})"
     print(f"exhaust: every sequence of operations over each cell's alphabet{alphabet}, up to "
           f"{bound}, "
           f"at most {args.requests} request{'s' * (args.requests != 1)}, in {len(configs)} "
-          f"cell{'s' * (len(configs) != 1)}"
+          f"{'radix ' * args.radix}cell{'s' * (len(configs) != 1)}"
           + (f", faults {','.join(sorted(faults))}" if faults else ""))
     if not args.quiet:
         print(HEADER)
@@ -375,7 +436,7 @@ def cmd_exhaust(args: argparse.Namespace) -> int:
     try:
         with catching_interrupts():
             reports = run_exhaust(configs, depth, faults, out_dir, args.jobs, args.quiet,
-                                  args.requests, args.alphabet)
+                                  args.requests, scope)
             raise_if_interrupted()
     except KeyboardInterrupt:
         print("INTERRUPTED (report incomplete)")
