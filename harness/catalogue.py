@@ -399,13 +399,13 @@ BUGS: Final[tuple[Bug, ...]] = (
         representative_cells=("ov-p1-v2chain-cpu-honest-radix",
                               "ov-p1-v2tree-cpu-honest-radix")),
     # The unit slip of #10637 (key against value lengths); here pages against tokens.
-    Bug("B34", "eviction takes another unit off the evictable size",
+    Bug("B34", "an insert adds another unit to the evictable size",
         "#10637 (merged 2025-09-19: evictable_size_ moved by the key's length on one side "
         "and the value's on the other); UbiquitousLearning/mllm #656 (open, 2026-03-20: "
         "evictable + protected drifted from the tree's size)",
-        "on pages > 1 an eviction (an allocation short of pages, a retraction) subtracts "
-        "the victim's page count where its insert added its token count",
-        "evict subtracts len(node.pages), not len(node.key)", ("RX3",),
+        "on pages > 1 a checkpoint or a finish inserts a new leaf: its page count is added "
+        "to the evictable size, where the lock walks and eviction move its token count",
+        "insert adds len(leaf.pages), not len(leaf.key), to evictable_size", ("RX3",),
         lambda cell: cell.radix and cell.page_size > 1, radix=True,
         not_in_z3=_NO_NODES_IN_BMC, representative_cells=_PAGED_RADIX_CELLS),
 )

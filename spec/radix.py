@@ -47,7 +47,7 @@ class Node:
 class RadixTree:
     def __init__(self, page_size: int, is_eagle: bool, faults: frozenset[str] = frozenset()
                  ) -> None:
-        # B31: the lock walks skip the node itself; B34: eviction counts pages, not tokens.
+        # B31: the lock walks skip the node itself; B34: an insert counts pages, not tokens.
         self.page_size, self.is_eagle, self.faults = page_size, is_eagle, faults
         self.clock = 0
         self.next_id = 0
@@ -125,7 +125,7 @@ class RadixTree:
         if done < len(key):
             leaf = Node(self, key[done:], list(pages[done // p:len(key) // p]), node)
             node.children[leaf.key[:p]] = leaf
-            self.evictable_size += len(leaf.key)
+            self.evictable_size += len(leaf.pages if "B34" in self.faults else leaf.key)
             node = leaf
         return held, node, duplicates
 
@@ -177,7 +177,7 @@ class RadixTree:
             victim = min(leaves, key=lambda n: (n.last_access, n.id))
             assert victim.parent is not None
             del victim.parent.children[victim.key[:self.page_size]]
-            self.evictable_size -= len(victim.pages if "B34" in self.faults else victim.key)
+            self.evictable_size -= len(victim.key)
             freed += victim.pages
         return freed
 
