@@ -26,6 +26,7 @@ from overlap_spec.spec.radix import Node, RadixTree
 from overlap_spec.spec.transitions import (
     RETRACT_DECODE_STEPS,
     compute_cached_len,
+    compute_first_own_page,
     compute_inserted_len,
     compute_ns_decode_pages_needed,
     compute_pages_for_len,
@@ -289,7 +290,7 @@ def release_into_tree(rt: Runtime, radix: RadixTree, req: Req, is_insert: bool) 
         req.cached_len = owned
     elif req.finished():  # a chunked request's abort (checkpoint=False): nothing cached
         req.cached_len = 0
-    first_own = get_first_own_page(rt, req)
+    first_own = compute_first_own_page(req.cache_protected_len, req.matched_len, p, rt.faults)
     rt.kv.set_owner(list(req.pages[first_own:]), [-1] * len(req.pages[first_own:]))
     rt.allocator.free(req.pages[first_own:recorded_pages])
     if req.lock is not None:
@@ -302,11 +303,3 @@ def release_into_tree(rt: Runtime, radix: RadixTree, req: Req, is_insert: bool) 
     req.req_pool_idx = None
     req.kv_allocated_len = 0  # ReqKvInfo.mark_kv_released
 
-
-def get_first_own_page(rt: Runtime, req: Req) -> int:
-    """The first page a release frees: the request's own start at ``cache_protected_len``;
-    B27 frees from 0 (#32170, #11351), B28 from the admission's match, not the prefix a
-    checkpoint advanced since (#13714, #38355): the tree's pages with them."""
-    start = (0 if rt.has_fault("B27") else req.matched_len if rt.has_fault("B28")
-             else req.cache_protected_len)
-    return start // rt.config.page_size

@@ -15,6 +15,7 @@ from overlap_spec.spec.happens_before import SCHEDULE
 from overlap_spec.spec.radix import Node, RadixTree
 from overlap_spec.spec.transitions import (
     RETRACT_DECODE_STEPS,
+    compute_first_own_page,
     compute_inserted_len,
     compute_ns_decode_pages_needed,
     compute_pages_for_len,
@@ -224,7 +225,8 @@ def release_into_tree(rt: Runtime, radix: RadixTree, req: Req, is_insert: bool) 
     inserted = checkpoint_kv_cache(rt, req, owned, finish=True) if is_insert and owned else 0
     req.apply(relation.release_kv_cache, rt.config.cell, is_insert, rt.faults)
     req.inserted_len = None if req.cached_len is None else inserted
-    rt.allocator.free(req.pages[get_first_own_page(rt, req):recorded_pages])
+    first_own = compute_first_own_page(req.cache_protected_len, req.matched_len, p, rt.faults)
+    rt.allocator.free(req.pages[first_own:recorded_pages])
     if req.lock is not None:
         if not rt.has_fault("B26"):  # B26: the release leaves its lock behind (#32170)
             radix.unlock(req.lock)
@@ -241,11 +243,3 @@ def evict_after_retract(rt: Runtime, remaining: int) -> None:
         rt.tree.evict(compute_pages_for_len(remaining * RETRACT_DECODE_STEPS,
                                             rt.config.page_size), rt.allocator)
 
-
-def get_first_own_page(rt: Runtime, req: Req) -> int:
-    """The first page a release frees: the request's own start at ``cache_protected_len``;
-    B27 frees from 0 (#32170, #11351), B28 from the admission's match, not the prefix a
-    checkpoint advanced since (#13714, #38355): the tree's pages with them."""
-    start = (0 if rt.has_fault("B27") else req.matched_len if rt.has_fault("B28")
-             else req.cache_protected_len)
-    return start // rt.config.page_size

@@ -349,6 +349,16 @@ def compute_inserted_len(cell: Cell, handed: int) -> int:
     return key_len // cell.page_size * cell.page_size
 
 
+def compute_first_own_page(cache_protected_len: int, matched_len: int, page_size: int,
+                           faults: frozenset[str] = frozenset()) -> int:
+    """The first page a radix cell's release frees (common.py ``release_kv_cache``): the
+    request's own start at ``cache_protected_len``. B27 frees from 0 (#32170, #11351), B28
+    from the admission's match, not the prefix a checkpoint advanced since (#13714)."""
+    start = (0 if "B27" in faults else matched_len if "B28" in faults
+             else cache_protected_len)
+    return start // page_size
+
+
 def compute_committed_lead(cell: Cell, inflight_steps: int) -> int:
     """How far kv_committed_len runs ahead of the settled truth (KV8, KV10).
 
