@@ -21,9 +21,8 @@ import enum
 import json
 import pickle
 import random
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
 
 import pytest
 
@@ -39,6 +38,7 @@ from overlap_spec.harness.drive.script import (
     Op,
     apply_op,
     load_script,
+    run_script,
 )
 from overlap_spec.harness.exhaust import (
     FULL,
@@ -70,10 +70,7 @@ from overlap_spec.harness.exhaust.tier import (
     run_exhaust_task,
 )
 from overlap_spec.harness.verdict import Verdict
-from overlap_spec.reference import mem_cache
-from overlap_spec.reference import scheduler as reference_scheduler
 from overlap_spec.reference.scheduler import Scheduler
-from overlap_spec.spec import relation
 from overlap_spec.spec.config import (
     PRESETS,
     Cell,
@@ -84,7 +81,6 @@ from overlap_spec.spec.config import (
 )
 from overlap_spec.spec.invariants import INVARIANTS
 from overlap_spec.spec.state import IterationChoices, Observation
-from overlap_spec.spec.transitions import compute_pages_for_len
 
 
 # How a pair whose kill lies past the default bounds is searched: depth, requests, the
@@ -878,73 +874,23 @@ def test_the_clean_radix_cells_pass_at_the_shared_scopes_defaults(cell: str,
     assert all(report.exercised.get(i, 0) > 0 for i in [*report.applicable, *RX_IDS])
 
 
-def _release_without_unlock(rt: Any, radix: Any, req: Any, is_insert: bool) -> None:
-    """``reference.mem_cache.release_into_tree`` with the release's unlock left out, the
-    request's anchor still dropped (#32170 b; the catalogue's B26 to be)."""
-    p = rt.config.page_size
-    row = req.req_pool_idx
-    recorded_pages = compute_pages_for_len(req.kv_allocated_len, p)
-    owned = relation.release_kv_cache(req.state, rt.config.cell, is_insert, rt.faults).cached_len
-    inserted = mem_cache.checkpoint_kv_cache(rt, req, owned) if is_insert and owned else 0
-    req.apply(relation.release_kv_cache, rt.config.cell, is_insert, rt.faults)
-    req.inserted_len = None if req.cached_len is None else inserted
-    rt.allocator.free(req.pages[req.cache_protected_len // p:recorded_pages])
-    req.lock = None  # the mutation: no radix.unlock(req.lock) before
-    rt.req_to_token.free(row)
-    req.pages = []
-
-
-def _checkpoint_without_repoint(rt: Any, req: Any, up_to: int) -> int:
-    """``reference.mem_cache.checkpoint_kv_cache`` that frees the duplicates but leaves the
-    row on them (mini-sglang #142; the catalogue's B29 to be)."""
-    radix = mem_cache.get_radix(rt)
-    assert radix is not None
-    p = rt.config.page_size
-    tokens = (req.get_fill_tokens() + list(req.hidden_ids))[:up_to]
-    if not tokens:
-        return int(req.cache_protected_len)
-    key = radix.make_key(tokens)
-    inserted, protected = len(key), req.cache_protected_len
-    _, node, duplicates = radix.insert(key, req.pages[:inserted // p], protected)
-    rt.allocator.free(duplicates)
-    prompt_key = radix.make_key(req.get_fill_tokens()[:req.prompt_len])
-    if 0 < len(prompt_key) < inserted:
-        radix.insert(prompt_key, req.pages[:len(prompt_key) // p], len(prompt_key))
-    # the mutation: no req.pages[protected // p:inserted // p] = the path's pages, no row write
-    if req.lock is not None:
-        radix.unlock(req.lock)
-    req.lock = radix.lock(node)
-    req.apply(relation.checkpoint_into_tree, inserted)
-    return inserted
-
-
-# The two mechanisms, patched in: (the functions replaced, the copy, what a kill trips, the
-# requests the shortest kill needs: a release after any checkpoint takes one; a duplicate
-# takes two of one family).
-RADIX_MUTANTS = {
-    "release-without-unlock": ((("mem_cache", "release_into_tree"),), _release_without_unlock,
-                               "RX2", 1),
-    "checkpoint-without-repoint": ((("mem_cache", "checkpoint_kv_cache"),
-                                    ("scheduler", "checkpoint_kv_cache")),
-                                   _checkpoint_without_repoint, "RX4", 2),
-}
+# Two radix bugs, each the catalogue's (harness/catalogue.py): the invariant a kill trips
+# and the requests the shortest kill needs (a release after any checkpoint takes one; a
+# duplicate takes two of one family).
+RADIX_MUTANTS = {"B26": ("RX2", 1), "B29": ("RX4", 2)}
 
 
 @pytest.mark.parametrize("cell", ["nov-p1-none-radix", "ov-p4-v2chain-cpu-honest-radix"])
-@pytest.mark.parametrize("mutant", sorted(RADIX_MUTANTS))
+@pytest.mark.parametrize("bug_id", sorted(RADIX_MUTANTS))
 def test_the_shared_scope_kills_radix_mechanisms(
-        mutant: str, cell: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-        capsys: pytest.CaptureFixture[str]) -> None:
-    """Two radix bugs of docs/upstream-radix-sharing.md section 4, patched into the
-    reference (test-only copies; the catalogue's B26 and B29 will switch the same on): the
-    shared scope finds each within its depth, shortest first, saves the script, and the
-    script fails on replay under the mutation and passes without it."""
-    targets, copy, invariant, requests = RADIX_MUTANTS[mutant]
-    modules = {"mem_cache": mem_cache, "scheduler": reference_scheduler}
-    for module, name in targets:
-        monkeypatch.setattr(modules[module], name, copy)
-    report = run_exhaust_task(ExhaustTask(_config(cell), SHARED_DEPTH, frozenset(), tmp_path,
-                                          scope=SHARED))
+        bug_id: str, cell: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The shared scope finds a release without its unlock (B26, #32170) and a checkpoint
+    without its row repoint (B29, mini-sglang #142) within its depth, shortest first; the
+    saved script admits one family, fails on replay and passes without the fault, and its
+    trace (the tree included) is rejected too."""
+    invariant, requests = RADIX_MUTANTS[bug_id]
+    report = run_exhaust_task(ExhaustTask(_config(cell), SHARED_DEPTH, frozenset({bug_id}),
+                                          tmp_path, scope=SHARED))
     assert report.error is None, report.error  # replayed from scratch, the same violation
     stopped = report.stopped
     assert stopped is not None and stopped.kind == "violation", report.others
@@ -952,13 +898,13 @@ def test_the_shared_scope_kills_radix_mechanisms(
     assert stopped.ops <= SHARED_DEPTH and stopped.requests == requests
     assert stopped.trace_status == "violation"  # its trace, tree included, checked too
     script = Path(stopped.script)
-    assert script.name == f"{cell}-minimal-shared.json"
-    assert all(op.family == 0 for op in load_script(script).ops if isinstance(op, Admit))
+    loaded = load_script(script)
+    assert loaded.faults == (bug_id,)
+    assert all(op.family == 0 for op in loaded.ops if isinstance(op, Admit))
     capsys.readouterr()
     assert main(["replay", str(script)]) == 1
     assert stopped.message in capsys.readouterr().out
-    monkeypatch.undo()
-    assert main(["replay", str(script)]) == 0  # the mutation, not the model, fails it
+    assert run_script(replace(loaded, faults=())).violation is None  # the fault fails it
 
 
 def test_the_radix_cells_through_the_cli(tmp_path: Path,
