@@ -72,7 +72,8 @@ def cmd_check(args: argparse.Namespace) -> int:
     profile = get_profile(args.profile)
     faults = get_faults_and_check_jobs(args)
     sizes = get_fault_sizes(getattr(args, "sizes", None), faults)
-    configs = select_configs(args.cells, args.preset, sizes, variants=not (sizes or faults))
+    configs = select_configs(args.cells, args.preset, sizes, variants=not (sizes or faults),
+                             with_radix=True)
     if getattr(args, "sizes", None):
         print(f"sizes {format_sizes(args.sizes)}: the Hypothesis, differential and upstream "
               "tiers run at them; the proofs and the mutant matrix at their own")
@@ -190,8 +191,10 @@ def _differential_tier(run: _Run) -> None:
 def _proofs_tier(run: _Run) -> None:
     if run.skips("proofs", "--no-proofs", run.args.no_proofs):
         return
-    print("\nproofs (Z3: induction, happens-before, bounded model checking):")
+    # The default run: every cell without the cache and two radix cells (the BMC's bounded
+    # tree, harness/prove/tier.py); a selection: its cells.
     names = [c.cell.name for c in run.configs] if run.args.cells else None
+    print("\nproofs (Z3: induction, happens-before, bounded model checking):")
     proofs = run_proofs_for_check(names, run.args.jobs, progress=not run.args.quiet)
     counts = proofs.get("counts", {})
     print("  " + ", ".join(f"{k} {v}" for k, v in counts.items())
@@ -210,7 +213,8 @@ def _start_upstream(run: _Run) -> None:
         return
     args = run.args
     up_args = argparse.Namespace(
-        cells=",".join(c.cell.name for c in run.configs) if args.cells else None,
+        cells=",".join(dict.fromkeys(c.cell.name for c in run.configs)) if args.cells else None,
+        with_radix=True,
         sglang_src=None, out=args.out, seed=args.seed, profile=run.profile.name,
         preset="minimal" if args.preset == "all" else args.preset,
         sizes=getattr(args, "sizes", None), jobs=args.jobs, quiet=args.quiet)

@@ -29,6 +29,7 @@ from overlap_spec.harness.drive.cells import (
     UsageError,
     any_cell_patterns,
     cell_patterns,
+    check_cell_patterns,
     device_name,
     input_dir,
     input_file,
@@ -179,7 +180,7 @@ def cmd_mutants(args: argparse.Namespace) -> int:
     checkers = tuple(c.strip() for c in args.checkers.split(",") if c.strip())
     cells = None
     if args.cells:
-        cells = tuple(c.cell for c in select_configs(args.cells, "minimal"))
+        cells = tuple(c.cell for c in select_configs(args.cells, "minimal", with_radix=True))
     started = time.perf_counter()
     results = run_mutants(profile, args.seed, bug_ids, cells, preset=args.preset,
                           progress=None if args.quiet else print_mutant_progress,
@@ -407,8 +408,9 @@ def build_parser() -> argparse.ArgumentParser:
                             "or ci)")
     check.add_argument("--seed", type=int, default=DEFAULT_SEED,
                        help=f"hypothesis seed, printed with every failure (default {DEFAULT_SEED})")
-    check.add_argument("--cells", type=cell_patterns, default=None,
-                       help="comma-separated cell names or globs (default: every cell)")
+    check.add_argument("--cells", type=check_cell_patterns, default=None,
+                       help="comma-separated cell names or globs, the radix cells' among them "
+                            "(default: every cell and every radix cell)")
     check.add_argument("--preset", choices=[*sorted(PRESETS), "all"], default="minimal",
                        help="sizes to run with (default: minimal)")
     check.add_argument("--faults", type=bug_ids, default=None,
@@ -445,8 +447,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "tier instead of the reference (needs ./dev upstream)")
     review.add_argument("--sizes", type=parse_sizes, metavar="NAME=N,...", default=None,
                         help=SIZES_HELP)
-    review.add_argument("--cells", type=cell_patterns, default=None,
-                        help="comma-separated cell names or globs (default: every cell)")
+    review.add_argument("--cells", type=check_cell_patterns, default=None,
+                        help="comma-separated cell names or globs, the radix cells' among "
+                             "them (default: every cell and every radix cell)")
     review.add_argument("--profile", choices=PROFILE_NAMES, default=REVIEW_PROFILE,
                         help=f"hypothesis budget (default: {REVIEW_PROFILE})")
     review.add_argument("--seed", type=int, default=DEFAULT_SEED,
@@ -467,8 +470,9 @@ def build_parser() -> argparse.ArgumentParser:
     mutants.add_argument("--bugs", type=bug_ids, help="comma-separated bug IDs (default: all)")
     mutants.add_argument("--all-cells", action="store_true",
                          help="every applicable cell instead of the representative ones")
-    mutants.add_argument("--cells", type=cell_patterns, default=None,
-                         help="restrict to these cells (names or globs)")
+    mutants.add_argument("--cells", type=check_cell_patterns, default=None,
+                         help="restrict to these cells (names or globs; the radix cells "
+                              "too, where B26-B34 run)")
     mutants.add_argument("--profile", choices=PROFILE_NAMES, default=None)
     mutants.add_argument("--seed", type=int, default=DEFAULT_SEED)
     mutants.add_argument("--preset", choices=sorted(PRESETS), default="minimal")
@@ -617,9 +621,10 @@ def build_parser() -> argparse.ArgumentParser:
                        help="the sizes the limits are for (default minimal)")
     cells.add_argument("--radix", action="store_true",
                        help="the radix cells instead: each release cell with the radix prefix "
-                            "cache on, which the reference's tests, 'overlap-spec upstream "
-                            "check --radix' and 'overlap-spec exhaust --radix' run (check, "
-                            "review and the other tiers do not take them yet)")
+                            "cache on, in the default run of check and review, "
+                            "'overlap-spec upstream check --radix', 'overlap-spec exhaust "
+                            "--radix' and 'overlap-spec prove --radix' ('overlap-spec diff' "
+                            "does not take them yet)")
     cells.add_argument("--switches", action="store_true",
                        help="each cell's design switches, and which of them are an earlier "
                             "era or a proposal rather than sglang 0.5.23")
@@ -640,7 +645,7 @@ def build_parser() -> argparse.ArgumentParser:
                     "must still exercise every invariant it claims, and every applicable "
                     "invariant must be claimed or n/a with a reason (exit 1 otherwise). "
                     "--write regenerates the corpus from a seeded search, minimised "
-                    "(after a change of behaviour; about five minutes on 2 cores).")
+                    "(after a change of behaviour; about ten minutes on 2 cores).")
     witnesses.add_argument("--write", action="store_true",
                            help="regenerate the corpus in place; refused (exit 1, nothing "
                                 "written) where an invariant the corpus witnessed would "

@@ -95,7 +95,17 @@ def _ignore_interrupts() -> None:
 
 
 def _call(function: Callable[[Any], Any], task: Any) -> Any:
-    return _picklable(function(task))
+    try:
+        return _picklable(function(task))
+    except Exception as error:
+        # An exception whose constructor takes other arguments than its message (a
+        # TraceFormatError) pickles but does not unpickle: sent back as it is, it would
+        # break the whole pool; it comes back as a WorkerError that names it.
+        try:
+            pickle.loads(pickle.dumps(error))
+        except Exception:  # noqa: BLE001 - whatever pickle raises, the crash is reported
+            raise WorkerError(f"{type(error).__name__}: {error}") from None
+        raise
 
 
 # The workers of a `sharing_workers` block: (jobs, executor), or None.

@@ -90,9 +90,8 @@ def render_table(results: list[CellResult]) -> str:
     if nowhere:  # said, not left to a row of '-'
         lines.append(f"n/a in every cell of this run: {', '.join(nowhere)}")
         if any(i.startswith("RX") for i in nowhere):
-            lines.append("  RX applies to the radix cells only, which this command does not run "
-                         "yet: the reference's tests and 'overlap-spec upstream check --radix' "
-                         "do (docs/upstream-radix-sharing.md)")
+            lines.append("  RX applies to the radix cells only, none of which this run selected "
+                         "(the default run holds them; 'overlap-spec cells --radix' lists them)")
     lines += ["", render_mechanisms(get_mechanism_counts(results))]
     failures = render_failures(results)
     na = render_na_reasons(results)
@@ -233,6 +232,8 @@ def build_section(results: list[CellResult]) -> dict[str, Any]:
             "seconds": round(result.seconds, 3),
             "seed": result.seed,
             "profile": result.profile,
+            # a radix cell: its release cell with the radix prefix cache on
+            "radix": result.config.cell.radix,
             "runs": result.runs,
             "observations": result.observations,
             "exercised": {inv.id: result.exercised.get(inv.id, 0) for inv in INVARIANTS
@@ -288,9 +289,12 @@ def hypothesis_tier_report(results: list[CellResult]) -> TierReport:
     vacuous = sum(v is VACUOUS for per_cell in get_verdicts(results).values()
                   for v in per_cell.values())
     columns = get_cell_columns(results)
-    runs = "" if len(columns) == len(results) else f" ({len(results)} cell x size set runs)"
+    radix = sum(members[0].config.cell.radix for members in columns.values())
+    notes = [f"{len(results)} cell x size set runs" if len(columns) != len(results) else "",
+             f"{radix} of the {len(columns)} cells are radix cells" if radix else ""]
+    said = "; ".join(note for note in notes if note)
     clean_cells = sum(all(r.ok for r in members) for members in columns.values())
-    summary = (f"{clean_cells}/{len(columns)} cells clean{runs}"
+    summary = (f"{clean_cells}/{len(columns)} cells clean" + (f" ({said})" if said else "")
                + (f" ({vacuous} invariant x cell vacuous: no witness)" if vacuous else ""))
     return TierReport("hypothesis", verdict, summary, build_section(results))
 

@@ -50,7 +50,7 @@ def cmd_review(args: argparse.Namespace) -> int:
     # The reference's default run adds the size variants; the upstream tier (--sglang-src)
     # chunks the serving-default cells itself (harness.conformance.tier).
     configs = select_configs(args.cells, "minimal", sizes,
-                             variants=not (sizes or faults or args.sglang_src))
+                             variants=not (sizes or faults or args.sglang_src), with_radix=True)
     report = CheckReport(args.seed, profile.name)
     started = time.perf_counter()
     try:
@@ -117,7 +117,8 @@ def _review_sglang(args: argparse.Namespace, profile_name: str, configs: list[Mo
     print(f"review: the SGLang tree {args.sglang_src} against the spec (upstream tier), "
           f"profile {profile_name}, seed {args.seed}")
     up_args = argparse.Namespace(
-        cells=",".join(c.cell.name for c in configs) if args.cells else None,
+        cells=",".join(dict.fromkeys(c.cell.name for c in configs)) if args.cells else None,
+        with_radix=True,
         sglang_src=args.sglang_src, out=args.out, seed=args.seed, profile=profile_name,
         preset="minimal", sizes=args.sizes, jobs=args.jobs, quiet=args.quiet)
     # No upstream environment, or not a checkout: a usage error (exit 2), not a verdict.

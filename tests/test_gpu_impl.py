@@ -403,12 +403,17 @@ def test_a_default_runs_size_sets_share_their_cells_minimum() -> None:
         MIN_LAUNCHES,
         get_share_minimum,
     )
-    from overlap_spec.harness.drive.cells import get_budget_shares, select_configs
+    from overlap_spec.harness.drive.cells import (
+        get_budget_shares,
+        get_release_twin,
+        select_configs,
+    )
 
-    configs = select_configs(None, "minimal", None, variants=True)
+    # check's default run: a radix cell shares its release cell's minimum.
+    configs = select_configs(None, "minimal", None, variants=True, with_radix=True)
     per_cell: dict[str, list[tuple[int, int]]] = defaultdict(list)
     for config, share in zip(configs, get_budget_shares(configs), strict=True):
-        per_cell[config.cell.name].append(get_share_minimum(share))
+        per_cell[get_release_twin(config.cell).name].append(get_share_minimum(share))
     assert any(len(minima) > 1 for minima in per_cell.values())
     for name, minima in per_cell.items():
         assert sum(ops for ops, _ in minima) >= MIN_COMPARED_OPS, name

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -17,8 +18,10 @@ from overlap_spec.harness.cli import main
 from overlap_spec.harness.drive.cells import (
     DEFAULT_SEED,
     get_budget_shares,
+    get_release_twin,
     get_size_variants,
     get_upstream_config,
+    get_upstream_shares,
     is_serving_default,
     make_preset,
     select_configs,
@@ -36,7 +39,7 @@ from overlap_spec.harness.drive.script import (
 )
 from overlap_spec.harness.drive.stateful import get_profile
 from overlap_spec.harness.report import get_mechanism_counts
-from overlap_spec.spec.config import ModelConfig, enumerate_cells, get_cell
+from overlap_spec.spec.config import ModelConfig, enumerate_cells, enumerate_radix_cells, get_cell
 from overlap_spec.spec.state import IterationChoices
 
 SIZE_DEPENDENT = {"chunked-prefill", "chunk-continued", "chunked-abort", "mixed-chunk",
@@ -46,12 +49,13 @@ SIZE_DEPENDENT = {"chunked-prefill", "chunk-continued", "chunked-abort", "mixed-
 @pytest.mark.slow
 def test_check_default_run_reaches_every_mechanism(tmp_path: Path) -> None:
     """The issue's test: the Hypothesis tier of ``check``'s default run (every cell with
-    its size variants, profile ci, the default seed) counts, for each mechanism, the
-    operations that exercised it; a zero fails. A new mechanism joins MECHANISMS and is
-    required here at once. CI gives it the report of its own ``./dev check --json``
+    its size variants, and the radix cells; profile ci, the default seed) counts, for each
+    mechanism, the operations that exercised it; a zero fails. A new mechanism joins
+    MECHANISMS and is required here at once. CI gives it the report of its own
+    ``./dev check --json``
     (``OVERLAP_SPEC_CHECK_JSON``, ``.ci/run``), checked to be that default run; without
     one it runs the tier itself (about two minutes on 2 cores)."""
-    configs = select_configs(None, "minimal", None, variants=True)
+    configs = select_configs(None, "minimal", None, variants=True, with_radix=True)
     given = os.environ.get("OVERLAP_SPEC_CHECK_JSON")
     if given:
         document = json.loads(Path(given).read_text())
@@ -136,22 +140,66 @@ def test_admission_stopped_fires_when_the_rows_run_out() -> None:
 
 
 def test_the_default_run_adds_each_variant_where_the_cell_takes_it() -> None:
-    configs = select_configs(None, "minimal", None, variants=True)
+    configs = select_configs(None, "minimal", None, variants=True, with_radix=True)
     cells = enumerate_cells()
-    assert [c for c in configs if c.preset.name == "minimal"] == [
+    assert [c for c in configs if c.preset.name == "minimal" and not c.cell.radix] == [
         ModelConfig(cell, make_preset("minimal", {})) for cell in cells]
     for variant in get_size_variants("minimal"):
-        sized = [c.cell for c in configs if c.preset == make_preset("minimal", variant.sizes)]
+        sized = [c.cell for c in configs if c.preset == make_preset("minimal", variant.sizes)
+                 and not c.cell.radix]
         assert sized == [cell for cell in cells if variant.applies(cell)], variant.name
         assert sized
-    # Half of each cell's budget at its own sizes, the rest split; every share adds to one.
+    # Every radix cell once, after the others, at the sizes the release serves it with
+    # (the upstream tier's: chunked prefill in the serving-default cells).
+    radix = [c for c in configs if c.cell.radix]
+    assert configs[-len(radix):] == radix
+    assert radix == [get_upstream_config(cell, "minimal", {}) for cell in enumerate_radix_cells()]
+    assert {c.preset.chunked_prefill_size for c in radix} == {0, 4}
+    # A release cell and its radix twin hold one cell's budget: half at the release cell's
+    # own sizes, the rest split among its variants and its radix twin; every cell's shares
+    # add to one.
     shares = get_budget_shares(configs)
     for cell in cells:
-        assert sum(s for c, s in zip(configs, shares, strict=True)
-                   if c.cell == cell) == pytest.approx(1.0)
-    # --sizes (or a single size set) runs each cell whole.
-    assert set(get_budget_shares(select_configs(None, "minimal", {"kv_tokens": 16},
-                                                variants=True))) == {1.0}
+        together = [(c, s) for c, s in zip(configs, shares, strict=True)
+                    if get_release_twin(c.cell) == cell]
+        assert sum(s for _, s in together) == pytest.approx(1.0), cell.name
+        own = [s for c, s in together if c == ModelConfig(cell, make_preset("minimal", {}))]
+        assert own == ([0.5] if len(together) > 1 else [1.0]), cell.name
+    twin = dict(zip([c.name for c in configs], shares, strict=True))
+    assert twin["ov-p1-none-radix@minimal[chunked_prefill_size=4]"] == pytest.approx(0.5 / 3)
+    assert twin["ov-p1-none@minimal[chunked_prefill_size=4]"] == pytest.approx(0.5 / 3)
+    # --sizes (one size set): a release cell and its radix twin split the cell's budget,
+    # every other cell runs whole.
+    sized = select_configs(None, "minimal", {"kv_tokens": 16}, variants=True,
+                           with_radix=True)
+    by_name = dict(zip([c.cell.name for c in sized], get_budget_shares(sized), strict=True))
+    for cell in cells:
+        paired = replace(cell, radix=True) in enumerate_radix_cells()
+        assert by_name[cell.name] == (0.5 if paired else 1.0), cell.name
+    assert all(by_name[cell.name] == 0.5 for cell in enumerate_radix_cells())
+    # Without the radix cells (the other commands' selection) nothing changes.
+    alone = select_configs(None, "minimal", {"kv_tokens": 16}, variants=True)
+    assert set(get_budget_shares(alone)) == {1.0}
+
+
+def test_the_upstream_tier_splits_a_cell_between_its_release_and_radix_twins() -> None:
+    """check's upstream tier drives every cell and every radix cell; a release cell and its
+    radix twin split one cell's sequences, a cell without its twin runs them all."""
+    names = ["ov-p1-none", "ov-p1-none-radix", "nov-p4-v2chain-cpu-honest",
+             "nov-p4-v2chain-cpu-honest-radix", "ov-p1-v2tree-cpu-honest",
+             "ov-p1-v2chain-cpu-preclaim"]
+    shares = get_upstream_shares([get_cell(n) for n in names], "minimal", {})
+    assert shares == [0.5, 0.5, 0.5, 0.5, 1.0, 1.0]
+    # The cell server hands each cell's process its share (the tier's --share).
+    from argparse import Namespace
+
+    from overlap_spec.harness.conformance.server import _cell_argv, get_shares
+
+    args = Namespace(out=Path("out"), seed=1, profile="ci", preset="minimal", sizes="",
+                     sglang_src=None)
+    args.shares = get_shares(names, args)
+    assert _cell_argv("ov-p1-none-radix", args)[-2:] == ["--share", "0.5"]
+    assert "--share" not in _cell_argv("ov-p1-v2tree-cpu-honest", args)
 
 
 def test_the_upstream_tier_chunks_the_serving_default_cells_only() -> None:

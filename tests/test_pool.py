@@ -42,3 +42,21 @@ def test_a_failed_tier_leaves_the_next_one_its_own_workers() -> None:
         with pytest.raises(ValueError, match="task 3"):
             run_tasks(fail_on_three, range(6), 2)
         assert run_tasks(fail_on_three, [0, 1, 2], 2) == [0, 1, 2]
+
+
+def fail_unpicklably(task: int) -> int:
+    from overlap_spec.harness.trace.format import TraceFormatError
+
+    raise TraceFormatError(task, "state.tree", "no decoder")
+
+
+def test_an_exception_that_cannot_come_back_is_reported_not_a_broken_pool() -> None:
+    """A worker's exception whose constructor takes more than its message does not
+    unpickle: it comes back as a WorkerError naming it, and the pool is not broken (a
+    check run crashed with BrokenProcessPool on a TraceFormatError)."""
+    from overlap_spec.harness.pool import WorkerError
+
+    with sharing_workers(2):
+        with pytest.raises(WorkerError, match="TraceFormatError: line 3, field 'state.tree'"):
+            run_tasks(fail_unpicklably, [3, 3], 2)
+        assert run_tasks(fail_on_three, [0, 1], 2) == [0, 1]

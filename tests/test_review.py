@@ -202,3 +202,60 @@ def test_check_takes_sizes_like_the_other_commands(tmp_path: Path,
     assert list(report["differential"]["cells"]) == [name]
     assert report["details"][name]["witnesses"]["source"] == (
         "corpus minimal/chunked_prefill_size=4.json")
+
+
+def test_review_takes_radix_cells_by_name_and_says_which_they_are(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`--cells` matches the radix cells' names too: a glob picks a release cell and its
+    radix twin, which runs at the sizes the release serves it with, one more variant of its
+    release cell in the budget; the report and the JSON say which cells are radix cells."""
+    report_path = tmp_path / "r.json"
+    code = main(["review", "--cells", "ov-p1-none,ov-p1-none-r*", "-j", "1", "-q",
+                 "--json", str(report_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    assert "radix (the release cell with its prefix cache on, at the sizes the release " \
+           "serves it: chunked prefill in the 1 with the overlap scheduler) in 1 cell" in out
+    assert out.splitlines()[-1].startswith(
+        "OK: 2/2 cells clean (4 cell x size set runs; 1 of the 2 cells are radix cells)")
+    report = json.loads(report_path.read_text())
+    radix = "ov-p1-none-radix@minimal[chunked_prefill_size=4]"
+    assert report["cells"][-1] == radix
+    assert report["details"][radix]["radix"] is True
+    assert report["details"]["ov-p1-none@minimal"]["radix"] is False
+    assert report["details"][radix]["witnesses"]["source"] == (
+        "corpus minimal/chunked_prefill_size=4.json")
+    # The RX invariants are judged there, each with a witness, and n/a elsewhere.
+    for invariant in ("RX1", "RX4", "RX5", "RX7"):
+        assert report["invariants"][invariant][radix] == "pass", invariant
+        assert report["invariants"][invariant]["ov-p1-none@minimal"] == "n/a", invariant
+    # Review's budget (quick: 50 sequences a cell): the radix twin runs a share of it.
+    assert 1 <= report["details"][radix]["runs"] < 50
+
+
+def test_check_of_a_radix_cell_alone_runs_every_tier_there(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """`check --cells NAME-radix`: the Hypothesis and differential tiers run it, and the
+    proofs its bounded tree's BMC (proofs/bmc_radix.py)."""
+    report_path = tmp_path / "r.json"
+    code = main(["check", "--cells", "nov-p1-none-radix", "--profile", "quick",
+                 "--no-mutants", "--no-upstream", "-j", "1", "-q",
+                 "--json", str(report_path), "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads(report_path.read_text())
+    name = "nov-p1-none-radix@minimal"
+    assert report["cells"] == [name] and report["details"][name]["radix"] is True
+    assert report["tiers"]["hypothesis"]["verdict"] == "pass"
+    assert report["tiers"]["differential"]["verdict"] == "pass"
+    assert list(report["differential"]["cells"]) == [name]
+    assert report["tiers"]["proofs"]["verdict"] == "pass"
+    assert report["proofs"]["bmc"]["radix"]["cells"] == ["nov-p1-none-radix"]
+    assert report["proofs"]["bmc"]["proved"] >= 1
+
+
+def test_the_radix_cells_need_no_flag_but_a_misspelt_one_is_a_usage_error(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["review", "--cells", "ov-p1-none-radx", "-q"]) == 2
+    err = capsys.readouterr().err
+    assert "no cell matches 'ov-p1-none-radx'" in err and "cells --radix" in err

@@ -250,7 +250,8 @@ def _get_ci_check_report() -> dict[str, Any] | None:
     document: dict[str, Any] = json.loads(Path(given).read_text())
     assert document["seed"] == DEFAULT_SEED and document["profile"] == "ci"
     assert document["cells"] == [c.name for c in select_configs(None, "minimal", None,
-                                                                  variants=True)]
+                                                                  variants=True,
+                                                                  with_radix=True)]
     return document
 
 
@@ -299,7 +300,8 @@ def test_check_json_has_every_id_in_every_cell(tmp_path: Path) -> None:
     assert {doc["tiers"][t]["verdict"] for t in ("differential", "proofs")} == {"skipped"}
     # Each cell at its preset's sizes, then the default run's size variants it takes.
     assert doc["cells"] == [c.name for c in select_configs(
-        "ov-p1-none,nov-p1-v2chain-cpu-preclaim", "minimal", None, variants=True)]
+        "ov-p1-none,nov-p1-v2chain-cpu-preclaim", "minimal", None, variants=True,
+        with_radix=True)]
     assert doc["cells"][0] == "ov-p1-none@minimal" and len(doc["cells"]) == 6
     assert doc["mutants"]["B5"]["hypothesis"]["verdict"] == "n/a"  # no cell of B5's here
 

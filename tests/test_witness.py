@@ -33,7 +33,7 @@ from overlap_spec.harness.drive.witness import (
 )
 from overlap_spec.harness.report import get_verdicts, render_na_reasons
 from overlap_spec.harness.verdict import Verdict
-from overlap_spec.spec.config import ModelConfig, enumerate_cells
+from overlap_spec.spec.config import ModelConfig, enumerate_cells, enumerate_radix_cells
 from overlap_spec.spec.invariants import INVARIANTS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -129,6 +129,41 @@ def test_witnesses_alone_exercise_every_applicable_invariant(cell: str) -> None:
     assert bare.witnesses_ran == 0  # the mutant matrix's path: no witnesses replayed
 
 
+# The radix cells of check's and review's default run, at both presets: each at the sizes
+# the release serves it with (chunked prefill where the overlap scheduler is on).
+RADIX_RUN = [c for c in select_configs(None, "all", None, variants=True, with_radix=True)
+             if c.cell.radix]
+
+
+def test_the_corpus_witnesses_every_invariant_in_every_radix_cell_of_the_default_run() -> None:
+    """Every radix cell of the default run is in the corpus, and its witnesses claim every
+    invariant that applies there, the RX family among them; one without a witness would
+    have to be n/a with its reason (none is: the tree is reached at these sizes)."""
+    assert len(RADIX_RUN) == 2 * len(enumerate_radix_cells()) == 32
+    for config in RADIX_RUN:
+        plan = load_plan(config)
+        assert plan is not None and plan.source.startswith("corpus"), config.name
+        applicable = {inv.id for inv in INVARIANTS if inv.applies(config.cell)}
+        assert {f"RX{n}" for n in range(1, 8)} <= applicable, config.name
+        assert plan.claimed | set(plan.na) == applicable, config.name
+        assert all(reason for reason in plan.na.values()), config.name
+        assert not {i for i in plan.na if i.startswith("RX")}, (config.name, plan.na)
+        assert not plan.na, (config.name, plan.na)
+
+
+@pytest.mark.parametrize("config", [c for c in RADIX_RUN if c.preset.name.startswith("minimal")],
+                         ids=lambda c: c.name)
+def test_witnesses_alone_exercise_every_invariant_in_a_radix_cell(config: ModelConfig) -> None:
+    """By construction in the radix cells too: one example of search after the corpus's
+    witnesses, and no invariant is vacuous, every RX invariant exercised."""
+    result = check_cell(config, get_profile("quick"), 7, max_examples=1, witnesses=True)
+    assert result.ok and result.witnesses_ran >= 1
+    assert result.witness_source is not None and result.witness_source.startswith("corpus")
+    verdicts = get_verdicts([result])
+    assert not [i for i, per in verdicts.items() if per[config.name] is Verdict.VACUOUS]
+    assert all(result.exercised[f"RX{n}"] for n in range(1, 8)), result.exercised
+
+
 def test_sizes_the_corpus_does_not_hold_get_a_seeded_search_and_reasons() -> None:
     """At sizes outside the corpus a seeded search, the same whatever --seed, finds the
     witnesses; what it cannot reach is n/a with the reason (here structural: one request
@@ -186,7 +221,9 @@ def test_review_passes_at_the_seeds_that_used_to_be_vacuous(
     code = main(["review", "--cells", "*-none*", "--seed", str(seed), "-j", "1", "-q"])
     out = capsys.readouterr().out
     assert code == 0, out
-    assert out.splitlines()[-1].startswith("OK: 6/6 cells clean"), out
+    # The six cells without spec and the four radix cells without spec.
+    assert out.splitlines()[-1].startswith("OK: 10/10 cells clean ("), out
+    assert "; 4 of the 10 cells are radix cells)" in out.splitlines()[-1], out
 
 
 # -- the sweep (slow; .ci/run runs a sample) ------------------------------------------------
@@ -229,7 +266,7 @@ def test_the_command_writes_then_checks_a_corpus(tmp_path: Path,
     cells = [c for c in enumerate_cells()
              if c.name in ("ov-p1-none", "ov-p1-v2chain-cpu-honest", "ov-p4-v2tree-cpu-honest")]
     assert len(cells) == 3
-    monkeypatch.setattr(witness, "enumerate_cells", lambda: cells)
+    monkeypatch.setattr(witness, "get_corpus_cells", lambda: tuple(cells))
     assert main(["witnesses", "--write", "-j", "1"]) == 0
     path = tmp_path / "minimal" / "kv_tokens=16.json"
     assert "minimal/kv_tokens=16.json: 3 cells" in capsys.readouterr().out

@@ -132,11 +132,14 @@ def _child_env() -> dict[str, str]:
     return env
 
 
-def select_cells(patterns: str | None, radix: bool = False) -> list[str]:
+def select_cells(patterns: str | None, radix: bool = False,
+                 with_radix: bool = False) -> list[str]:
+    """The cells' names (:func:`overlap_spec.harness.drive.cells.select_cells`): the radix
+    cells only with ``radix`` (``--radix``), both with ``with_radix`` (``check``'s run)."""
     try:
-        return [c.name for c in select_cell_records(patterns, radix)]
+        return [c.name for c in select_cell_records(patterns, radix, with_radix)]
     except NoCellMatches as error:
-        hint = ("; radix cells need --radix" if not radix else
+        hint = ("" if with_radix else "; radix cells need --radix" if not radix else
                 "; --radix selects among the radix cells only")
         raise UsageError(f"{error}{hint}") from None
 
@@ -317,7 +320,8 @@ def plan_upstream_check(args: argparse.Namespace) -> UpstreamPlan:
                          f"{', '.join(PROFILE_NAMES)}")
     if args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
-    cells = select_cells(args.cells, getattr(args, "radix", False))
+    cells = select_cells(args.cells, getattr(args, "radix", False),
+                         getattr(args, "with_radix", False))
     python = _require_python()
     environment = find_upstream_python()[1]
     out = Path(args.out or os.environ.get("OVERLAP_SPEC_OUT", ".overlap-spec")) / "upstream"

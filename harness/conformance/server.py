@@ -82,11 +82,25 @@ def preload() -> None:
 def _cell_argv(cell: str, args: argparse.Namespace) -> list[str]:
     argv = ["--cell", cell, "--out", str(args.out), "--seed", str(args.seed),
             "--profile", args.profile, "--preset", args.preset]
+    share = getattr(args, "shares", {}).get(cell, 1.0)
+    if share != 1.0:
+        argv += ["--share", repr(share)]
     if args.sizes:
         argv += ["--sizes", args.sizes]
     if args.sglang_src:
         argv += ["--sglang-src", str(args.sglang_src)]
     return argv
+
+
+def get_shares(cells: list[str], args: argparse.Namespace) -> dict[str, float]:
+    """Each cell's share of the tier's sequences a cell: a release cell and its radix twin
+    served together split one cell's (``check``'s default run drives both)."""
+    from overlap_spec.harness.drive.cells import get_upstream_shares, parse_sizes
+    from overlap_spec.spec.config import get_cell
+
+    sizes = parse_sizes(args.sizes) if args.sizes else {}
+    shares = get_upstream_shares([get_cell(c) for c in cells], args.preset, sizes)
+    return dict(zip(cells, shares, strict=True))
 
 
 def run_child(cell: str, args: argparse.Namespace, report_modules: int | None,
@@ -289,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     cells = [c for c in args.cells.split(",") if c]
     if not cells:
         return 0
+    args.shares = get_shares(cells, args)
     if not args.wait:
         serve(cells, args)
         return 0

@@ -50,6 +50,7 @@ from overlap_spec.harness.conformance.findings import (
 )
 from overlap_spec.harness.drive.cells import (
     format_sizes,
+    get_share_examples,
     get_upstream_config,
     parse_sizes,
     split_preset,
@@ -464,8 +465,10 @@ def get_upstream_examples(profile: Profile) -> int:
     return UPSTREAM_EXAMPLES.get(profile.name, profile.max_examples)
 
 
-def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -> dict[str, Any]:
-    """Everything the tier says about one cell, as the report's JSON fragment."""
+def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path,
+             share: float = 1.0) -> dict[str, Any]:
+    """Everything the tier says about one cell, as the report's JSON fragment; ``share``:
+    the cell's share of the profile's sequences (``cells.get_upstream_shares``)."""
     from overlap_spec.upstream.session import UpstreamCrash, get_death, is_drivable
 
     started = time.perf_counter()
@@ -526,8 +529,8 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path) -
             if isinstance(op, Iterate):
                 diff.processed_early += self.pair.upstream.processed_early
 
-    test = get_machine_test(CellMachine, get_upstream_examples(profile), profile.step_count,
-                            seed, True)
+    examples = get_share_examples(get_upstream_examples(profile), share)
+    test = get_machine_test(CellMachine, examples, profile.step_count, seed, True)
     # The cell's deterministic witnesses first (those the release can be driven through),
     # so a witness never depends on the seed (harness.drive.witness).
     plan = get_plan(config)
@@ -687,6 +690,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--profile", default="ci")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--sglang-src", type=Path, default=None)
+    parser.add_argument("--share", type=float, default=1.0,
+                        help="the cell's share of the profile's sequences")
     args = parser.parse_args(argv)
     from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
 
@@ -696,7 +701,7 @@ def main(argv: list[str] | None = None) -> int:
         config = get_upstream_config(get_cell(args.cell), args.preset, sizes)
         profile = get_profile(args.profile)
         args.out.mkdir(parents=True, exist_ok=True)
-        result = run_cell(config, profile, args.seed, args.out)
+        result = run_cell(config, profile, args.seed, args.out, args.share)
     except (UpstreamUnavailable, KeyError, ValueError, argparse.ArgumentTypeError) as error:
         message = error.args[0] if error.args else str(error)
         print(f"overlap-spec upstream: {message}", file=sys.stderr)

@@ -17,7 +17,7 @@ import sys
 import tempfile
 from collections import Counter
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Final, NoReturn
 
@@ -41,7 +41,8 @@ PROFILE_NAMES: Final = ("quick", "ci", "dev", "thorough")
 
 # The widest cell name, bare and as a configuration (``CELL@preset``): progress lines and
 # tables pad to these, so a long name never pushes its row out of line.
-CELL_WIDTH: Final = max(len(cell.name) for cell in enumerate_cells())
+CELL_WIDTH: Final = max(len(cell.name) for cell in (*enumerate_cells(),
+                                                     *enumerate_radix_cells()))
 CONFIG_WIDTH: Final = CELL_WIDTH + 1 + max(map(len, PRESETS))
 
 
@@ -68,24 +69,37 @@ def report_usage_error(error: UsageError) -> int:
     return 2
 
 
-def select_cells(patterns: str | None, radix: bool = False) -> list[Cell]:
+def select_cells(patterns: str | None, radix: bool = False,
+                 with_radix: bool = False) -> list[Cell]:
     """The cells whose names match any of the comma-separated globs (all when None), among
-    :func:`enumerate_cells`, or with ``radix`` among the radix cells
-    (:func:`enumerate_radix_cells`, which the reference's and gpu_impl's tests and the
-    upstream tier drive so far). Each glob must match a cell: a misspelt name among others
-    is a usage error, not a cell silently left out."""
-    cells = list(enumerate_radix_cells() if radix else enumerate_cells())
+    :func:`enumerate_cells`; with ``radix`` among the radix cells only
+    (:func:`enumerate_radix_cells`: the upstream tier's ``--radix``); with ``with_radix``
+    among both, the radix cells after the others (``check`` and ``review``, whose run holds
+    both). Each glob must match a cell: a misspelt name among others is a usage error, not
+    a cell silently left out."""
+    if with_radix:
+        cells = [*enumerate_cells(), *enumerate_radix_cells()]
+    else:
+        cells = list(enumerate_radix_cells() if radix else enumerate_cells())
     if not patterns:
         return cells
+    hint = "'overlap-spec cells' and 'overlap-spec cells --radix'" if with_radix else \
+        "'overlap-spec cells'"
     wanted = [p.strip() for p in patterns.split(",") if p.strip()]
     if not wanted:
-        raise NoCellMatches(f"no cell matches {patterns!r} (see 'overlap-spec cells')")
+        raise NoCellMatches(f"no cell matches {patterns!r} (see {hint})")
     matches = {p: [c for c in cells if fnmatch.fnmatch(c.name, p)] for p in wanted}
     unmatched = [p for p, found in matches.items() if not found]
     if unmatched:
         raise NoCellMatches(f"no cell matches {', '.join(map(repr, unmatched))} "
-                            "(see 'overlap-spec cells')")
+                            f"(see {hint})")
     return [c for c in cells if any(c in found for found in matches.values())]
+
+
+def get_release_twin(cell: Cell) -> Cell:
+    """A radix cell's release cell (the same cell with the radix cache off); any other cell
+    is its own."""
+    return replace(cell, radix=False) if cell.radix else cell
 
 
 def get_fault_sizes(sizes: dict[str, int] | None, faults: frozenset[str]
@@ -103,19 +117,26 @@ def get_fault_sizes(sizes: dict[str, int] | None, faults: frozenset[str]
 
 def select_configs(patterns: str | None, preset: str,
                    sizes: dict[str, int] | None = None,
-                   variants: bool = False) -> list[ModelConfig]:
+                   variants: bool = False, with_radix: bool = False) -> list[ModelConfig]:
     """The selected cells under one preset, or under every preset for ``"all"``, with the
     preset's ``sizes`` overridden (:func:`make_preset`); no match, or a size a cell cannot
     take, is a :class:`UsageError` (exit 2, one line, before anything runs).
 
-    ``variants`` (the default run of ``check`` and ``review``, without ``--sizes``): each
-    cell at its preset's sizes, followed by the size variants that reach what those sizes
-    do not (:func:`get_size_variants`), where the cell takes them."""
+    ``with_radix`` (``check`` and ``review``): the radix cells are selected too, after the
+    others (:func:`select_cells`). ``variants`` (their default run, without ``--sizes``):
+    each cell at its preset's sizes, followed by the size variants that reach what those
+    sizes do not (:func:`get_size_variants`), where the cell takes them; a radix cell at the
+    sizes the release serves it with (:func:`get_upstream_config`: chunked prefill where
+    the overlap scheduler is on), one more variant of its release twin in the budget
+    (:func:`get_budget_shares`)."""
     names = list(PRESETS) if preset == "all" else [preset]
-    cells = select_cells(patterns)
+    cells = select_cells(patterns, with_radix=with_radix)
     configs = []
     for name in names:
         for cell in cells:
+            if cell.radix and variants and not sizes:
+                configs.append(get_upstream_config(cell, name, {}))
+                continue
             configs.append(ModelConfig(cell, make_preset(name, sizes or {})))
             if variants and not sizes:
                 configs.extend(ModelConfig(cell, make_preset(name, v.sizes))
@@ -189,38 +210,69 @@ def get_size_variants(preset: str) -> tuple[SizeVariant, ...]:
 
 
 def get_budget_shares(configs: Sequence[ModelConfig]) -> list[float]:
-    """Each configuration's share of its tier's per-cell budget: a cell run at its
-    preset's sizes alone gets all of it; with size variants, the preset's own sizes get
-    half and the variants split the other half (the default run costs what a run at the
-    preset's sizes did)."""
-    rows = Counter((c.cell.name, split_preset(c.preset)[0]) for c in configs)
+    """Each configuration's share of its tier's per-cell budget. A release cell and its
+    radix twin (:func:`get_release_twin`) hold one cell's budget together, so the radix
+    cells add no sequences to a run: a cell run at its preset's sizes alone gets all of
+    it; with size variants or its radix twin, the release cell at the preset's own sizes
+    gets half and the others (the variants, the radix twin) split the other half (the
+    default run searches as many sequences as a run at the preset's sizes did); without
+    the preset's own sizes among them (``--sizes``), they split it equally."""
+    def group(config: ModelConfig) -> tuple[str, str]:
+        return get_release_twin(config.cell).name, split_preset(config.preset)[0]
+
+    def is_lead(config: ModelConfig) -> bool:
+        return not config.cell.radix and SIZES_MARK not in config.preset.name
+
+    members: dict[tuple[str, str], list[ModelConfig]] = {}
+    for config in configs:
+        members.setdefault(group(config), []).append(config)
     shares = []
     for config in configs:
-        count = rows[config.cell.name, split_preset(config.preset)[0]]
+        together = members[group(config)]
+        count = len(together)
         if count == 1:
             shares.append(1.0)
-        elif SIZES_MARK in config.preset.name:
-            shares.append(0.5 / (count - 1))
-        else:
+        elif not any(is_lead(c) for c in together):
+            shares.append(1.0 / count)
+        elif is_lead(config):
             shares.append(0.5)
+        else:
+            shares.append(0.5 / (count - 1))
     return shares
 
 
 def describe_variants(configs: Sequence[ModelConfig]) -> str | None:
-    """The line that says which size variants a default run added (None: none)."""
+    """The line that says which size variants and radix cells a run added to the cells at
+    their preset's sizes, and how they share the budget (None: nothing added)."""
     added: Counter[str] = Counter()
     labels: dict[str, str] = {}
+    radix = [c for c in configs if c.cell.radix]
     for config in configs:
+        if config.cell.radix:
+            continue
         base, sizes = split_preset(config.preset)
         for variant in get_size_variants(base):
             if sizes and sizes == variant.sizes:
                 added[variant.name] += 1
                 labels[variant.name] = f"{variant.name} ({format_sizes(sizes)}: {variant.reaches})"
-    if not added:
+    twins = {(get_release_twin(c.cell), c.preset.name.split(SIZES_MARK, 1)[0])
+             for c in configs if not c.cell.radix}
+    paired = [c for c in radix
+              if (get_release_twin(c.cell), c.preset.name.split(SIZES_MARK, 1)[0]) in twins]
+    if not added and not paired:
         return None
-    own = len(configs) - sum(added.values())
+    if not added:  # one size set (--sizes, --faults): a pair splits one cell's budget
+        cells = len({c.cell for c in paired})
+        return f"radix cells: {cells}, each sharing its release cell's budget (half each)"
+    chunked = len({c.cell for c in paired if c.preset.chunked_prefill_size})
     parts = [f"{labels[name]} in {count} cell{'s' * (count != 1)}"
              for name, count in added.items()]
+    if paired:
+        cells = len({c.cell for c in paired})
+        parts.append(f"radix (the release cell with its prefix cache on, at the sizes the "
+                     f"release serves it: chunked prefill in the {chunked} with the overlap "
+                     f"scheduler) in {cells} cell{'s' * (cells != 1)}")
+    own = len(configs) - sum(added.values()) - len(radix)
     return (f"default run: {own} cell{'s' * (own != 1)} at the preset's sizes (half of each "
             f"cell's budget), and size variants sharing the other half: {'; '.join(parts)} "
             "('--sizes' runs one size set instead)")
@@ -235,6 +287,14 @@ def get_upstream_config(cell: Cell, preset: str, sizes: dict[str, int]) -> Model
         sizes = {**sizes,
                  "chunked_prefill_size": SERVING_CHUNKED_PREFILL_SIZE[preset]}
     return ModelConfig(cell, make_preset(preset, sizes))
+
+
+def get_upstream_shares(cells: Sequence[Cell], preset: str,
+                        sizes: dict[str, int]) -> list[float]:
+    """Each cell's share of the upstream tier's sequences a cell: a release cell and its
+    radix twin, both in the run, split one cell's (:func:`get_budget_shares` of the
+    configurations the tier drives them at)."""
+    return get_budget_shares([get_upstream_config(cell, preset, sizes) for cell in cells])
 
 
 def get_share_examples(examples: int, share: float) -> int:
@@ -391,6 +451,16 @@ def cell_patterns(text: str) -> str:
     """An argparse ``type``: comma-separated cell names or globs that match some cell."""
     try:
         select_cells(text)
+    except NoCellMatches as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+    return text
+
+
+def check_cell_patterns(text: str) -> str:
+    """An argparse ``type``: :func:`cell_patterns` among every cell and the radix cells
+    (``check`` and ``review``, whose run holds both)."""
+    try:
+        select_cells(text, with_radix=True)
     except NoCellMatches as error:
         raise argparse.ArgumentTypeError(str(error)) from None
     return text

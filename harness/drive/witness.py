@@ -7,8 +7,10 @@ first replays deterministic witnesses, scripts that exercise a known set of inva
 and only then searches at random:
 
 - **The corpus** (``harness/drive/witnesses/<preset>/<sizes>.json``, committed): for each
-  cell at the sizes the commands offer (:data:`CORPUS_SIZES`: the presets' own and every
-  size the README, ``--help`` or a catalogue bug names), a few minimised scripts with the
+  cell, the radix cells included, at the sizes the commands offer
+  (:func:`get_corpus_sizes`: the presets' own, the default run's size variants, the
+  serving chunk the upstream tier and the radix cells run with, and every size the
+  README, ``--help`` or a catalogue bug names), a few minimised scripts with the
   invariants each *claims* to exercise, and for every applicable invariant no script
   reaches, the reason. ``overlap-spec witnesses --write`` regenerates it;
   ``overlap-spec witnesses`` (and ``tests/test_witness.py``) checks that every witness
@@ -38,6 +40,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from overlap_spec.harness.drive.cells import (
+    SERVING_CHUNKED_PREFILL_SIZE,
     UsageError,
     check_sizes,
     format_sizes,
@@ -58,7 +61,7 @@ from overlap_spec.harness.drive.script import (
     op_to_json,
     run_script,
 )
-from overlap_spec.spec.config import ModelConfig, enumerate_cells
+from overlap_spec.spec.config import Cell, ModelConfig, enumerate_cells, enumerate_radix_cells
 
 CORPUS_DIR: Final = Path(__file__).resolve().parent / "witnesses"
 CORPUS_VERSION: Final = 1
@@ -84,18 +87,26 @@ DOCUMENTED_SIZES: Final[tuple[dict[str, int], ...]] = (
 )
 
 
+def get_corpus_cells() -> tuple[Cell, ...]:
+    """The cells the corpus holds: every cell, then every radix cell (``check`` and
+    ``review`` run both)."""
+    return (*enumerate_cells(), *enumerate_radix_cells())
+
+
 def get_corpus_sizes() -> dict[str, list[dict[str, int]]]:
     """preset -> the size sets the corpus holds for it: the documented ones, the default
-    run's size variants, and the catalogue's kill sizes on the minimal preset, where the
-    mutant matrix runs them."""
+    run's size variants, the serving chunk (the upstream tier's serving-default cells and
+    the default run's radix cells run at it: ``cells.get_upstream_config``), and the
+    catalogue's kill sizes on the minimal preset, where the mutant matrix runs them."""
     from overlap_spec.harness.catalogue import BUGS
 
     corpus: dict[str, list[dict[str, int]]] = {
         "minimal": list(DOCUMENTED_SIZES), "realistic": [{}]}
     for preset, size_sets in corpus.items():  # the default run's size variants
-        for variant in get_size_variants(preset):
-            if variant.sizes not in size_sets:
-                size_sets.append(dict(variant.sizes))
+        serving = {"chunked_prefill_size": SERVING_CHUNKED_PREFILL_SIZE[preset]}
+        for sizes in [*(variant.sizes for variant in get_size_variants(preset)), serving]:
+            if sizes not in size_sets:
+                size_sets.append(dict(sizes))
     for bug in BUGS:
         sizes = dict(bug.sizes)
         if sizes and sizes not in corpus["minimal"]:
@@ -187,7 +198,10 @@ def get_na_reason(config: ModelConfig, invariant_id: str, searched: int) -> str:
     base, sizes = split_preset(config.preset)
     if sizes:
         own = ModelConfig(config.cell, make_preset(base, {}))
-        plan = load_plan(own) if check_sizes(own) is None else None
+        try:
+            plan = load_plan(own) if check_sizes(own) is None else None
+        except CorpusError:  # a cell the corpus does not hold yet (its first --write)
+            plan = None
         if plan is not None and invariant_id in plan.claimed:
             reason += (f" (the corpus witnesses it at {base}'s own sizes: a change that lost "
                        "it fails there as vacuous)")
@@ -264,11 +278,9 @@ class CorpusError(ValueError):
 
 
 def load_plan(config: ModelConfig) -> WitnessPlan | None:
-    """The corpus's witnesses for ``config`` (None: the corpus does not hold its sizes, or
-    the cell is a radix cell, which the corpus does not hold yet: the seeded search finds
-    its witnesses at each run)."""
+    """The corpus's witnesses for ``config`` (None: the corpus does not hold its sizes)."""
     path = get_corpus_path(config)
-    if not path.exists() or config.cell.radix:
+    if not path.exists():
         return None
     try:
         document = json.loads(path.read_text())
@@ -379,7 +391,8 @@ def iter_corpus_configs() -> list[tuple[str, dict[str, int], list[ModelConfig]]]
     found = []
     for preset, size_sets in get_corpus_sizes().items():
         for sizes in size_sets:
-            configs = [ModelConfig(cell, make_preset(preset, sizes)) for cell in enumerate_cells()]
+            configs = [ModelConfig(cell, make_preset(preset, sizes))
+                       for cell in get_corpus_cells()]
             found.append((preset, sizes, [c for c in configs if check_sizes(c) is None]))
     return found
 

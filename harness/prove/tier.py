@@ -26,7 +26,14 @@ from overlap_spec.proofs import solver as zs
 from overlap_spec.proofs.induction import DEFAULT_BATCH_BOUND, Obligation, prove_cell
 from overlap_spec.proofs.model import Context
 from overlap_spec.proofs.streams import get_expected_ids, prove_protocol
-from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, enumerate_cells, get_cell
+from overlap_spec.spec.config import (
+    PRESETS,
+    Cell,
+    ModelConfig,
+    enumerate_cells,
+    enumerate_radix_cells,
+    get_cell,
+)
 from overlap_spec.spec.invariants import INVARIANTS
 
 DEFAULT_TIMEOUT_MS = zs.DEFAULT_TIMEOUT_MS
@@ -209,7 +216,11 @@ def run_proofs_for_check(cell_names: list[str] | None, jobs: int = 1,
     """The "proofs" section of ``overlap-spec check``'s JSON; ``progress``: a stderr line
     per finished cell."""
     started = time.perf_counter()
-    cells = [c for c in (*enumerate_cells(), *map(get_cell, CHECK_RADIX_CELLS))
+    # The default run: two radix cells (CHECK_RADIX_CELLS); a selection: every radix cell
+    # it names, at the radix bound.
+    radix = (tuple(map(get_cell, CHECK_RADIX_CELLS)) if cell_names is None
+             else enumerate_radix_cells())
+    cells = [c for c in (*enumerate_cells(), *radix)
              if cell_names is None or c.name in cell_names
              or any(fnmatch.fnmatch(c.name, n) for n in cell_names)]
     job = ProveJob("", "minimal", DEFAULT_BATCH_BOUND, DEFAULT_TIMEOUT_MS, CHECK_BMC_BOUND,
