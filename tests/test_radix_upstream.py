@@ -93,6 +93,11 @@ class Release:
             tree_core_backend=backend))
         self.core = self.tree.tree_core
         self.is_python = type(self.core).__name__ == "UnifiedTreeCore"
+        # As the tier watches it: on the Rust core each insert's key elements are recorded
+        # by slot, for upstream.fields.read_tree (compare_read_tree).
+        from overlap_spec.upstream.hooks import watch_tree_cache
+
+        watch_tree_cache(self.tree)
         self.captured: list[int] | None = None
         self._depth = 0
         for name in ("free", "free_segment", "free_full_segment"):
@@ -536,6 +541,7 @@ class Run:
             self.compare_path(node)
         if release.is_python:
             self.compare_python_nodes()
+        self.compare_read_tree()
         release.core.sanity_check([], [])
 
     def model_rows(self, unlocked_only: bool) -> list[tuple[int, int, int]]:
@@ -596,6 +602,28 @@ class Run:
             self.fail("nodes (release id, pages, lock_ref, last access) differ:\n    "
                       + "\n    ".join(lines))
         self.expect("clock", self.model.clock, Release.get_clock() - self.clock_offset)
+
+
+    def compare_read_tree(self) -> None:
+        """The tier's reader (``upstream.fields.read_tree``: off the nodes on the python
+        core; ``pretty_print``, the nodes' device values and the inserts' keys on the Rust
+        core) against the model: every node's whole key, release id, pages and lock count,
+        and the two sizes."""
+        from overlap_spec.upstream.fields import read_tree
+
+        view = read_tree(self.release.tree, self.page)
+        got = {tuple(k for n in view.get_path(node.id) for k in n.key):
+               (node.id, node.pages, node.lock_ref) for node in view.nodes}
+        want = {self.model_path_key(n): (self.ids.get(n.id), tuple(n.pages), n.lock_ref)
+                for n in self.model.get_nodes()}
+        if want != got:
+            lines = [f"{k}: model {want.get(k)} read_tree {got.get(k)}"
+                     for k in sorted(set(want) | set(got), key=repr)
+                     if want.get(k) != got.get(k)]
+            self.fail("read_tree's nodes (release id, pages, lock_ref) differ:\n    "
+                      + "\n    ".join(lines))
+        self.expect("read_tree sizes", (self.model.evictable_size, self.model.protected_size),
+                    (view.evictable_size, view.protected_size))
 
 
 def run_sequence(seed: int, page: int, eagle: bool, backend: str) -> Features:

@@ -111,6 +111,15 @@ BREAKAGES: dict[str, tuple[str | None, str, str, str, set[str]]] = {
         "        if self.finished_len is None:\n            return self.kv.kv_committed_len\n",
         "        if True:\n            return self.kv.kv_committed_len\n",
         "ov-p1-v2chain-cpu-honest", {"KV9"}),
+    # release_kv_cache no longer gives the request's req_to_token row back: KV7 sees the row
+    # held by nobody, KV1 the released request's lengths read off a row it no longer owns
+    # (the first the default seed meets); the release's own idle check (_check_req_pool)
+    # sees it at the idle point (test_the_releases_idle_checks_run_and_can_fail isolates it).
+    "release-keeps-the-row": (
+        "srt/mem_cache/common.py",
+        "    tree_cache.req_to_token_pool.free(req)\n",
+        "",
+        "ov-p1-none", {"KV1", "KV7", "UC"}),
     # A stop token accepted past max_new_tokens is no longer demoted to a length finish.
     # RP2 sees the long output as U5 (listed); RP5 sees the wrong reason.
     "stop-past-the-cap-kept": (
@@ -176,6 +185,10 @@ def test_release_passes_with_listed_findings(tmp_path: Path) -> None:
         entry = report["cells"][cell]
         assert entry["verdict"] == "pass"
         assert "vacuous" not in entry["invariants"].values()
+        # Every example ended at an idle point, where the release's idle checks ran clean.
+        idle = entry["idle"]
+        assert idle["verdict"] == "pass" and idle["not_reached"] == 0, idle
+        assert idle["points"] > 0 and idle["checks_ran"] >= idle["points"], idle
         diff = report["differential"]["cells"][cell]
         assert diff["verdict"] == "pass"
         assert diff["operations_agreed"] > 0
@@ -555,6 +568,112 @@ def test_upstreams_own_checker_runs_and_can_fail() -> None:
     result = json.loads(done.stdout.strip().splitlines()[-1])
     assert result["clean"] and all(m is None for m in result["clean"])
     assert result["after"] and "Leak" in (result["after"][-1] or "")
+
+
+IDLE_CHECK_PROBE = """
+import json
+import sys
+from overlap_spec.spec.config import MINIMAL, ModelConfig, get_cell
+from overlap_spec.spec.state import IterationChoices
+from overlap_spec.upstream.adapter import UpstreamScheduler
+
+class Listener:  # the release's own checks only: no invariant of the spec's runs
+    def __init__(self):
+        self.busy, self.idle = [], []
+    def __call__(self, obs):
+        pass
+    def on_upstream_check(self, message, step_index):
+        self.busy.append(message)
+    def on_upstream_idle_check(self, message, step_index):
+        self.idle.append(message)
+
+listener = Listener()
+model = UpstreamScheduler(ModelConfig(get_cell(sys.argv[1]), MINIMAL), frozenset(), listener)
+for _ in range(2):  # two requests of one prompt family: a radix cell shares the prefix
+    model.admit(6, 3, family=0)
+for _ in range(40):  # the tier's idle point: default iterations until on_idle has checked
+    model.run_iteration(IterationChoices())
+    if model.idle_checks_ran:
+        break
+print(json.dumps({"busy": listener.busy, "idle": listener.idle}))
+"""
+
+# name: (file, old text, new text, cell, what the release's idle check says; None: nothing)
+IDLE_BREAKAGES: dict[str, tuple[str, str, str, str, str | None]] = {
+    # The row is never given back: only the idle check counts rows (_check_req_pool).
+    "release-keeps-the-row": (
+        "srt/mem_cache/common.py", "    tree_cache.req_to_token_pool.free(req)\n", "",
+        "ov-p1-none", "req_to_token_pool memory leak detected"),
+    "release-keeps-the-row-radix": (
+        "srt/mem_cache/common.py", "    tree_cache.req_to_token_pool.free(req)\n", "",
+        "ov-p1-none-radix", "req_to_token_pool memory leak detected"),
+    # The request's pages are never freed at its release (the tree is off here): the last
+    # release happens with no batch left, where the busy check does not run.
+    "release-frees-no-pages": (
+        "srt/mem_cache/common.py",
+        "    tree_cache.free_kv_row(req.kv, [(req.kv.cache_protected_len, owned_kv_len)])\n",
+        "", "ov-p1-none", "pool memory leak detected! [full]"),
+    # A lock left behind at the release is not what the idle check sees: the locked node's
+    # pages count as protected, and available + evictable + protected still equals the
+    # pool. RX2 sees it (RADIX_BREAKAGES, checkpoint-keeps-its-old-lock).
+    "release-keeps-its-lock": (
+        "srt/mem_cache/common.py", "    tree_cache.unlock(req.lock)\n", "",
+        "ov-p1-none-radix", None),
+}
+
+
+def run_idle_probe(cell: str, tree: Path | None) -> dict[str, list[str | None]]:
+    path = [str(REPO)] if tree is None else [str(tree), str(REPO)]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(path))
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", IDLE_CHECK_PROBE, cell],
+                          capture_output=True, text=True, env=env, timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result: dict[str, list[str | None]] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+@needs_sglang
+@pytest.mark.parametrize("cell", ["ov-p1-none", "ov-p1-none-radix"])
+def test_the_releases_idle_checks_run_clean_on_the_release(cell: str) -> None:
+    """The idle point reaches on_idle with the scheduler fully idle, once, and the release's
+    idle-time checks pass there (the busy check ran before it, clean)."""
+    result = run_idle_probe(cell, None)
+    assert result["idle"] == [None], result
+    assert result["busy"] and all(m is None for m in result["busy"]), result
+
+
+@needs_sglang
+@pytest.mark.parametrize("name", sorted(IDLE_BREAKAGES))
+def test_the_releases_idle_checks_run_and_can_fail(tmp_path: Path, name: str) -> None:
+    """A broken copy of the release: its idle-time check, reached at the idle point, names
+    the leak the busy check did not see (or, for a lock left behind, says nothing: a claim
+    about what that check covers)."""
+    relative, old, new, cell, expected = IDLE_BREAKAGES[name]
+    tree = make_broken_copy(tmp_path, relative, old, new)
+    result = run_idle_probe(cell, tree)
+    assert all(m is None for m in result["busy"]), result
+    if expected is None:
+        assert result["idle"] == [None], result
+    else:
+        assert len(result["idle"]) == 1 and expected in (result["idle"][0] or ""), result
+
+
+def test_an_idle_check_failure_is_uc_at_idle_and_stops_the_run() -> None:
+    """What the tier's checker does with the release's idle-time checks: a pass counts as
+    UC and as an idle check; a failure raises UC, says it was at idle, and (being no listed
+    finding) is a new one, whose script Hypothesis shrinks and the tier saves."""
+    from overlap_spec.harness.conformance.tier import IDLE_CHECK_KEY, UpstreamChecker
+    from overlap_spec.spec.config import MINIMAL, ModelConfig, get_cell
+    from overlap_spec.spec.invariants import InvariantViolation
+
+    checker = UpstreamChecker(ModelConfig(get_cell("ov-p1-none"), MINIMAL))
+    checker.on_upstream_idle_check(None, 3)
+    assert checker.exercised[IDLE_CHECK_KEY] == 1 and checker.exercised["UC"] == 1
+    with pytest.raises(InvariantViolation) as raised:
+        checker.on_upstream_idle_check("req_to_token_pool memory leak detected!", 7)
+    assert raised.value.invariant_id == "UC"
+    assert "at idle (on_idle): req_to_token_pool memory leak detected!" in str(raised.value)
+    assert "op 7" in str(raised.value)
 
 
 ADMISSION_PROBE = """
@@ -1334,18 +1453,24 @@ RADIX_BREAKAGES: dict[str, tuple[str, str, str, str, set[str]]] = {
 
 
 @needs_sglang
-def test_release_passes_in_radix_cells(tmp_path: Path) -> None:
-    """The release with its radix cache on: every RX invariant judged and passing, and the
-    reference's tree (nodes, locks, sizes, the rows' shared pages) agreeing with it."""
+@pytest.mark.parametrize("core", ["python", "rust"])
+def test_release_passes_in_radix_cells(tmp_path: Path, core: str) -> None:
+    """The release with its radix cache on, on either tree core: every RX invariant judged
+    and passing, the reference's tree (nodes, locks, sizes, the rows' shared pages) agreeing
+    with it, and the idle checks run at every example's end."""
     report_path = tmp_path / "r.json"
     cells = ("ov-p1-none-radix", "ov-p4-v2chain-cpu-honest-radix")
-    done = run_cli("check", "--radix", "--cells", ",".join(cells), "--profile", "quick",
-                   "--json", str(report_path), "--out", str(tmp_path), "-q")
+    done = run_cli("check", "--radix", "--tree-core", core, "--cells", ",".join(cells),
+                   "--profile", "quick", "--json", str(report_path), "--out", str(tmp_path),
+                   "-q")
     assert done.returncode == 0, done.stdout + done.stderr
     report = json.loads(report_path.read_text())
+    assert report["tree_core"] == core
+    assert f"on the release's {core} tree core" in done.stdout
     for cell in cells:
         entry = report["cells"][cell]
         assert entry["verdict"] == "pass"
+        assert entry["idle"]["verdict"] == "pass" and entry["idle"]["points"] > 0
         for rx in ("RX1", "RX2", "RX3", "RX4", "RX5", "RX6", "RX7"):
             assert entry["invariants"][rx] == "pass" and entry["exercised"][rx] > 0, rx
         diff = report["differential"]["cells"][cell]
@@ -1357,13 +1482,19 @@ def test_release_passes_in_radix_cells(tmp_path: Path) -> None:
 
 
 @needs_sglang
+@pytest.mark.parametrize("core", ["python", "rust"])
 @pytest.mark.parametrize("name", sorted(RADIX_BREAKAGES))
-def test_broken_radix_copy_fails_with_the_right_invariant(tmp_path: Path, name: str) -> None:
+def test_broken_radix_copy_fails_with_the_right_invariant(tmp_path: Path, name: str,
+                                                          core: str) -> None:
+    """Each breakage sits above the tree core (unified_radix_cache.py, common.py): on the
+    Rust core the tier's reading of the tree (upstream.fields.read_rust_tree) must see it
+    too."""
     relative, old, new, cell, expected = RADIX_BREAKAGES[name]
     source, env, _ = break_release(tmp_path, relative, old, new)
     report_path = tmp_path / "r.json"
-    done = run_cli("check", "--radix", "--cells", cell, *source, "--profile", "quick",
-                   "--json", str(report_path), "--out", str(tmp_path), "-q", env=env)
+    done = run_cli("check", "--radix", "--tree-core", core, "--cells", cell, *source,
+                   "--profile", "quick", "--json", str(report_path), "--out", str(tmp_path),
+                   "-q", env=env)
     assert done.returncode == 1, done.stdout + done.stderr
     report = json.loads(report_path.read_text())
     new_ids = {f["invariant"] for f in report["findings"] if not f["listed"]}

@@ -183,6 +183,11 @@ class UpstreamScheduler:
         # FM6, FM7 (spec/happens_before.RelayConsumption), kept from the calls sglang
         # makes, because the release resets its own _publish_fresh only in CI.
         self.relay = RelayConsumption()
+        # The release's idle-time checks that ran in the latest iteration (on_idle, when the
+        # scheduler was fully idle): None for a pass, else what they raised; and how many
+        # ran in this example (the tier's idle point iterates until one has).
+        self.idle_results: list[str | None] = []
+        self.idle_checks_ran = 0
         hooks.HOST.attach(self)
 
     # ------------------------------------------------------------------ interface
@@ -248,9 +253,28 @@ class UpstreamScheduler:
             self.session.step(choices)
         finally:
             hooks.HOST.retract_pending = None
+        self.report_idle_checks()
         self.observe(ObservationPoint.ITERATION_END, launched_this_iteration=self.launched)
         self._raise_pending()
         self.run_upstream_checker()
+
+    def on_idle_check(self, checked: bool, message: str | None) -> bool:
+        """The loop's ``on_idle`` returned (``message`` None) or its idle-time checks
+        raised (``message``); ``checked``: the scheduler was fully idle, so they ran. Called on
+        the loop thread; reported after the iteration (:meth:`report_idle_checks`)."""
+        if checked or message is not None:
+            self.idle_results.append(message)
+        return True
+
+    def report_idle_checks(self) -> None:
+        """The release's idle-time checks that ran in this iteration, to the observer (UC at
+        idle), before the iteration's own observation: they ran inside it."""
+        results, self.idle_results = self.idle_results, []
+        self.idle_checks_ran += len(results)
+        hook = getattr(self.observer, "on_upstream_idle_check", None)
+        for message in results:
+            if hook is not None:
+                hook(message, self.step_index)
 
     def run_upstream_checker(self) -> None:
         """Upstream's own runtime checker, when the observer asks for it (``UC``)."""

@@ -19,7 +19,9 @@ the request itself; a string ``forward_mode``); on 0.5.23 every name is the rele
 from __future__ import annotations
 
 import os
+import re
 import sys
+import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final
@@ -227,6 +229,26 @@ def is_radix_force_miss() -> bool:
     return os.environ.get(RADIX_FORCE_MISS_ENV, "") not in ("", "0")
 
 
+# Which tree core the tier builds the release's tree on: "python" (the default) or "rust"
+# (the release's own default, tree_core_backend=None resolving to SGLANG_UNIFIED_RADIX_TREE_
+# CORE_BACKEND). ``overlap-spec upstream check --tree-core rust`` sets it.
+TREE_CORE_ENV: Final = "OVERLAP_SPEC_UPSTREAM_TREE_CORE"
+TREE_CORES: Final = ("python", "rust")
+
+
+def get_tree_core() -> str:
+    core = os.environ.get(TREE_CORE_ENV, "") or "python"
+    if core not in TREE_CORES:
+        raise ValueError(f"{TREE_CORE_ENV}={core!r}: the tree core is one of "
+                         f"{', '.join(TREE_CORES)}")
+    return core
+
+
+def is_rust_core(tree: Any) -> bool:
+    """Whether ``tree`` runs on the release's Rust tree core (``RustUnifiedTreeCore``)."""
+    return type(getattr(tree, "tree_core", None)).__name__ == "RustUnifiedTreeCore"
+
+
 def is_tree_on(config: ModelConfig) -> bool:
     """Whether the tier builds the release's tree enabled: a radix cell, or the opt-in."""
     return config.cell.radix or is_radix_force_miss()
@@ -257,10 +279,14 @@ def read_unlocked_tree_pages(tree: Any, page_size: int) -> list[int] | None:
 
 
 def read_tree(tree: Any, page_size: int) -> TreeView:
-    """The radix tree of a radix cell (python core) as :class:`~spec.state.TreeView`: every
-    node with device KV, its key as the release iterates it (pairs under EAGLE), its pages
-    (``value`` slots // page), ``lock_ref`` and the tree's two sizes
-    (``unified_radix_cache.py`` ``evictable_size`` / ``protected_size``)."""
+    """The radix tree of a radix cell as :class:`~spec.state.TreeView`: every node with
+    device KV, its key as the release iterates it (pairs under EAGLE), its pages (``value``
+    slots // page), ``lock_ref`` and the tree's two sizes (``unified_radix_cache.py``
+    ``evictable_size`` / ``protected_size``). On the python core all of it is read off the
+    nodes; on the Rust core see :func:`read_rust_tree` (the keys' tokens are not readable
+    there)."""
+    if is_rust_core(tree):
+        return read_rust_tree(tree, page_size)
     from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 
     full, root = ComponentType.FULL, tree.tree_core.root_node
@@ -281,11 +307,98 @@ def read_tree(tree: Any, page_size: int) -> TreeView:
                     int(tree.protected_size()))
 
 
+# One line of the Rust core's pretty_print (rust_tree_core/adapter.py:1256, printed by the
+# extension): indentation (two spaces a level, one leading), the node's handle, its key
+# length (pairs under EAGLE), its FULL lock count and whether it holds a device value.
+_RUST_NODE_LINE: Final = re.compile(r"^ ((?:  )*)\[(\d+)\] (\d+) full_lock=(\d+) Full=(yes|no)$")
+SLOT_KEYS_ATTRIBUTE: Final = "_overlap_spec_slot_keys"
+
+
+def print_rust_tree(core: Any) -> str:
+    """What the Rust core's ``pretty_print`` writes to file descriptor 1 (it prints from the
+    extension, past Python's ``sys.stdout``), captured."""
+    sys.stdout.flush()
+    with tempfile.TemporaryFile() as capture:
+        saved = os.dup(1)
+        os.dup2(capture.fileno(), 1)
+        try:
+            core.pretty_print()
+        finally:
+            os.dup2(saved, 1)
+            os.close(saved)
+        capture.seek(0)
+        return capture.read().decode()
+
+
+def record_inserted_keys(tree: Any, key: Any, value: Any) -> None:
+    """Remember the key element each inserted slot holds (``UnifiedRadixCache.insert``'s
+    ``key``, iterated as the release iterates it, against its ``value`` slots): the Rust core
+    keeps the tokens where Python cannot read them, and :func:`read_rust_tree` names a node's
+    key by its slots. A slot in the tree was put there by the latest insert that carried it;
+    an earlier insert's duplicate slot at the same position carries the same element."""
+    keys: dict[int, Any] = tree.__dict__.setdefault(SLOT_KEYS_ATTRIBUTE, {})
+    slots = to_ints(value) or []
+    for slot, element in zip(slots, key, strict=False):
+        keys[slot] = element
+
+
+def read_rust_tree(tree: Any, page_size: int) -> TreeView:
+    """The tree on the Rust core. Read from the core: the nodes (handles, nesting, key
+    lengths and FULL lock counts, from ``pretty_print``; 0.5.23's Rust adapter raises
+    NotImplementedError for ``root_node`` and ``node_by_id``), each node's slots
+    (``get_component_device_value(node, FULL)``) and the two sizes. Not readable there: the
+    keys' tokens. Each node's key is the elements the release's inserts gave its slots
+    (:func:`record_inserted_keys`), so a key is checked to be as long as the core says and
+    no slot may lack one, but a core that kept the right slots under wrong tokens is not
+    seen in the key itself (only where a match then differs: the rows, cache_protected_len).
+    """
+    from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
+
+    core = tree.tree_core
+    keys: dict[int, Any] = tree.__dict__.get(SLOT_KEYS_ATTRIBUTE, {})
+    lines = [line for line in print_rust_tree(core).splitlines() if line.strip()]
+    parents: list[tuple[int, int | None]] = []  # (depth, node id or None for the root)
+    nodes: list[TreeNodeView] = []
+    for number, line in enumerate(lines):
+        match = _RUST_NODE_LINE.match(line)
+        if match is None:
+            raise RuntimeError(f"the Rust tree core's pretty_print line {number} is not a "
+                               f"node line: {line!r}")
+        depth, handle = len(match.group(1)) // 2, int(match.group(2))
+        key_len, lock_ref = int(match.group(3)), int(match.group(4))
+        while parents and parents[-1][0] >= depth:
+            parents.pop()
+        if depth == 0:  # the root (holds no value)
+            parents.append((0, None))
+            continue
+        if not parents:
+            raise RuntimeError(f"the Rust tree core printed node {handle} before its root")
+        value = core.get_component_device_value(handle, ComponentType.FULL)
+        parent = parents[-1][1]
+        parents.append((depth, handle))
+        if value is None:  # no device KV: skipped, as read_tree skips it on the python core
+            continue
+        slots = to_ints(value) or []
+        if len(slots) != key_len:
+            raise RuntimeError(f"the Rust tree core's node {handle}: key length {key_len}, "
+                               f"{len(slots)} slots")
+        missing = [slot for slot in slots if slot not in keys]
+        if missing:
+            raise RuntimeError(f"the Rust tree core's node {handle} holds slots no insert "
+                               f"carried: {missing[:8]}")
+        nodes.append(TreeNodeView(handle, parent, tuple(keys[slot] for slot in slots),
+                                  tuple(PageId(s // page_size) for s in slots[::page_size]),
+                                  lock_ref))
+    return TreeView(tuple(sorted(nodes, key=lambda n: n.id)), int(tree.evictable_size()),
+                    int(tree.protected_size()))
+
+
 def read_prefix(tree: Any, req: Any) -> dict[str, Any]:
     """A radix cell's request: ``cache_protected_len`` and the node its lock holds (None: no
     lock, or the root's)."""
     lock = getattr(req, "lock", None)
-    root = int(tree.tree_core.root_node.id)
+    core = tree.tree_core
+    root = int(core.root_node_handle() if is_rust_core(tree) else core.root_node.id)
     node = None if lock is None or int(lock.node) == root else int(lock.node)
     return {"cache_protected_len": int(get_kv(req).cache_protected_len), "lock_node": node}
 

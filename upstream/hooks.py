@@ -321,11 +321,38 @@ def install(scheduler_module: Any) -> None:
         return update_spec(self, bs, num_correct_drafts, *args, **kwargs)
 
     SchedulerMetricsReporter.update_spec_metrics = update_spec_metrics
+
+    # The release's idle-time checks (on_idle, scheduler.py:5241-5300): with nothing running
+    # or waiting, every pool page must be free or the tree's (available + evictable +
+    # protected == total), every req_to_token row free, and the allocator's byte accounting
+    # clean. Strict (SGLANG_ENABLE_STRICT_MEM_CHECK_DURING_IDLE=1) they raise ValueError
+    # inside the loop; the attached adapter takes that as the check's verdict (UC at idle),
+    # and the loop goes on. With no adapter attached (a drain between examples) it raises.
+    on_idle = cls.on_idle
+
+    @functools.wraps(on_idle)
+    def on_idle_wrapper(self: Any, *args: Any, **kwargs: Any) -> Any:
+        checks = bool(self.is_fully_idle())  # on_idle's own gate: the checks run only then
+        try:
+            value = on_idle(self, *args, **kwargs)
+        except ValueError as error:
+            if not HOST.on_idle_check(checks, str(error) or "ValueError in on_idle"):
+                raise
+            return None
+        HOST.on_idle_check(checks, None)
+        return value
+
+    cls.on_idle = on_idle_wrapper
     _INSTALLED = True
 
 
 def watch_tree_cache(tree_cache: Any) -> None:
-    """Every ``release_kv_cache`` calls ``tree_cache.on_release(req, checkpointed=...)``."""
+    """Every ``release_kv_cache`` calls ``tree_cache.on_release(req, checkpointed=...)``. On
+    the Rust tree core, every ``insert`` (the checkpoints' and the releases') also tells
+    :func:`upstream.fields.record_inserted_keys` which key element each slot carries: the
+    core keeps the tokens where they cannot be read back."""
+    from overlap_spec.upstream.fields import is_rust_core, record_inserted_keys
+
     original = tree_cache.on_release
 
     def on_release(req: Any, *args: Any, **kwargs: Any) -> Any:
@@ -333,3 +360,12 @@ def watch_tree_cache(tree_cache: Any) -> None:
         return original(req, *args, **kwargs)
 
     tree_cache.on_release = on_release
+    if not is_rust_core(tree_cache):
+        return
+    insert = tree_cache.insert
+
+    def insert_wrapper(params: Any, *args: Any, **kwargs: Any) -> Any:
+        record_inserted_keys(tree_cache, params.key, params.value)
+        return insert(params, *args, **kwargs)
+
+    tree_cache.insert = insert_wrapper

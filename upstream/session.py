@@ -30,7 +30,12 @@ from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.state import IterationChoices
 from overlap_spec.upstream import hooks
 from overlap_spec.upstream.bootstrap import UpstreamUnavailable, load_sglang
-from overlap_spec.upstream.fields import get_undrivable_reason, is_tree_on
+from overlap_spec.upstream.fields import (
+    get_tree_core,
+    get_undrivable_reason,
+    is_rust_core,
+    is_tree_on,
+)
 from overlap_spec.upstream.worker import EOS_TOKEN, StandInWorker
 
 # The release's row is the model's with this current-upstream gate switched on (B23: the
@@ -173,10 +178,21 @@ class Session:
         # A radix cell shares prefixes; the opt-in forces every other cell's matches to miss.
         os.environ["SGLANG_RADIX_FORCE_MISS"] = "0" if cfg.cell.radix or not radix else "1"
         # is_eagle as kv_cache_builder.py:401 sets it: a spec cell's tree keys bigrams.
+        # A radix cell's tree on the core asked for (upstream/fields.py get_tree_core: python
+        # unless --tree-core rust); the opt-in's force-miss tree stays on the python core,
+        # whose unlocked pages it walks.
+        core = get_tree_core() if cfg.cell.radix else "python"
         tree = UnifiedRadixCache(params=CacheInitParams(
             req_to_token_pool=r2t, token_to_kv_pool_allocator=alloc, page_size=page,
             disable=not radix, is_eagle=radix and cfg.cell.is_spec,
-            tree_components=(ComponentType.FULL,), tree_core_backend="python" if radix else None))
+            tree_components=(ComponentType.FULL,), tree_core_backend=core if radix else None))
+        if radix and is_rust_core(tree) != (core == "rust"):
+            # The release falls back to python without a usable Rust extension or toolchain
+            # (tree_core_registry.py _rust_fallback_reason): a cell asked for one core must
+            # not silently run on the other.
+            raise UpstreamUnavailable(
+                f"{cfg.name}: asked for the {core} tree core, the release built "
+                f"{type(tree.tree_core).__name__}")
         model_runner = _make_model_runner(kv, alloc, r2t, cfg.cell.needs_cpu_seq_lens)
         worker = StandInWorker(cfg, model_runner,
                                SimpleNamespace(use_ngram_embedding=False), hooks.HOST)
@@ -261,6 +277,11 @@ class Session:
 
         sched.new_token_ratio_tracker.reset()
         sched.forward_ct = 0
+        # The waiting-prefix refresh (schedule_policy.py _touch_waiting_prefixes) touches
+        # every waiting request's prefix on each 32nd scheduling pass it counts, and the
+        # touch's walk splits tree nodes: its count restarts with the example, or a script
+        # replays differently after other examples (found by the idle points, 2026-11-29).
+        sched.policy._waiting_prefix_refresh_calls = 0
         # An emptied running batch keeps stale tensors (filter_batch, D6): give it the
         # constructor's fresh empty batch (Scheduler.init_running_status).
         sched.running_batch = ScheduleBatch(reqs=[], batch_is_full=False)

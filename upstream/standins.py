@@ -169,10 +169,18 @@ STAND_INS: Final[tuple[StandIn, ...]] = (
             "called by the adapter after every iteration with "
             "SGLANG_CHECK_KV_PAGE_INVARIANTS=1 and strict idle checks (UC), never inside "
             "the loop"),
+    StandIn("Scheduler.on_idle", "observed",
+            "wrapped: the real method runs, its idle-time checks included (every pool page "
+            "free or the tree's, every req_to_token row free, the allocator's byte "
+            "accounting; strict, they raise ValueError); the adapter takes a raise as UC's "
+            "verdict at idle and the loop goes on. The tier makes idle periods on purpose: "
+            "after each example's last op it iterates with the default choices until the "
+            "loop has run on_idle's checks (harness/conformance/tier.py, the idle point)"),
     StandIn("Scheduler state between examples", "replaced",
             "abort_request(abort_all) and drained iterations, flush_cache, then the "
             "constructor's values for what flush_cache keeps (running_batch, "
-            "new_token_ratio, forward_ct), so an example replays the same after any other"),
+            "new_token_ratio, forward_ct, the policy's waiting-prefix refresh count), so an "
+            "example replays the same after any other"),
     StandIn("ServerArgs.attention_backend for a tree on pages > 1", "replaced",
             "0.5.23 refuses torch_native for speculative_eagle_topk > 1 at page_size > 1 "
             "(speculative_hook.py _handle_eagle_family, _PAGE_TREE_SPEC_BACKENDS: "

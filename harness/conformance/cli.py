@@ -376,6 +376,10 @@ def cmd_upstream(args: argparse.Namespace) -> int:
         from overlap_spec.upstream.fields import RADIX_FORCE_MISS_ENV
 
         os.environ[RADIX_FORCE_MISS_ENV] = "1"
+    if getattr(args, "tree_core", None):  # the radix cells' tree core, for every process
+        from overlap_spec.upstream.fields import TREE_CORE_ENV
+
+        os.environ[TREE_CORE_ENV] = args.tree_core
     if args.action == "stand-ins":
         from overlap_spec.upstream.standins import describe_stand_ins
 
@@ -579,6 +583,11 @@ def add_upstream_arguments(parser: argparse.ArgumentParser) -> None:
                              "release's prefix cache on and shared, prompts drawn from a few "
                              "families, the tree compared by the differential and judged by "
                              "the RX invariants (docs/upstream-tier.md)")
+    parser.add_argument("--tree-core", choices=("python", "rust"), default=None,
+                        help="the radix cells' tree core (default python; rust is the "
+                             "release's own default): on rust the tree's nodes, locks, pages "
+                             "and sizes are read from the core, its keys' tokens are not "
+                             "(docs/upstream-tier.md)")
     parser.add_argument("--radix-force-miss", action="store_true",
                         help="run the release's own radix tree (python core, bigram keys "
                              "under EAGLE) with every match forced to miss "

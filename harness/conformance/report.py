@@ -5,6 +5,7 @@
 from __future__ import annotations
 
 import argparse
+from collections.abc import Iterable
 from typing import Any
 
 from overlap_spec.harness.drive.cells import format_sizes
@@ -21,6 +22,7 @@ def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, Any],
         ALLOWED_DIVERGENCES,
         UPSTREAM_NOT_APPLICABLE,
     )
+    from overlap_spec.upstream.fields import get_tree_core
 
     findings = [f for r in results.values() for f in r.get("findings", [])]
     driven = [c for c, r in results.items() if r["verdict"] != "n/a"]
@@ -34,6 +36,7 @@ def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, Any],
         "seed": args.seed,
         "profile": args.profile,
         "preset": args.preset,
+        **({"tree_core": get_tree_core()} if has_radix_cells(results) else {}),
         **({"sizes": dict(args.sizes)} if getattr(args, "sizes", None) else {}),
         "elapsed_s": round(elapsed, 1),
         "cells": {c: {"verdict": r["verdict"], "reason": r.get("reason"),
@@ -42,6 +45,7 @@ def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, Any],
                       **({"sizes": r["sizes"]} if r.get("sizes") else {}),
                       **({"mechanisms": r["mechanisms"]} if "mechanisms" in r else {}),
                       **({"witnesses": r["witnesses"]} if "witnesses" in r else {}),
+                      **({"idle": r["idle"]} if "idle" in r else {}),
                       "seconds": r.get("seconds"), "wall_s": r.get("wall_s")}
                   for c, r in results.items()},
         "differential": {
@@ -54,6 +58,12 @@ def build_report(results: dict[str, dict[str, Any]], sglang: dict[str, Any],
         "stand_ins": [{"target": x.target, "kind": x.kind, "reason": x.reason}
                       for x in STAND_INS],
     }
+
+
+def has_radix_cells(cells: Iterable[str]) -> bool:
+    from overlap_spec.spec.config import get_cell
+
+    return any(get_cell(cell).radix for cell in cells)
 
 
 def describe_sglang(sglang: dict[str, Any]) -> str:
@@ -78,6 +88,13 @@ def render_report(report: dict[str, Any]) -> str:
     if is_radix_force_miss():
         lines.append("with the release's radix tree on, every match forced to miss "
                      "(--radix-force-miss): nothing shared")
+    from overlap_spec.upstream.fields import get_tree_core
+
+    if has_radix_cells(report["cells"]):
+        lines.append(f"the radix cells' tree on the release's {get_tree_core()} tree core"
+                     + (" (nodes, locks, pages and sizes read from the core; its keys' "
+                        "tokens are not readable: each node's key is what the inserts gave "
+                        "its slots)" if get_tree_core() == "rust" else ""))
     width = max(len(c) for c in report["cells"])
     wide = max(7, *(len(r["verdict"]) for r in report["cells"].values()))
     lines.append(f"{'cell':<{width}}  {'verdict':<{wide}}  invariants                 "
@@ -99,6 +116,11 @@ def render_report(report: dict[str, Any]) -> str:
                       for m in report.get("cannot_drive", [])]
         elif r["verdict"] != "pass" and r.get("reason"):
             lines.append(f"{'':<{width}}    {r['reason']}")
+    skipped = [c for c, r in report["cells"].items()
+               if r.get("idle", {}).get("verdict") == "skipped"]
+    if skipped:
+        lines.append("the release's idle-time checks (on_idle) never ran, skipped (not a "
+                     f"pass): {', '.join(skipped)}")
     sized: dict[str, list[str]] = {}
     for cell, r in report["cells"].items():
         if r.get("sizes") and not report.get("sizes"):

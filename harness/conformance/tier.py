@@ -68,8 +68,14 @@ from overlap_spec.harness.drive.witness import get_plan, replay_witnesses
 from overlap_spec.spec.config import PRESETS, Cell, ModelConfig, get_cell
 from overlap_spec.spec.interface import ObservableState
 from overlap_spec.spec.invariants import INVARIANTS, InvariantViolation
-from overlap_spec.spec.state import Observation, TreeView
+from overlap_spec.spec.state import IterationChoices, Observation, TreeView
 from overlap_spec.spec.units import PageId, RequestId
+
+# The count of the release's idle-time checks that ran, in ``exercised`` beside UC's.
+IDLE_CHECK_KEY = "UC at idle"
+# The idle point after each example's last op: default-choice iterations (admit, decode,
+# finish) until the loop has run on_idle's checks once, at most this many.
+IDLE_POINT_ITERATIONS = 64
 
 
 class UpstreamChecker(InvariantChecker):
@@ -130,6 +136,15 @@ class UpstreamChecker(InvariantChecker):
         if known is None:
             raise violation
         self.record_finding(known, violation)
+
+    def on_upstream_idle_check(self, message: str | None, step_index: int) -> None:
+        """The release's idle-time checks ran (``Scheduler.on_idle`` with the scheduler fully
+        idle: pools, req_to_token rows, byte accounting): UC at idle, counted apart too."""
+        if self.halted_by is not None:
+            return
+        self.exercised[IDLE_CHECK_KEY] += 1
+        self.on_upstream_check(None if message is None else f"at idle (on_idle): {message}",
+                               step_index)
 
     def record_finding(self, known: KnownFinding, violation: InvariantViolation) -> None:
         if known.halts:
@@ -486,6 +501,7 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path,
 
     machine = make_machine(config, frozenset(), "upstream", log, checker_factory=factory)
     diff = DifferentialReport()
+    idle: Counter[str] = Counter()
 
     class CellMachine(machine):  # type: ignore[valid-type, misc]
         """One run, both checks: the release under the invariant checker, and the
@@ -497,11 +513,38 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path,
             self.checker.script = self.script
             self.pair = UpstreamPair(config, self.model, self.admitted)
             self.comparing = True
+            self.failed = False
             diff.examples += 1
+
+        def teardown(self) -> None:
+            try:
+                if not self.failed and self.checker.halted_by is None:
+                    self.make_idle()
+            finally:
+                super().teardown()
+
+        def make_idle(self) -> None:
+            """The idle point: after the example's last op, iterate with the default choices
+            until the release's loop has run its idle-time checks (on_idle, the scheduler
+            fully idle). These iterations are the script's ops: judged, compared with the
+            reference and replayed like any other. Hypothesis draws nothing here, so a seed
+            draws what it drew before."""
+            release = self.pair.upstream
+            before = release.idle_checks_ran
+            for _ in range(IDLE_POINT_ITERATIONS):
+                if release.idle_checks_ran > before:
+                    idle["reached"] += 1
+                    return
+                self._apply(Iterate(IterationChoices()))
+            idle["reached" if release.idle_checks_ran > before else "not reached"] += 1
 
         def _apply(self, op: Op) -> None:
             self.script.ops.append(op)
-            self.pair.run_release(op)  # a new finding raises here: Hypothesis shrinks it
+            try:
+                self.pair.run_release(op)  # a new finding raises here: Hypothesis shrinks it
+            except BaseException:
+                self.failed = True  # no idle point after a failed op: teardown leaves it
+                raise
             if not self.comparing:
                 return
             if self.checker.halted_by is not None:
@@ -673,6 +716,13 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path,
                       "lost": {str(k): v for k, v in witnesses_lost.items()},
                       "not_applicable": na_reasons},
         "runs": log.runs,
+        # The idle points made after each example's last op, and the release's idle-time
+        # checks that ran (there and wherever the loop idled): "skipped" when none ran.
+        "idle": {"points": idle["reached"], "not_reached": idle["not reached"],
+                 "checks_ran": log.exercised[IDLE_CHECK_KEY],
+                 "verdict": ("fail" if violation is not None
+                             and "at idle (on_idle)" in str(violation)
+                             else "pass" if log.exercised[IDLE_CHECK_KEY] else "skipped")},
         "findings": findings,
         "differential": differential,
         # The Hypothesis run (both checks), then minimising what it found.
