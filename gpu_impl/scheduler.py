@@ -414,6 +414,9 @@ class Scheduler:
         members = running.reqs if running is not None else []
         slots = min(self.config.preset.max_running_requests - len(members),
                     len(self.rt.req_to_token_pool.free_slots) + (continued is not None))
+        if (radix := get_radix(self.rt)) is not None and (slots > 0 or continued is not None):
+            # calc_priority, past the release's early returns (scheduler.py:4099-4133).
+            radix.refresh_waiting([radix.make_key(req.get_fill_tokens()) for req in queue])
         chosen, ends, latch = self._add_requests([] if full else queue, members, slots,
                                                  continued)
         if running is not None and latch:
@@ -553,7 +556,10 @@ class Scheduler:
         if batch.is_empty() or (finishing and not self._fits(needed)):
             batch.batch_is_full = False
             return False
-        if forced_retracts > 0 or not self._fits(needed):
+        # check_decode_mem runs first, forced or not (scheduler.py:4469): it evicts the
+        # shortfall, which a forced retraction's release then finds evicted.
+        fits = self._fits(needed)
+        if forced_retracts > 0 or not fits:
             self.retract_decode(batch, forced_retracts)
         else:
             self.ratio = compute_decayed_ratio(self.ratio)

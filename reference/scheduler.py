@@ -432,6 +432,9 @@ class Scheduler:
             return [], [], None
         rows = min(cfg.preset.max_running_requests - len(members),
                    len(rt.req_to_token.free_slots) + (continued is not None))
+        if (radix := get_radix(rt)) is not None and (rows > 0 or continued is not None):
+            # calc_priority, past the release's early returns (scheduler.py:4099-4133).
+            radix.refresh_waiting([radix.make_key(req.get_fill_tokens()) for req in waiting])
         page = cfg.page_size
         available = get_available_pages(rt) * page
         # As PrefillBudget adds them: a mixed step's one token per running decode
@@ -474,7 +477,6 @@ class Scheduler:
         # its matched path for its check (add_one_req's _lock_node, schedule_policy.py:
         # 1429-1431); an admitted one keeps that lock (_commit_prefill_admission, :1690), so
         # the free KV, read live by the release, moves within the pass.
-        radix = get_radix(rt)
         free = available
         prefixes: list[int] = []
         frees: list[int] = []
@@ -548,7 +550,10 @@ class Scheduler:
         if finishing and not self._fits(batch, set(range(len(batch.reqs)))):
             batch.batch_is_full = False
             return False  # their queued result frees KV at the end of this step
-        if forced_retracts or not self._fits(batch, set(range(len(batch.reqs)))):
+        # check_decode_mem runs first, forced or not (scheduler.py:4469): it evicts the
+        # shortfall, which a forced retraction's release then finds evicted.
+        fits = self._fits(batch, set(range(len(batch.reqs))))
+        if forced_retracts or not fits:
             self.retract_decode(batch, forced_retracts)
         else:
             self.new_token_ratio = compute_decayed_ratio(self.new_token_ratio)

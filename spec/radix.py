@@ -54,6 +54,7 @@ class RadixTree:
         self.root = Node(self, (), [], None)
         self.evictable_size = 0  # tokens, as the release counts them
         self.protected_size = 0
+        self.refresh_calls = 0  # SchedulePolicy._waiting_prefix_refresh_calls
 
     def tick(self) -> int:
         self.clock += 1
@@ -128,6 +129,18 @@ class RadixTree:
             self.evictable_size += len(leaf.pages if "B34" in self.faults else leaf.key)
             node = leaf
         return held, node, duplicates
+
+    def refresh_waiting(self, keys: Sequence[tuple[object, ...]]) -> None:
+        """``_touch_waiting_prefixes`` (schedule_policy.py:282-302: FCFS keeps the waiting
+        prefixes' LRU order): on the first admission pass that finds requests waiting and on
+        every 32nd after, the keys of the first 128 are matched, the queue's head last
+        (``touch_prefix``: splits and stamps, no lock)."""
+        if not keys:
+            return
+        self.refresh_calls += 1
+        if (self.refresh_calls - 1) % 32 == 0:
+            for key in reversed(keys[:128]):
+                self.match(key)
 
     def get_path_pages(self, node: Node) -> list[PageId]:
         """The pages from the root down to ``node`` (``path_device_indices``)."""

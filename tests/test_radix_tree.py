@@ -93,3 +93,22 @@ def test_the_view_numbers_nodes_and_parents_and_gives_each_path() -> None:
     assert [n.key for n in view.get_path(a.id)] == [(1,), (2,)]
     assert (by_key[(1,)].lock_ref, by_key[(3,)].lock_ref) == (1, 0)
     assert (view.evictable_size, view.protected_size) == (1, 2)
+
+
+def test_the_waiting_prefix_refresh_matches_on_the_first_pass_and_every_32nd() -> None:
+    """``_touch_waiting_prefixes``: a pass that finds requests waiting counts; the first and
+    every 32nd match the waiting keys (a split where one ends inside a node), the others
+    nothing; a pass with nobody waiting does not count."""
+    tree = RadixTree(1, is_eagle=False)
+    tree.insert(tuple(range(6)), [PageId(p) for p in range(6)], 0)
+    waiting = [tree.make_key([0, 1, 2])]
+    tree.refresh_waiting([])
+    assert tree.refresh_calls == 0
+    tree.refresh_waiting(waiting)
+    assert sorted(len(n.key) for n in tree.get_nodes()) == [3, 3]  # split at 3
+    tree.refresh_waiting([tree.make_key([0, 1])])  # pass 2 of 32: no match, no split
+    assert sorted(len(n.key) for n in tree.get_nodes()) == [3, 3]
+    for _ in range(30):
+        tree.refresh_waiting(waiting)
+    tree.refresh_waiting([tree.make_key([0, 1])])  # pass 33: matched, split at 2
+    assert sorted(len(n.key) for n in tree.get_nodes()) == [1, 2, 3]
