@@ -556,10 +556,11 @@ class Scheduler:
         if batch.is_empty() or (finishing and not self._fits(needed)):
             batch.batch_is_full = False
             return False
-        # check_decode_mem runs first, forced or not (scheduler.py:4469): it evicts the
-        # shortfall, which a forced retraction's release then finds evicted.
-        fits = self._fits(needed)
-        if forced_retracts > 0 or not fits:
+        # In a radix cell check_decode_mem runs first, forced or not (scheduler.py:4469): it
+        # evicts the shortfall, which a forced retraction's release then finds evicted.
+        if forced_retracts > 0 and get_radix(self.rt) is not None:
+            self._fits(needed)
+        if forced_retracts > 0 or not self._fits(needed):
             self.retract_decode(batch, forced_retracts)
         else:
             self.ratio = compute_decayed_ratio(self.ratio)

@@ -550,10 +550,11 @@ class Scheduler:
         if finishing and not self._fits(batch, set(range(len(batch.reqs)))):
             batch.batch_is_full = False
             return False  # their queued result frees KV at the end of this step
-        # check_decode_mem runs first, forced or not (scheduler.py:4469): it evicts the
-        # shortfall, which a forced retraction's release then finds evicted.
-        fits = self._fits(batch, set(range(len(batch.reqs))))
-        if forced_retracts or not fits:
+        # In a radix cell check_decode_mem runs first, forced or not (scheduler.py:4469): it
+        # evicts the shortfall, which a forced retraction's release then finds evicted.
+        if forced_retracts and get_radix(self.rt) is not None:
+            self._fits(batch, set(range(len(batch.reqs))))
+        if forced_retracts or not self._fits(batch, set(range(len(batch.reqs)))):
             self.retract_decode(batch, forced_retracts)
         else:
             self.new_token_ratio = compute_decayed_ratio(self.new_token_ratio)

@@ -375,19 +375,19 @@ def test_a_finding_the_replay_cannot_reproduce_is_inconclusive_and_saved(
 
 
 def test_a_seed_that_compares_too_little_is_topped_up_not_failed_as_vacuous() -> None:
-    """Seed 17 draws sequences that seldom launch in a tree cell (19 launches in 25
-    sequences, under the minimum of 50; seed 1 did until aborts were drawn, 2026-11-27,
-    and every seed from 1 to 16 now launches enough): the clean differential runs more
-    rounds under seeds derived from it until it has compared enough; without the top-up
-    the cell is vacuous (the minimum still bites)."""
+    """A budget of five sequences launches about half the minimum of 50 or less (10 to 27
+    at seeds 1, 2 and 17; a seed's draws move with the code's literals, which Hypothesis
+    mines, so a pinned poor seed at 25 stopped being poor): the clean differential runs
+    more rounds under seeds derived from it until it has compared enough; without the
+    top-up the cell is vacuous (the minimum still bites)."""
     from overlap_spec.harness.differential.compare import MIN_LAUNCHES, get_top_up_seed
 
     config = ModelConfig(get_cell("nov-p1-v2tree-cpu-honest"), MINIMAL)
     profile = get_profile("ci")
-    bare = check_cell_differential(config, profile, 17, max_examples=25)
+    bare = check_cell_differential(config, profile, 17, max_examples=5)
     assert bare.ok and bare.rounds == 1 and bare.launches < MIN_LAUNCHES
     assert not bare.exercised_enough
-    topped = check_cell_differential(config, profile, 17, max_examples=25, top_up=True)
+    topped = check_cell_differential(config, profile, 17, max_examples=5, top_up=True)
     assert topped.ok and topped.rounds >= 2 and topped.exercised_enough, topped
     assert get_top_up_seed(1, 0) == 1 and get_top_up_seed(1, 1) != 1
 
