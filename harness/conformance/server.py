@@ -99,8 +99,15 @@ def get_shares(cells: list[str], args: argparse.Namespace) -> dict[str, float]:
     from overlap_spec.spec.config import get_cell
 
     sizes = parse_sizes(args.sizes) if args.sizes else {}
-    shares = get_upstream_shares([get_cell(c) for c in cells], args.preset, sizes)
-    return dict(zip(cells, shares, strict=True))
+    known = []
+    for name in cells:
+        try:
+            known.append(get_cell(name))
+        except KeyError:  # reported by its own process (exit 2), never a share's crash
+            continue
+    shares = dict(zip((c.name for c in known),
+                      get_upstream_shares(known, args.preset, sizes), strict=True))
+    return {name: shares.get(name, 1.0) for name in cells}
 
 
 def run_child(cell: str, args: argparse.Namespace, report_modules: int | None,
