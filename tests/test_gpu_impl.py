@@ -420,3 +420,22 @@ def test_a_default_runs_size_sets_share_their_cells_minimum() -> None:
         assert sum(launches for _, launches in minima) >= MIN_LAUNCHES, name
         assert all(ops >= 1 and launches >= 1 for ops, launches in minima), name
     assert get_share_minimum(1.0) == (MIN_COMPARED_OPS, MIN_LAUNCHES)
+
+
+def test_the_gpu_columns_committed_triggers_still_diverge() -> None:
+    """harness/mutants/kills/: each committed trigger is a faulted gpu_impl script of a
+    catalogue bug, named for its cell, and still diverges from the clean reference (the
+    column replays it before its search: a kill the seed's search finds only sometimes is
+    then found at every seed); the clean gpu_impl runs it in agreement."""
+    from overlap_spec.harness.mutants.matrix import KILL_CORPUS, load_known_trigger
+
+    paths = sorted(KILL_CORPUS.glob("*.json"))
+    assert paths
+    for path in paths:
+        script = load_script(path)
+        bug = next(b for b in BUGS if b.id == script.faults[0])
+        config = script.get_config()
+        assert path.name == f"{config.name.replace('@', '-')}-{bug.id}.json"
+        assert load_known_trigger(bug, config) is not None
+        assert not run_differential(script).ok, path.name
+        assert run_differential(dataclasses.replace(script, faults=())).ok, path.name
