@@ -328,10 +328,12 @@ def cmd_cells(args: argparse.Namespace) -> int:
         from overlap_spec.harness.drive.cells import is_serving_default
 
         # A second column marks what sglang 0.5.23 serves by default (the overlap scheduler
-        # on, no era or proposal switch; chunked prefill on, the upstream tier chunks there).
+        # on, no era or proposal switch; chunked prefill on, the upstream tier chunks there),
+        # here with the radix cache off: its radix twin (--radix) is what it serves.
         width = max(len(cell.name) for cell in enumerate_cells())
         for cell in enumerate_cells():
-            mark = "serving default" if is_serving_default(cell) else ""
+            mark = ("serving default, radix cache off (the -radix twin serves)"
+                    if is_serving_default(cell) else "")
             print(f"{cell.name:<{width}}  {mark}".rstrip())
         return 0
     from overlap_spec.harness.drive.script import get_op_limits
@@ -614,7 +616,10 @@ def build_parser() -> argparse.ArgumentParser:
                     "release's serving defaults (the overlap scheduler on, no era or "
                     "proposal switch): there the upstream tier runs chunked prefill, which "
                     "sglang 0.5.23 has on by default, at the preset's "
-                    "serving chunk size (minimal 4, realistic 32).")
+                    "serving chunk size (minimal 4, realistic 32). The release serves "
+                    "with its radix prefix cache on: without --radix the marked cells are "
+                    "those defaults with the cache off, and their radix twins (--radix) "
+                    "the defaults themselves.")
     cells.add_argument("--limits", action="store_true",
                        help="the range of every script and trace op field, per cell")
     cells.add_argument("--preset", choices=sorted(PRESETS), default="minimal",
