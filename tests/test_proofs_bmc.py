@@ -454,11 +454,11 @@ def test_the_radix_bmc_finds_each_radix_bug(cell: str, bug_id: str, invariant: s
     outcome = run_script(dataclasses.replace(script, faults=()))
     assert outcome.violation is None, outcome.violation
     if cell != "ov-p1-none-radix":
-        # The BMC's tree abstracts nodes and the eviction order: on pages > 1 under EAGLE
-        # one of its B29 counterexamples (two one-page prompts of a family, both prefilled
-        # at once) did not replay on the reference (2026-11-29, not yet explained). The
-        # z3 column's kills replay (tests: test_z3_column_kills_every_bug_...); here the
-        # page-1 cell is held to it.
+        # An admission check at equality goes either way in the BMC (RATIO_SCALE,
+        # proofs/bmc_state.py): its B29 counterexample here admits a second one-page prompt
+        # whose ask equals what is left (13 < 13), which the reference refuses, so it does
+        # not replay. The z3 column's kills replay (test_z3_column_kills_every_bug_...);
+        # here the page-1 cell is held to it.
         return
     faulted = run_script(script).violation
     assert faulted is not None and set(faulted.all_ids) & set(get_bug(bug_id).invariants), (
