@@ -125,6 +125,16 @@ CHUNKED = {"chunked_prefill_size": 4}
     ("rung-down", "ov-p1-v2chain-cpu-honest", {},
      [Admit(2, 6), STEP, Iterate(IterationChoices(spec_steps=1)), STEP],
      [Admit(2, 6), STEP, STEP, STEP]),
+    # The radix cells: a second request of the first one's family (or of another).
+    ("prefix-hit", "ov-p1-none-radix", {}, [Admit(4, 2, 0), STEP, STEP, STEP, Admit(4, 2, 0),
+                                            STEP],
+     [Admit(4, 2, 0), STEP, STEP, STEP, Admit(4, 2, 1), STEP]),
+    ("shared-prefix", "ov-p1-none-radix", {}, [Admit(4, 8, 0), STEP, STEP, Admit(4, 8, 0),
+                                               STEP, STEP],
+     [Admit(4, 8, 0), STEP, STEP, Admit(4, 8, 1), STEP, STEP]),
+    ("tree-eviction", "ov-p1-none-radix", {"kv_tokens": 16},
+     [Admit(9, 2, 0), STEP, STEP, STEP, Admit(9, 2, 1), STEP, STEP],
+     [Admit(9, 2, 0), STEP, STEP, STEP, Admit(2, 2, 1), STEP, STEP]),
 ])
 def test_each_recogniser_fires_on_its_mechanism_only(
         mechanism: str, cell: str, sizes: dict[str, int], ops: list[Op],

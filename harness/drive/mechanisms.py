@@ -54,6 +54,7 @@ class MechanismTracker:
     # output without one arrived prebuilt (PD decode).
     _prefilled: set[tuple[RequestId, int]] = field(default_factory=set)
     _chunked_rid: RequestId | None = None  # Scheduler.chunked_req at the previous observation
+    _tree_size: int = 0  # a radix cell's tree, in positions, at the previous observation
 
     def __call__(self, obs: Observation) -> None:
         for mechanism, seen in _RECOGNISERS:
@@ -64,6 +65,7 @@ class MechanismTracker:
             self._prefilled.update((rid, epochs.get(rid, 0)) for rid in obs.batch.rids)
         self._previous = {r.rid: r for r in obs.requests}
         self._chunked_rid = obs.chunked_rid
+        self._tree_size = _get_tree_size(obs)
 
     def get_counts(self) -> dict[str, int]:
         return {mechanism: len(steps) for mechanism, steps in self.ops.items()}
@@ -111,6 +113,11 @@ def _chunked_abort(tracker: MechanismTracker, obs: Observation) -> bool:
         obs, lambda r: r.rid == rid and r.finished and r.finish_reason == "abort")
 
 
+def _get_tree_size(obs: Observation) -> int:
+    tree = obs.tree
+    return 0 if tree is None else tree.evictable_size + tree.protected_size
+
+
 def _rung_down(tracker: MechanismTracker, obs: Observation) -> bool:
     forward = obs.forward
     return (forward is not None and forward.purpose in ("draft", "verify")
@@ -144,6 +151,12 @@ MECHANISMS: Final = (
               "since its launch", "every size set with overlap"),
     Mechanism("rung-down", "a spec decode at a shallower rung than configured (the adaptive "
               "controller)", "the chain cells"),
+    Mechanism("prefix-hit", "an admission candidate matched a prefix in the radix tree "
+              "(match_prefix at init_next_round_input)", "the radix cells"),
+    Mechanism("shared-prefix", "a tree node locked by two live requests at once (a shared "
+              "prefix in use)", "the radix cells"),
+    Mechanism("tree-eviction", "the radix tree shrank: unlocked leaves evicted for an "
+              "allocation or a retraction", "the radix cells"),
 )
 
 _RECOGNISERS: Final[tuple[tuple[str, Callable[[MechanismTracker, Observation], bool]], ...]] = (
@@ -165,6 +178,12 @@ _RECOGNISERS: Final[tuple[tuple[str, Callable[[MechanismTracker, Observation], b
     ("stale-result", lambda t, obs: obs.result is not None
      and any(e.stale for e in obs.result.entries)),
     ("rung-down", _rung_down),
+    ("prefix-hit", lambda t, obs: obs.admission is not None
+     and any(p > 0 for p in obs.admission.prefixes)),
+    ("shared-prefix", lambda t, obs: obs.tree is not None
+     and any(n.lock_ref >= 2 for n in obs.tree.nodes)),
+    ("tree-eviction", lambda t, obs: obs.tree is not None
+     and _get_tree_size(obs) < t._tree_size),
 )
 
 assert [m.id for m in MECHANISMS] == [name for name, _ in _RECOGNISERS]
