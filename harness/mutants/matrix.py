@@ -222,16 +222,21 @@ def run_gpu_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed
     # Virtual streams on CPU: the race detector that judges the stream bugs runs there. A
     # bug the catalogue expects as a divergence is searched for without it (a trial costs
     # about a quarter); the saved script's run below, which judges the kill, has it on.
-    result = None if found is not None and not found.ok else check_cell_differential(
-        config, profile, seed, frozenset({bug.id}),
-        max_examples=get_gpu_mutant_examples(profile), device=torch.device("cpu"),
-        shrink=False, detect_races=needs_race_detector(bug))
-    failing = (known, found) if result is None else (
-        None if result.failure is None else (result.failure.script, result.failure.outcome))
+    result = None
+    failing: tuple[Script, DifferentialOutcome] | None = None
+    if known is not None and found is not None and not found.ok:
+        failing = (known, found)
+    else:
+        result = check_cell_differential(
+            config, profile, seed, frozenset({bug.id}),
+            max_examples=get_gpu_mutant_examples(profile), device=torch.device("cpu"),
+            shrink=False, detect_races=needs_race_detector(bug))
+        if result.failure is not None:
+            failing = (result.failure.script, result.failure.outcome)
     if result is not None and result.error is not None:
         kill.detail = f"crash: {type(result.error).__name__}: {result.error}"
-    elif failing is not None and failing[0] is not None and failing[1] is not None:
-        failing_script, failing_outcome = failing[0], failing[1]
+    elif failing is not None:
+        failing_script, failing_outcome = failing
         kind = get_finding_kind(failing_outcome)
 
         def is_same_finding(outcome: DifferentialOutcome) -> bool:
