@@ -54,7 +54,12 @@ class TokenToKVPoolAllocator:
     """The page free list: allocation takes from the front, frees append at the back."""
 
     def __init__(self, total_pages: int) -> None:
-        self.free_pages: list[PageId] = [PageId(page) for page in range(total_pages)]
+        self.total_pages = total_pages
+        self.clear()
+
+    def clear(self) -> None:
+        """``clear`` (``flush_cache``): every page free again, in the first order."""
+        self.free_pages: list[PageId] = [PageId(page) for page in range(self.total_pages)]
 
     def available_size(self) -> int:
         return len(self.free_pages)
@@ -87,6 +92,10 @@ class TreeCache:
         while self.chunks and allocator.available_size() < pages_needed:
             allocator.free(self.chunks.popleft())
 
+    def reset(self) -> None:
+        """``flush_cache``: the sink forgets its pages (the allocator's clear frees them)."""
+        self.chunks.clear()
+
 
 class RadixCache:
     """The radix prefix cache of a radix cell (``UnifiedRadixCache``, enabled), behind the
@@ -113,6 +122,10 @@ class RadixCache:
     def get_pages(self) -> list[PageId]:
         return self.tree.get_pages()
 
+    def reset(self) -> None:
+        """``flush_cache``: a new root (the scheduler clears the pages' owners)."""
+        self.tree.reset()
+
 
 class ReqToTokenPool:
     """The device table of KV slots per pool row, plus the host list of free rows."""
@@ -125,7 +138,12 @@ class ReqToTokenPool:
             self.req_to_token = torch.full((size + 1, width), -1, dtype=torch.int64,
                                            device=streams.device)
         streams.name(self.req_to_token, "req_to_token")
-        self.free_slots: list[PoolRow] = [PoolRow(row) for row in range(1, size + 1)]
+        self.clear()
+
+    def clear(self) -> None:
+        """``clear`` (``flush_cache``): every row free again, in the first order; the table
+        is left as it is (the release's is)."""
+        self.free_slots: list[PoolRow] = [PoolRow(row) for row in range(1, self.size + 1)]
 
     def alloc(self) -> PoolRow | None:
         return self.free_slots.pop(0) if self.free_slots else None

@@ -241,10 +241,31 @@ class Scheduler:
     def _reset_ratio_if_idle(self) -> None:
         """``on_idle`` past its fully-idle gate (nothing chunked either) resets the
         new-token ratio."""
-        busy = [b for b in (self.running_batch, self.last_batch) if b is not None and b.reqs]
-        if (not busy and not self.result_queue and not self.waiting_queue
-                and self.chunked_req is None):
+        if self._is_fully_idle(sees_in_flight=True):
             self.ratio = INIT_NEW_TOKEN_RATIO
+
+    def _is_fully_idle(self, sees_in_flight: bool) -> bool:
+        """``is_fully_idle``; without ``sees_in_flight``, B35's check (before #12107): the
+        batch in flight and the queued result unseen."""
+        batches = (self.running_batch, self.last_batch) if sees_in_flight else (
+            self.running_batch,)
+        busy = [b for b in batches if b is not None and b.reqs]
+        return (not busy and not (sees_in_flight and self.result_queue)
+                and not self.waiting_queue and self.chunked_req is None)
+
+    def flush_cache(self) -> bool:
+        """``Scheduler.flush_cache``: at full idle the tree reset, the pools back to their
+        first state (the pages' owners cleared on S); refused otherwise."""
+        if not self._is_fully_idle(sees_in_flight=not self.rt.has_fault("B35")):
+            return False
+        self.last_batch = None
+        rt = self.rt
+        rt.tree.reset()
+        rt.req_to_token_pool.clear()
+        rt.allocator.clear()
+        pages = list(range(rt.allocator.total_pages))
+        rt.kv.set_owner(pages, [-1] * len(pages))
+        return True
 
     def set_step_index(self, index: int) -> None:
         self.step_index = index

@@ -1,8 +1,8 @@
-"""The catalogue of historical bugs B1-B34 (digest section 5; B16 is the reserve upstream
+"""The catalogue of historical bugs B1-B35 (digest section 5; B16 is the reserve upstream
 fixed in #26354, B17 what the upstream tier found the release doing, B18 a chunked-prefill
 counter bug of the JAX port, B19 and B20 mixed-chunk bugs, B21 the row of a tree on pages
 > 1, B22 an unaligned spec-v2 allocation, B23 the release's page-1 tree row: U7, B24
-a prompt too long admitted, B25 the crash when the last request does not fit; B26-B34 the
+a prompt too long admitted, B25 the crash when the last request does not fit; B26-B35 the
 radix prefix cache's, in the radix cells only), each a
 mutant the checkers must kill.
 
@@ -56,7 +56,7 @@ class Bug:
     # listed invariant or by exactly this crash (type, raising function, words of the
     # message); any other crash is no kill.
     crash: Crash | None = None
-    # A bug of the radix prefix cache (B26-B34): it applies in radix cells only, and the
+    # A bug of the radix prefix cache (B26-B35): it applies in radix cells only, and the
     # earlier bugs in the cells without the cache (``harness/mutants/select.py``).
     radix: bool = False
 
@@ -408,6 +408,16 @@ BUGS: Final[tuple[Bug, ...]] = (
         "insert adds len(leaf.pages), not len(leaf.key), to evictable_size", ("RX3",),
         lambda cell: cell.radix and cell.page_size > 1, radix=True,
         not_in_z3=_NO_NODES_IN_BMC, representative_cells=_PAGED_RADIX_CELLS),
+    Bug("B35", "a flush blind to the batch in flight",
+        "#12107 (merged 2025-10-25: flush_cache's idle check missed the overlap scheduler's "
+        "last batch and queued result; the request released later held a node of the old "
+        "tree); #27446 (merged 2026-06-06: the same under pipeline parallelism)",
+        "flush_cache right after a prefill is launched: the waiting queue and the running "
+        "batch are empty, the prefilled requests are only in the batch in flight; the tree "
+        "is reset and the pools cleared under them",
+        "is_fully_idle checks the running batch, the chunked request and the waiting queue, "
+        "not the last batch or the result queue", ("RX8", "RX1"),
+        lambda cell: cell.radix, radix=True, representative_cells=_RADIX_CELLS),
 )
 
 def get_bug(bug_id: str) -> Bug:

@@ -468,13 +468,13 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where failing scripts are saved (default: .overlap-spec)")
     review.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     review.set_defaults(func=cmd_review)
-    mutants = sub.add_parser("mutants", help="the B1-B25 kill matrix")
+    mutants = sub.add_parser("mutants", help="the B1-B35 kill matrix")
     mutants.add_argument("--bugs", type=bug_ids, help="comma-separated bug IDs (default: all)")
     mutants.add_argument("--all-cells", action="store_true",
                          help="every applicable cell instead of the representative ones")
     mutants.add_argument("--cells", type=check_cell_patterns, default=None,
                          help="restrict to these cells (names or globs; the radix cells "
-                              "too, where B26-B34 run)")
+                              "too, where B26-B35 run)")
     mutants.add_argument("--profile", choices=PROFILE_NAMES, default=None)
     mutants.add_argument("--seed", type=int, default=DEFAULT_SEED)
     mutants.add_argument("--preset", choices=sorted(PRESETS), default="minimal")
@@ -649,12 +649,15 @@ def build_parser() -> argparse.ArgumentParser:
                     "Without flags: every witness is replayed on the clean reference and "
                     "must still exercise every invariant it claims, and every applicable "
                     "invariant must be claimed or n/a with a reason (exit 1 otherwise). "
-                    "--write regenerates the corpus from a seeded search, minimised "
-                    "(after a change of behaviour; about ten minutes on 2 cores).")
+                    "--write regenerates the corpus from a seeded search, minimised, "
+                    "keeping a committed witness of what the search no longer reaches "
+                    "where it still exercises it (after a change of behaviour; about "
+                    "ten minutes on 2 cores).")
     witnesses.add_argument("--write", action="store_true",
                            help="regenerate the corpus in place; refused (exit 1, nothing "
                                 "written) where an invariant the corpus witnessed would "
-                                "become n/a")
+                                "become n/a (no committed witness of it still exercising "
+                                "it)")
     witnesses.add_argument("--accept-lost", action="store_true",
                            help="with --write: write even so (the loss is intended)")
     witnesses.add_argument("-j", "--jobs", type=positive_int, default=jobs,

@@ -55,7 +55,8 @@ Modelling compromises, stated once:
   branch per request, the allocator's free pages, the evictable / protected counters,
   each request's cache_protected_len, match and lock anchor), makes the reference's
   match, lock, checkpoints, releases and evictions on it (the eviction order a free
-  choice), and checks RX1..RX4 at every sub-step. A radix cell is unrolled at
+  choice; a flush_cache after each iteration, another), and checks RX1..RX4 at every
+  sub-step, RX8 at a flush. A radix cell is unrolled at
   ``RADIX_BOUND`` (neither the inductive step nor the window: LOOP states no tree facts).
 """
 

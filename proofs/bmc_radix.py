@@ -41,10 +41,13 @@ over-approximates the reference's evictions, never restricts them. Chunked prefi
 aborts are outside the BMC (``proofs/bmc.py``), so the chunk-stash checkpoint and an
 abort's release are not modelled here.
 
+``flush_cache`` (the script's ``flush``) is a free choice after each iteration: at full
+idle it empties the tree and frees the pool; RX8 judges it.
+
 Faults (catalogue IDs): B26 a release that does not unlock, B27 a release that frees the
 row from 0, B28 a release that frees from the admission's match, B29 a checkpoint that
 frees duplicates without repointing the row, B30 a checkpoint that keeps the lock on the
-pre-insert node.
+pre-insert node, B35 a flush blind to the batch in flight.
 """
 
 from __future__ import annotations
@@ -64,8 +67,8 @@ from overlap_spec.proofs.symbolic import lift
 from overlap_spec.spec import transitions as tr
 from overlap_spec.spec.config import Cell
 
-RADIX_IDS = ("RX1", "RX2", "RX3", "RX4")
-RADIX_FAULTS = ("B26", "B27", "B28", "B29", "B30")
+RADIX_IDS = ("RX1", "RX2", "RX3", "RX4", "RX8")
+RADIX_FAULTS = ("B26", "B27", "B28", "B29", "B30", "B35")
 
 
 def is_radix(ctx: Context) -> bool:
@@ -295,9 +298,34 @@ def release(s: BmcState, b: int, pre: Record, when: Term, cached: Term | None) -
         r[name] = zs.If(when, 0, r[name])
 
 
+def flush_cache(s: BmcState, i: int) -> Term:
+    """``Scheduler.flush_cache`` after iteration i (the script's ``flush``): a free choice
+    that runs when the scheduler is fully idle, no request waiting or in the
+    running batch and no batch in flight (B35: the batch in flight unseen, #12107). It
+    empties the tree, frees every page and zeroes every lock and both sizes; RX8 judges
+    what it found. Returns whether it ran."""
+    ctx, g = s.ctx, s.glob
+    busy = [zs.Or(r["waiting"], r["in_running_batch"]) for r in s.reqs]
+    if not ctx.has("B35"):
+        busy.append(g["last_launched"])  # last_batch, and under overlap its queued result
+    ran = zs.And(zs.Bool(f"i{i}.flush"), zs.Not(zs.Or(*busy)))
+    violate(s, "RX8", i, "flush_cache", zs.And(ran, zs.Or(*[
+        zs.Or(r["waiting"], r["holds_kv"]) for r in s.reqs])),
+        zs.And(ran, zs.Or(*[r["finished"] for r in s.reqs])))
+    for name in ("trunk", "evictable", "protected", *get_lock_names(ctx)):
+        g[name] = zs.If(ran, 0, g[name])
+    g["free"] = zs.If(ran, s.kv_pages, g["free"])
+    for r in s.reqs:
+        for name in ("branch", "branch_ref", "branch_locked"):
+            r[name] = zs.If(ran, 0, r[name])
+    check_radix(s, i, "flush_cache")
+    return ran
+
+
 # ---------------------------------------------------------------------- checks
 def check_radix(s: BmcState, i: int, where: str) -> None:
-    """RX1..RX4 on the bounded tree (their page-count forms), after every sub-step."""
+    """RX1..RX4 on the bounded tree (their page-count forms), after every sub-step (RX8 is
+    :func:`flush_cache`'s)."""
     ctx, g = s.ctx, s.glob
     p = _page(ctx)
     tree = get_tree_pages(s)

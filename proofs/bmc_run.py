@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from overlap_spec.proofs import solver as zs
 from overlap_spec.proofs.bmc_checks import check_loop, check_point, check_state
-from overlap_spec.proofs.bmc_radix import checkpoint, release
+from overlap_spec.proofs.bmc_radix import checkpoint, flush_cache, is_radix, release
 from overlap_spec.proofs.bmc_schedule import Choices, filter_batch, get_next_batch_to_run
 from overlap_spec.proofs.bmc_state import (
     BmcState,
@@ -40,7 +40,8 @@ def run_iteration(s: BmcState, i: int, now: Term | None = None) -> None:
     ``now`` is its index as a term, a literal unless the inductive step makes it
     symbolic. Admissions, get_next_batch_to_run, under overlap with disable_overlap the
     pending result first and the re-filter, run_batch, then the previous result (overlap)
-    or this one, on_idle; the end state is checked and recorded."""
+    or this one, on_idle; the end state is checked and recorded; then, in a radix cell, a
+    flush (a free choice)."""
     now = zs.IntVal(i) if now is None else now
     ctx = s.ctx
     g = s.glob
@@ -77,6 +78,9 @@ def run_iteration(s: BmcState, i: int, now: Term | None = None) -> None:
     g["last_launched"] = zs.Or(*launched)
     snapshot(s)
     _record_iteration_end(s, i, now, choices, launched, prefill)
+    if is_radix(ctx):  # a flush_cache between this iteration and the next one's admissions
+        s.out.iterations[-1].flushed = flush_cache(s, i)
+        snapshot(s)
 
 
 def _draw_choices(s: BmcState, i: int) -> Choices:

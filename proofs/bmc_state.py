@@ -70,6 +70,8 @@ class IterationTerms:
     launched: list[Term]  # request b is in the batch launched this iteration
     order: list[Term]  # its position key in that batch (ascending)
     prefill: Term
+    # A flush_cache ran after this iteration (radix cells; None: the cell has none).
+    flushed: Term | None = None
 
 
 @dataclass

@@ -42,6 +42,10 @@ class TokenToKVPoolAllocator:
     def available_size(self) -> int:
         return len(self.free_pages)
 
+    def clear(self) -> None:
+        """``clear`` (``flush_cache``): every page free again, in the first order."""
+        self.__post_init__()
+
     def alloc(self, pages: int) -> list[PageId]:
         if pages > len(self.free_pages):
             raise OutOfMemory(f"need {pages} pages, {len(self.free_pages)} free")
@@ -72,6 +76,11 @@ class TreeCache:
     def get_pages(self) -> list[PageId]:
         return [page for chunk in self.chunks for page in chunk]
 
+    def reset(self) -> None:
+        """``flush_cache``'s ``tree_cache.reset``: the sink forgets its pages (the
+        allocator's clear frees them)."""
+        self.chunks.clear()
+
 
 class RadixCache:
     """The radix prefix cache of a radix cell (``UnifiedRadixCache``, enabled), behind the
@@ -94,6 +103,9 @@ class RadixCache:
     def get_pages(self) -> list[PageId]:
         return self.tree.get_pages()
 
+    def reset(self) -> None:
+        self.tree.reset()
+
 
 @dataclass
 class ReqToTokenPool:
@@ -106,6 +118,11 @@ class ReqToTokenPool:
 
     def __post_init__(self) -> None:
         self.rows = [[-1] * self.width for _ in range(self.size + 1)]
+        self.free_slots = [PoolRow(r) for r in range(1, self.size + 1)]
+
+    def clear(self) -> None:
+        """``clear`` (``flush_cache``): every row free again, in the first order; the rows'
+        contents are left as they are (the release's are)."""
         self.free_slots = [PoolRow(r) for r in range(1, self.size + 1)]
 
     def alloc(self) -> PoolRow | None:

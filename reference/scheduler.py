@@ -198,10 +198,30 @@ class Scheduler:
     def on_idle(self) -> None:
         """``Scheduler.on_idle``: once nothing runs, waits, is in flight or is being chunked
         (``is_fully_idle``), the new-token ratio starts over."""
-        if (all(b is None or b.is_empty() for b in (self.running_batch, self.last_batch))
-                and not self.result_queue and not self.waiting_queue
-                and self.chunked_req is None):
+        if self.is_fully_idle():
             self.new_token_ratio = INIT_NEW_TOKEN_RATIO
+
+    def is_fully_idle(self, sees_in_flight: bool = True) -> bool:
+        """``Scheduler.is_fully_idle``: nothing runs, waits or is being chunked, and (unless
+        ``sees_in_flight`` is off: B35's check) no batch is in flight or has its result
+        queued."""
+        idle = ((self.running_batch is None or self.running_batch.is_empty())
+                and not self.waiting_queue and self.chunked_req is None)
+        return idle and (not sees_in_flight or (
+            (self.last_batch is None or self.last_batch.is_empty()) and not self.result_queue))
+
+    def flush_cache(self) -> bool:
+        """``Scheduler.flush_cache``: when fully idle, the tree reset and the row and page
+        pools back to their first state; refused otherwise, nothing changed. B35: the idle
+        check before #12107, blind to the batch in flight."""
+        if not self.is_fully_idle(sees_in_flight=not self.rt.has_fault("B35")):
+            return False
+        self.last_batch = None
+        self.rt.tree.reset()
+        self.rt.req_to_token.clear()
+        self.rt.allocator.clear()
+        self.refinement.observe(ObservationPoint.FLUSH_CACHE, self)
+        return True
 
     def set_step_index(self, index: int) -> None:
         self.step_index = index

@@ -80,6 +80,11 @@ class SchedulerModel(Protocol):
         """Abort: immediate if waiting, deferred to its next result if running."""
         ...
 
+    def flush_cache(self) -> bool:
+        """``Scheduler.flush_cache``: when fully idle, the tree reset and the pools cleared
+        (True); otherwise refused, nothing changed (False)."""
+        ...
+
     def run_iteration(self, choices: IterationChoices) -> None:
         """One pass of the event loop with the environment's choices."""
         ...

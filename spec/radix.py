@@ -56,6 +56,13 @@ class RadixTree:
         self.protected_size = 0
         self.refresh_calls = 0  # SchedulePolicy._waiting_prefix_refresh_calls
 
+    def reset(self) -> None:
+        """``tree_core.reset`` (``flush_cache``): a new root, both sizes 0. The clock and the
+        node counter go on (the release's are global), and so does the waiting-prefix
+        refresh count (the scheduler's policy keeps it)."""
+        self.root = Node(self, (), [], None)
+        self.evictable_size = self.protected_size = 0
+
     def tick(self) -> int:
         self.clock += 1
         return self.clock - 1

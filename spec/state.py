@@ -37,6 +37,7 @@ class ObservationPoint(enum.Enum):
     RUN_BATCH = "run_batch"  # after isolation exit, run_batch returned
     PROCESS_RESULT = "process_result"
     ABORT = "abort"
+    FLUSH_CACHE = "flush_cache"  # after a flush_cache that ran (a refused one changes nothing)
     ITERATION_END = "iteration_end"
 
 

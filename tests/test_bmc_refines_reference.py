@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from overlap_spec.harness.drive.script import Admit, Iterate, Op, Script, apply_op
+from overlap_spec.harness.drive.script import Admit, Flush, Iterate, Op, Script, apply_op
 from overlap_spec.proofs import bmc
 from overlap_spec.proofs import solver as zs
 from overlap_spec.proofs.model import Context
@@ -48,6 +48,9 @@ class Run:
     max_new_tokens: list[int]
     choices: list[IterationChoices]
     states: list[dict[RequestId, RequestState]]  # reference state after each iteration
+    # Radix cells: a flush asked for after each iteration, and whether the reference ran it.
+    flushes: list[bool] | None = None
+    flushed: list[bool] | None = None
 
 
 def _random_run(config: ModelConfig, rng: random.Random) -> Run:
@@ -71,11 +74,14 @@ def _random_run(config: ModelConfig, rng: random.Random) -> Run:
             disable_overlap=config.cell.overlap and rng.random() < 0.15,
             spec_steps=rung,
             eos_offset=rng.randrange(config.max_accept_len)))
-    return _run_on_reference(config, admit_at, prompt_len, max_new, choices)
+    # Drawn last, and in radix cells only: the other cells' runs are the ones drawn before.
+    flushes = [rng.random() < 0.3 for _ in range(DEPTH)] if config.cell.radix else None
+    return _run_on_reference(config, admit_at, prompt_len, max_new, choices, flushes)
 
 
 def _run_on_reference(config: ModelConfig, admit_at: list[int], prompt_len: list[int],
-                      max_new: list[int], choices: list[IterationChoices]) -> Run:
+                      max_new: list[int], choices: list[IterationChoices],
+                      flushes: list[bool] | None = None) -> Run:
     preset = config.preset
     ops: list[Op] = []
     for i in range(len(choices)):
@@ -84,16 +90,23 @@ def _run_on_reference(config: ModelConfig, admit_at: list[int], prompt_len: list
         ops += [Admit(prompt_len[b], max_new[b], family) for b in range(len(admit_at))
                 if admit_at[b] == i]
         ops.append(Iterate(choices[i]))
+        if flushes is not None and flushes[i]:
+            ops.append(Flush())
     script = Script(config.cell.name, preset.name, ops)
     model = Scheduler(config, frozenset(), None)
     admitted: list[RequestId] = []
     states = []
+    flushed = [False] * len(choices) if flushes is not None else None
     for index, op in enumerate(ops):
         model.set_step_index(index)
+        if isinstance(op, Flush):
+            assert flushed is not None
+            flushed[len(states) - 1] = model.flush_cache()
+            continue
         apply_op(model, op, admitted)
         if isinstance(op, Iterate):
             states.append({r.rid: r for r in model.get_observable_state().requests})
-    return Run(script, admit_at, prompt_len, max_new, choices, states)
+    return Run(script, admit_at, prompt_len, max_new, choices, states, flushes, flushed)
 
 
 def _pin(unrolling: bmc.Unrolling, run: Run, config: ModelConfig) -> list[zs.Term]:
@@ -106,6 +119,8 @@ def _pin(unrolling: bmc.Unrolling, run: Run, config: ModelConfig) -> list[zs.Ter
                  unrolling.max_new_tokens[b] == run.max_new_tokens[b]]
     for i, it in enumerate(unrolling.iterations):
         c = run.choices[i]
+        if it.flushed is not None:  # a radix cell: the flush asked for after iteration i
+            pins.append(zs.Bool(f"i{i}.flush") == bool(run.flushes and run.flushes[i]))
         pins += [it.allow_prefill == c.allow_prefill, it.retract == c.retract,
                  it.disable_overlap == c.disable_overlap, it.rung == c.spec_steps,
                  it.eos_offset == c.eos_offset]
@@ -135,6 +150,12 @@ def _status(model: object, record: dict[str, zs.Term]) -> str:
 
 def _compare(run: Run, unrolling: bmc.Unrolling, model: object) -> list[str]:
     differences = []
+    for i, it in enumerate(unrolling.iterations):
+        if it.flushed is not None and run.flushed is not None:
+            ran = zs.evaluate(model, it.flushed) is True
+            if ran != run.flushed[i]:
+                differences.append(f"after iteration {i}: flush_cache ran: BMC {ran}, "
+                                   f"reference {run.flushed[i]}")
     for i, state in enumerate(run.states):
         rids = sorted(state)
         admitted = [b for b in range(len(run.admit_at)) if run.admit_at[b] <= i]
@@ -263,3 +284,22 @@ def test_every_reference_run_is_a_bmc_run_in_a_radix_cell(cell: str) -> None:
     problems, compared = _disagreements(cell, runs=RUNS_PER_CELL)
     assert not problems, problems[0]
     assert compared > 0
+
+
+@pytest.mark.parametrize("cell", ["ov-p1-none-radix", "nov-p4-v2chain-cpu-honest-radix"])
+def test_a_flush_runs_in_the_bmc_where_it_runs_in_the_reference(cell: str) -> None:
+    """A request prefilled and finished, then a flush after every iteration: refused while
+    the request waits, runs or is in flight, run once the scheduler is idle, at the same
+    iterations in the BMC as in the reference, and a second request admitted after it
+    matches nothing (the same lengths in both)."""
+    config = ModelConfig(get_cell(cell), PRESETS["minimal"])
+    # The chain's rung named (the BMC's domain: 1 to chain_steps), as the random runs do.
+    rung = config.preset.chain_steps if config.cell.spec_mode is SpecMode.V2_CHAIN else 0
+    choices = [IterationChoices(allow_prefill=False, spec_steps=rung),
+               *[IterationChoices(spec_steps=rung)] * 4]
+    run = _run_on_reference(config, [0, 4], [5, 5], [1, 2], choices, [True] * 5)
+    assert run.flushed is not None and run.flushed[:2] == [False, False] and any(run.flushed)
+    assert not _check_pinned(run, config)
+    # The BMC with B35's flush (blind to the batch in flight) runs it too early.
+    assert any("flush_cache ran: BMC True, reference False" in line
+               for line in _check_pinned(run, config, frozenset({"B35"})))

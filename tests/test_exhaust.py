@@ -854,7 +854,7 @@ def test_every_rx_invariant_is_witnessed_within_the_dedup_depth(cell: str) -> No
     result = explore(config, 4, alphabet=get_alphabet(config, scope=SHARED))
     assert result.complete and not result.findings
     assert [i for i in RX_IDS if not result.exercised[i]] == []
-    assert RX_IDS == ["RX1", "RX2", "RX3", "RX4", "RX5", "RX6", "RX7"]
+    assert RX_IDS == ["RX1", "RX2", "RX3", "RX4", "RX5", "RX6", "RX7", "RX8"]
 
 
 @pytest.mark.parametrize("cell", [pytest.param(c, marks=() if c == "nov-p1-none-radix"

@@ -138,7 +138,7 @@ def test_fault_ids_are_the_catalogue_and_unknown_ones_are_refused() -> None:
 
 
 # B4 changes only the accept counters; B5, B8, B9, B13 and B15 only the stream structure.
-# The radix bugs (B26-B34) need prompts of one family, which these ops do not draw: their
+# The radix bugs (B26-B35) need prompts of one family, which these ops do not draw: their
 # divergences are the corpus scripts' (tests/test_gpu_impl.py, replayed on gpu_impl) and
 # the gpu_impl column's.
 VALUE_FAULTS = sorted(set(BUG_IDS) - {"B4", "B5", "B8", "B9", "B13", "B15"}

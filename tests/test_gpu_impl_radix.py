@@ -12,7 +12,9 @@ evictions; the differential compares the tree and each request's ``cache_protect
   release's order, which the reference keeps): gpu_impl agrees, and counting that write
   as a fault diverges at ``kv_write_faults``;
 - gpu_impl's radix code broken (a checkpoint that skips the row repoint, a release that
-  keeps its lock) fails the differential, at the field that shows it.
+  keeps its lock) fails the differential, at the field that shows it;
+- ``flush_cache`` on the device agrees with the reference, and B35's flush (blind to the
+  batch in flight) fails the differential at the flush.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ from overlap_spec.gpu_impl.worker import RequestInputs
 from overlap_spec.harness.differential.compare import DifferentialPair, run_differential
 from overlap_spec.harness.drive.cells import check_sizes
 from overlap_spec.harness.drive.generate import generate_random_ops
-from overlap_spec.harness.drive.script import Admit, Iterate, Op, Script
+from overlap_spec.harness.drive.script import Admit, Flush, Iterate, Op, Script
 from overlap_spec.spec.config import MINIMAL, ModelConfig, enumerate_radix_cells, get_cell
 from overlap_spec.spec.radix import RadixTree
 from overlap_spec.spec.state import IterationChoices
@@ -174,6 +176,29 @@ def test_a_release_that_keeps_its_lock_fails_the_differential(
     outcome = run_differential(script)
     assert outcome.divergence is not None, outcome.describe()
     assert (outcome.divergence.step, outcome.divergence.field) == (1, "free_pages")
+
+
+def test_a_flush_on_the_device_and_one_blind_to_the_batch_in_flight() -> None:
+    """``flush_cache`` in gpu_impl: refused while the prefill is in flight, then at idle the
+    tree reset, every page owned by no one and the rows and pages handed out in their first
+    order, as the reference; B35 (#12107's idle check) flushes under the prefill in flight
+    and the differential names the batch in flight it dropped, at the flush."""
+    drain = [iterate() for _ in range(5)]
+    ops: list[Op] = [Admit(6, 2, 0), iterate(), Flush(), *drain, Flush(), Admit(6, 2, 0),
+                     iterate()]
+    script = Script("ov-p1-none-radix", "minimal", ops, implementation="gpu_impl")
+    outcome = run_differential(script)
+    assert outcome.ok, outcome.describe()
+    pair = DifferentialPair(script.get_config())
+    for op in ops[:-2]:
+        assert pair.apply(op).ok
+    gpu = cast(GpuScheduler, pair.gpu)
+    assert not gpu.rt.tree.get_pages() and gpu.rt.allocator.free_pages == list(
+        range(gpu.rt.allocator.total_pages))
+    assert bool((gpu.rt.kv.page_owner == -1).all())
+    blind = run_differential(replace(script, faults=("B35",)))
+    assert blind.divergence is not None, blind.describe()
+    assert (blind.divergence.step, blind.divergence.field) == (2, "last_batch")
 
 
 def test_non_radix_cells_show_no_tree_and_no_protected_prefix() -> None:

@@ -21,6 +21,7 @@ from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
     AdmitPrebuilt,
+    Flush,
     Iterate,
     Script,
     apply_op,
@@ -69,6 +70,12 @@ def _collect(cell: str) -> tuple[ModelConfig, list[Observation]]:
                 frozenset({rng.randint(0, 2)}) if rng.random() < 0.15 else frozenset(),
                 rng.random() < 0.1, rng.randint(0, 3)))
         apply_op(model, op, admitted)
+    if config.cell.radix:  # RX8's witness: everything aborted, drained, then a flush
+        drain = [*map(Abort, range(len(admitted))),
+                 *[Iterate(IterationChoices(allow_prefill=False))] * 6, Flush()]
+        for index, op in enumerate(drain, start=160):
+            model.set_step_index(index)
+            apply_op(model, op, admitted)
     return config, observations
 
 
@@ -200,6 +207,9 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
         replace(o.tree.nodes[0], key=o.tree.nodes[0].key[:-1]), *o.tree.nodes[1:]))),
     # A finish whose insert never reached the tree.
     "RX7": lambda o: replace(o, tree=replace(o.tree, nodes=())),
+    # A flush that left a page out of the free list (a tree reset without the clear).
+    "RX8": lambda o: replace(o, allocator=replace(o.allocator,
+                                                  free_pages=o.allocator.free_pages[1:])),
 }
 
 

@@ -32,6 +32,7 @@ from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
     AdmitPrebuilt,
+    Flush,
     Iterate,
     Op,
     apply_op,
@@ -135,6 +136,9 @@ CHUNKED = {"chunked_prefill_size": 4}
     ("tree-eviction", "ov-p1-none-radix", {"kv_tokens": 16},
      [Admit(9, 2, 0), STEP, STEP, STEP, Admit(9, 2, 1), STEP, STEP],
      [Admit(9, 2, 0), STEP, STEP, STEP, Admit(2, 2, 1), STEP, STEP]),
+    # Without: refused while the request runs, then one on an empty tree.
+    ("cache-flush", "ov-p1-none-radix", {}, [Admit(4, 2, 0), STEP, STEP, STEP, STEP, Flush()],
+     [Flush(), Admit(4, 2, 0), STEP, Flush(), STEP]),
 ])
 def test_each_recogniser_fires_on_its_mechanism_only(
         mechanism: str, cell: str, sizes: dict[str, int], ops: list[Op],

@@ -399,9 +399,10 @@ def test_rp4_in_the_bmc_catches_a_loop_that_decodes_past_a_length_finish(
 # sub-step. Two radix cells in the default tier (non-spec page 1: a five-page trunk; spec
 # page 4: bigram keys, one trunk page), every radix cell at the radix bound in the slow one.
 RADIX_CELLS = ["ov-p1-none-radix", "ov-p4-v2chain-cpu-honest-radix"]
-RADIX_IDS = ("RX1", "RX2", "RX3", "RX4")
+RADIX_IDS = ("RX1", "RX2", "RX3", "RX4", "RX8")
 # Each radix bug, the RX claim it breaks first, and the BMC bound that finds it.
-RADIX_BUGS = [("B26", "RX2"), ("B27", "RX1"), ("B28", "RX1"), ("B29", "RX4"), ("B30", "RX4")]
+RADIX_BUGS = [("B26", "RX2"), ("B27", "RX1"), ("B28", "RX1"), ("B29", "RX4"), ("B30", "RX4"),
+              ("B35", "RX8")]
 
 
 @pytest.mark.parametrize("cell", RADIX_CELLS)
@@ -422,8 +423,9 @@ def test_radix_clean_model_has_no_violation_within_the_radix_bound(cell: str) ->
 
 @pytest.mark.parametrize("cell", RADIX_CELLS)
 def test_every_radix_claim_has_a_reachable_witness(cell: str) -> None:
-    """RX1..RX4 each have a run within the witness bound that exercises them: a tree that
-    holds pages (RX1, RX3), a locked page (RX2), a holder with a protected prefix (RX4)."""
+    """RX1..RX4 and RX8 each have a run within the witness bound that exercises them: a
+    tree that holds pages (RX1, RX3), a locked page (RX2), a holder with a protected prefix
+    (RX4), a flush after a finished request (RX8)."""
     found = bmc.find_reachable_witnesses(Context(ModelConfig(get_cell(cell), MINIMAL)),
                                          *get_witness_bound(get_cell(cell)))
     assert found and all(v == zs.SATISFIABLE for v in found.values()), found

@@ -8,6 +8,8 @@ checkpoints, release and retraction (``docs/upstream-radix-sharing.md`` sections
   of the shared page and repoints its row;
 - a retraction of a request whose prefix another request holds, and its re-admission
   re-matching the prompt;
+- ``flush_cache``: refused while a request waits, runs or is in flight, at full idle the
+  tree reset and rows and pages in their first order again (RX8);
 - every invariant on random scripts with prompt families, in every radix cell;
 - KV11 reads the per-candidate prefix and free term (a view without them fails).
 
@@ -388,19 +390,22 @@ def test_every_invariant_holds_on_random_scripts_with_families(cell: str) -> Non
 
 
 def test_sharing_happens_in_random_scripts() -> None:
-    """The random scripts above do share: some admissions match a prefix, some requests
-    hold a lock another request holds too."""
-    config = Script(EAGLE_P4, "minimal").get_config()
+    """The random scripts above do share: over the cells and seeds they run at the default
+    sizes, some admissions match a prefix and some requests hold a lock another request
+    holds too (the count is over them all: in one cell a few seeds may share nothing)."""
     prefixes = shared = 0
-    for seed in range(20):
-        seen: list[Observation] = []
-        model = Scheduler(config, frozenset(), seen.append)
-        admitted: list[RequestId] = []
-        for op in _family_ops(config, seed, 40):
-            apply_op(model, op, admitted)
-        prefixes += sum(1 for o in seen if o.admission is not None and any(o.admission.prefixes))
-        shared += sum(1 for o in seen if o.tree is not None
-                      and any(n.lock_ref > 1 for n in o.tree.nodes))
+    for cell in enumerate_radix_cells():
+        config = Script(cell.name, "minimal").get_config()
+        for seed in range(6):
+            seen: list[Observation] = []
+            model = Scheduler(config, frozenset(), seen.append)
+            admitted: list[RequestId] = []
+            for op in _family_ops(config, seed, 40):
+                apply_op(model, op, admitted)
+            prefixes += sum(1 for o in seen
+                            if o.admission is not None and any(o.admission.prefixes))
+            shared += sum(1 for o in seen if o.tree is not None
+                          and any(n.lock_ref > 1 for n in o.tree.nodes))
     assert prefixes > 0 and shared > 0
 
 
@@ -427,6 +432,46 @@ def test_kv11_reads_the_prefix_and_the_free_term_per_candidate() -> None:
         kv11.check(config, _admission((), ()))
     with pytest.raises(InvariantViolation, match="admitted asking 12 tokens, 8.000 left"):
         kv11.check(config, _admission((8,), (8,)))
+
+
+@pytest.mark.parametrize("cell", ["ov-p1-none-radix", EAGLE_P4])
+def test_flush_cache_runs_only_at_full_idle_and_leaves_the_first_state(cell: str) -> None:
+    """``flush_cache`` (scheduler.py:5518) is refused, changing nothing, while a request waits,
+    runs or is in the batch in flight (the overlap's last batch: #12107's case); at full idle
+    it resets the tree and hands out rows and pages in their first order again, and RX8
+    judges the state it leaves."""
+    admissions: list[AdmissionView] = []
+    run = Run.start(cell, also=lambda obs: admissions.extend(
+        [obs.admission] if obs.admission is not None else []))
+    run.do(Admit(6, 2, family=0), iterate(allow_prefill=False))
+    assert run.request(0).waiting and not run.model.flush_cache()  # waiting
+    run.do(iterate())
+    before = run.model.get_observable_state()
+    assert not run.model.flush_cache()  # the prefill in flight (or its request running)
+    assert run.model.get_observable_state() == before
+    refused = 1
+    for _ in range(8):
+        run.do(iterate())
+        if run.model.flush_cache():
+            break
+        refused += 1
+    else:
+        raise AssertionError("never fully idle")
+    assert refused >= 2 and run.request(0).finished
+    assert run.obs.point is ObservationPoint.FLUSH_CACHE
+    assert run.tree() == [] and run.sizes() == (0, 0)
+    alloc = run.obs.allocator
+    assert alloc.free_pages == tuple(range(alloc.total_pages)) and not alloc.tree_pages
+    assert alloc.free_pool_rows == tuple(PoolRow(r) for r in range(1, alloc.pool_rows + 1))
+    assert run.checker is not None and run.checker.exercised["RX8"] == 1
+    # The same prompt again: nothing to match, the first row and the first pages.
+    assert admissions[0].prefixes == (0,)
+    admissions.clear()
+    run.do(Admit(6, 2, family=0), iterate())
+    again = run.request(1)
+    assert admissions[0].prefixes == (0,) and again.req_pool_idx == 1
+    page = run.config.page_size
+    assert again.row_slots == slots(page, *range(-(-6 // page)))[:6]
 
 
 def test_non_radix_cells_show_no_tree() -> None:

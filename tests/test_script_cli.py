@@ -21,6 +21,7 @@ from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
     AdmitPrebuilt,
+    Flush,
     Iterate,
     Op,
     Script,
@@ -48,6 +49,7 @@ def _script(faults: tuple[str, ...] = ()) -> Script:
         Iterate(IterationChoices(False, 0, (1, 1, 1), frozenset())),
         Abort(0),
         Iterate(IterationChoices(True, 0, (1, 1, 1), frozenset())),
+        Flush(),
     ]
     return Script("ov-p1-v2chain-cpu-honest", "minimal", ops, faults, seed=7)
 

@@ -61,7 +61,7 @@ def test_clean_run_traces_pass_in_every_cell(cell: str, tmp_path: Path) -> None:
 def test_corpus_covers_every_bug() -> None:
     # B1-B17 and, in radix cells, one script for each first invariant of the RX family.
     assert {_bug_of(p) for p in CORPUS_FILES} == {f"B{i}" for i in (*range(1, 18), 26, 27, 29,
-                                                                  30, 32, 33, 34)}
+                                                                  30, 32, 33, 34, 35)}
 
 
 @pytest.mark.parametrize("script_path", CORPUS_FILES, ids=lambda p: p.stem)

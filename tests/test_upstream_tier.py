@@ -1503,3 +1503,46 @@ def test_broken_radix_copy_fails_with_the_right_invariant(tmp_path: Path, name: 
         assert "the release crashed" in result.get("reason", ""), result
         return
     assert new_ids & expected, (new_ids, result)
+
+
+FLUSH_PROBE = """
+import json
+import sys
+from overlap_spec.harness.drive.checker import InvariantChecker
+from overlap_spec.harness.drive.script import Admit, Iterate, Script, apply_op, get_factory
+from overlap_spec.spec.state import IterationChoices
+
+def flushes(implementation):
+    config = Script(sys.argv[1], "minimal").get_config()
+    checker = InvariantChecker(config)
+    model = get_factory(implementation)(config, frozenset(), checker)
+    admitted, flushed = [], []
+    ops = [Admit(6, 2, family=0), Iterate(IterationChoices(allow_prefill=False))]
+    ops += [Iterate(IterationChoices())] * 7
+    for index, op in enumerate(ops):
+        apply_op(model, op, admitted)
+        if index:
+            flushed.append(model.flush_cache())
+    return {"flushed": flushed, "rx8": checker.exercised["RX8"]}
+
+print(json.dumps({name: flushes(name) for name in ("reference", "upstream")}))
+"""
+
+
+@needs_sglang
+@pytest.mark.parametrize("cell", ["ov-p1-none-radix", "nov-p4-v2chain-cpu-honest-radix"])
+def test_the_release_flushes_where_the_reference_does(cell: str) -> None:
+    """The release's own ``flush_cache`` between iterations: refused while the request
+    waits, runs or is in flight, run at the same iteration as the reference's once the
+    scheduler is fully idle (after which it stays idle), RX8 judged on what it left."""
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", FLUSH_PROBE, cell],
+                          capture_output=True, text=True, env=dict(os.environ,
+                                                                   PYTHONPATH=str(REPO)),
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["upstream"] == result["reference"]
+    flushed = result["reference"]["flushed"]
+    assert flushed[:2] == [False, False] and True in flushed
+    assert all(flushed[flushed.index(True):])  # idle stays idle: every later flush runs
+    assert result["reference"]["rx8"] == len(flushed) - flushed.index(True)

@@ -245,6 +245,16 @@ class UpstreamScheduler:
         self.observe(ObservationPoint.ABORT)
         self._raise_pending()
 
+    def flush_cache(self) -> bool:
+        """The release's own ``Scheduler.flush_cache`` between two iterations (where its loop
+        would take a ``FlushCacheReqInput``): it checks ``is_fully_idle`` itself."""
+        self.retracted_in_operation = frozenset()
+        flushed = bool(self.scheduler.flush_cache())
+        if flushed:
+            self.observe(ObservationPoint.FLUSH_CACHE)
+        self._raise_pending()
+        return flushed
+
     def run_iteration(self, choices: IterationChoices) -> None:
         self.launched = False
         self.retracted_in_operation = frozenset()

@@ -20,7 +20,7 @@ from typing import Any, Final
 
 from hypothesis import strategies as st
 
-from overlap_spec.harness.drive.script import Abort, Admit, AdmitPrebuilt, Iterate, Op
+from overlap_spec.harness.drive.script import Abort, Admit, AdmitPrebuilt, Flush, Iterate, Op
 from overlap_spec.spec.config import ModelConfig, Preset, SpecMode
 from overlap_spec.spec.state import IterationChoices
 
@@ -110,6 +110,8 @@ def generate_random_ops(config: ModelConfig, rng: random.Random, count: int) -> 
                                  rng.choice(RADIX_FAMILIES) if config.cell.radix else None))
         elif roll > 0.95:
             ops.append(Abort(rng.randrange(admitted)))
+        elif roll > 0.92 and config.cell.radix:  # flush_cache, drawn in the radix cells
+            ops.append(Flush())
         else:
             accept = tuple(top if rng.random() < 0.3 else rng.randint(1, top)
                            for _ in range(width))

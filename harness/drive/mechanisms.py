@@ -157,6 +157,8 @@ MECHANISMS: Final = (
               "prefix in use)", "the radix cells"),
     Mechanism("tree-eviction", "the radix tree shrank: unlocked leaves evicted for an "
               "allocation or a retraction", "the radix cells"),
+    Mechanism("cache-flush", "a flush_cache ran on a non-empty radix tree (at full idle)",
+              "the radix cells"),
 )
 
 _RECOGNISERS: Final[tuple[tuple[str, Callable[[MechanismTracker, Observation], bool]], ...]] = (
@@ -183,7 +185,9 @@ _RECOGNISERS: Final[tuple[tuple[str, Callable[[MechanismTracker, Observation], b
     ("shared-prefix", lambda t, obs: obs.tree is not None
      and any(n.lock_ref >= 2 for n in obs.tree.nodes)),
     ("tree-eviction", lambda t, obs: obs.tree is not None
-     and _get_tree_size(obs) < t._tree_size),
+     and obs.point is not ObservationPoint.FLUSH_CACHE and _get_tree_size(obs) < t._tree_size),
+    ("cache-flush", lambda t, obs: obs.point is ObservationPoint.FLUSH_CACHE
+     and t._tree_size > 0),
 )
 
 assert [m.id for m in MECHANISMS] == [name for name, _ in _RECOGNISERS]

@@ -8,7 +8,8 @@ A script is JSON::
      "ops": [{"op": "admit", "prompt_len": 3, "max_new_tokens": 4},
              {"op": "iterate", "allow_prefill": true, "retract": 0,
               "accept_lens": [2, 1, 1], "eos_positions": [0]},
-             {"op": "abort", "request": 0}]}
+             {"op": "abort", "request": 0},
+             {"op": "flush"}]}
 
 An optional ``"sizes"`` object sets sizes in place of the preset's (the KV pool,
 the request rows, the chain's draft steps; ``harness.drive.cells.SIZE_LIMITS`` holds
@@ -74,7 +75,13 @@ class Abort:
     request: int  # index into the admitted requests, in admission order
 
 
-Op = Admit | AdmitPrebuilt | Iterate | Abort
+@dataclass(frozen=True)
+class Flush:
+    """``flush_cache`` between iterations: it runs when the scheduler is fully idle and is
+    refused (nothing changes) otherwise."""
+
+
+Op = Admit | AdmitPrebuilt | Iterate | Abort | Flush
 
 
 @dataclass
@@ -119,6 +126,8 @@ def op_to_json(op: Op) -> dict[str, Any]:
                 "max_new_tokens": op.max_new_tokens}
     if isinstance(op, Abort):
         return {"op": "abort", "request": op.request}
+    if isinstance(op, Flush):
+        return {"op": "flush"}
     c = op.choices
     return {"op": "iterate", "allow_prefill": c.allow_prefill, "retract": c.retract,
             "accept_lens": list(c.accept_lens), "eos_positions": sorted(c.eos_positions),
@@ -153,6 +162,8 @@ def op_from_json(raw: Any, index: int) -> Op:
                              _field(raw, "max_new_tokens", int, where))
     if kind == "abort":
         return Abort(_field(raw, "request", int, where))
+    if kind == "flush":
+        return Flush()
     if kind == "iterate":
         accept = _field(raw, "accept_lens", list, where)
         eos = _field(raw, "eos_positions", list, where)
@@ -170,7 +181,7 @@ def op_from_json(raw: Any, index: int) -> Op:
             eos_offset=_field(raw, "eos_offset", int, where) if "eos_offset" in raw else 0,
         ))
     raise ScriptError(f"{where}: unknown op {kind!r} "
-                      "(expected admit, admit_prebuilt, iterate or abort)")
+                      "(expected admit, admit_prebuilt, iterate, abort or flush)")
 
 
 def script_to_json(script: Script) -> dict[str, Any]:
@@ -297,7 +308,7 @@ def check_op_ranges(config: ModelConfig, ops: list[Op]) -> None:
                          (0, max(admitted, ABORT_INDEX_LIMIT) - 1),
                          f"an index into the {admitted} request(s) admitted before it, "
                          "taken modulo their count")
-        else:
+        elif isinstance(op, Iterate):
             where = f"op {index} (iterate)"
             choices = op.choices
             _check_range(where, "retract", choices.retract, limits.retract,
@@ -381,6 +392,8 @@ def apply_op(model: SchedulerModel, op: Op, admitted: list[RequestId]) -> None:
     elif isinstance(op, Abort):
         if admitted:
             model.abort(admitted[op.request % len(admitted)])
+    elif isinstance(op, Flush):
+        model.flush_cache()
     else:
         model.run_iteration(op.choices)
 

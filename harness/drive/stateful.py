@@ -1,8 +1,8 @@
 """Hypothesis stateful checking: random operation sequences, invariants after every step.
 
-The machine's rules are the script operations (admit, iterate, abort); the
-observer checks every applicable invariant at every observation point inside
-each operation. A failure is shrunk by Hypothesis, saved as a replayable
+The machine's rules are the script operations (admit, iterate, abort, and flush in the
+radix cells); the observer checks every applicable invariant at every observation point
+inside each operation. A failure is shrunk by Hypothesis, saved as a replayable
 script (:mod:`overlap_spec.harness.drive.script`) and reported with the seed.
 
 Profiles (``HYPOTHESIS_PROFILE`` or ``--profile``): ``quick`` (``overlap-spec review``),
@@ -37,6 +37,7 @@ from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
     AdmitPrebuilt,
+    Flush,
     Iterate,
     Op,
     Script,
@@ -174,6 +175,11 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
         @rule(request=st.integers(0, MAX_REQUESTS - 1))
         def abort(self, request: int) -> None:
             self._apply(Abort(request))
+
+        if config.cell.radix:  # elsewhere the rules as they were, so a seed draws the same
+            @rule()
+            def flush(self) -> None:
+                self._apply(Flush())
 
         def teardown(self) -> None:
             if log is not None:

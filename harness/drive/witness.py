@@ -339,12 +339,38 @@ def _corpus_header(preset: str, sizes: dict[str, int]) -> dict[str, Any]:
 
 
 def generate_cell(config: ModelConfig) -> dict[str, Any]:
-    """One cell's corpus entry: minimised witnesses and the n/a reasons (a pool task)."""
+    """One cell's corpus entry: minimised witnesses and the n/a reasons (a pool task); what
+    the search left n/a and a committed witness still exercises keeps that witness."""
     plan = search_witnesses(config, minimize=True)
     if plan.failure is not None:
         raise CorpusError(f"{config.name}: the clean reference fails a witness script "
                           f"({len(plan.failure.ops)} ops); fix the tree first")
-    return {"witnesses": [_witness_to_json(w) for w in plan.witnesses], "na": plan.na}
+    carried = carry_over(config, set(plan.na))
+    na = {i: reason for i, reason in plan.na.items()
+          if not any(i in w.claims for w in carried)}
+    return {"witnesses": [_witness_to_json(w) for w in [*plan.witnesses, *carried]],
+            "na": na}
+
+
+def carry_over(config: ModelConfig, missing: set[str]) -> list[Witness]:
+    """The committed corpus's witnesses of what the search no longer reached (``missing``)
+    that still exercise it on today's clean reference, each claiming only that: a search
+    whose draws moved (a new operation, a new literal Hypothesis mines) must not lose a
+    witness that still works. A damaged or absent corpus file carries nothing over."""
+    try:
+        old = load_plan(config) if missing else None
+    except CorpusError:
+        old = None
+    kept: list[Witness] = []
+    for witness in [] if old is None else old.witnesses:
+        wanted = missing & set(witness.claims)
+        exercised = _exercised(Script.for_config(config, list(witness.ops)))[0] \
+            if wanted else None
+        still = wanted & (exercised or set())
+        if still:
+            kept.append(Witness(witness.ops, tuple(sorted(still))))
+            missing -= still
+    return kept
 
 
 def check_cell_corpus(config: ModelConfig) -> list[str]:

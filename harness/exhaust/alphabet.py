@@ -89,12 +89,13 @@ is for the prefix tree: every admission is of family 0 (``Admit(..., family=0)``
 prompt's tokens), :func:`get_shared_prompt_len` long, the shortest prompt a second request
 matches a whole page of (a match covers at most ``input_len - 1`` tokens, keyed in whole
 pages, of bigrams under EAGLE), with max_new_tokens 2 and the preset's maximum, and in
-non-speculative cells the longest prompt as above (RP8). Its iterations vary the forced
-retraction, the accept length's two ends (1 and the most) and the EOS position; the rest
-keep their first value. So the dedup (two requests prefilled together, the second's
-checkpoint freeing its copy of the page) takes four operations and the match (the second
-admitted after the first's prefill result) five under overlap, and the default depth of 6
-goes one past both.
+non-speculative cells the longest prompt as above (RP8); ``flush`` (``flush_cache``: it
+runs at full idle, else is refused and changes nothing) is an operation too. Its
+iterations vary the forced retraction, the accept length's two ends (1 and the most) and
+the EOS position; the rest keep their first value. So the dedup (two requests prefilled
+together, the second's checkpoint freeing its copy of the page) takes four operations and
+the match (the second admitted after the first's prefill result) five under overlap, and
+the default depth of 6 goes one past both.
 """
 
 from __future__ import annotations
@@ -136,6 +137,7 @@ class Alphabet:
     domains: dict[str, tuple[Hashable, ...]]
     rows: int  # batch positions the choices index (accept_lens, eos_positions)
     scope: str = FULL  # the alphabet's name (FULL, PD_DECODE or SHARED)
+    flush: bool = False  # flush_cache is an operation (the shared alphabet's)
 
     def describe(self) -> str:
         """One line per kind of operation, for reports."""
@@ -148,8 +150,9 @@ class Alphabet:
                   if len(values) > 1]
         plural = "s" * (self.max_requests != 1)
         named = "" if self.scope == FULL else f"{self.scope} alphabet: "
+        flush = "; flush" if self.flush else ""
         return (f"{named}up to {self.max_requests} request{plural}; {admits}; "
-                f"abort(each admitted); iterate over {'; '.join(varied)}")
+                f"abort(each admitted){flush}; iterate over {'; '.join(varied)}")
 
 
 def get_rungs(config: ModelConfig) -> tuple[int, ...]:
@@ -241,7 +244,8 @@ def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
         domains = {name: values if name in kept else values[:1]
                    for name, values in domains.items()}
         domains[ACCEPT_LEN] = tuple(dict.fromkeys((1, config.max_accept_len)))
-    return Alphabet(config, tuple(admissions), max_requests, domains, rows, scope)
+    return Alphabet(config, tuple(admissions), max_requests, domains, rows, scope,
+                    flush=scope == SHARED)
 
 
 # -- where a field cannot matter -----------------------------------------------------------

@@ -53,6 +53,7 @@ from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
     AdmitPrebuilt,
+    Flush,
     Iterate,
     Op,
     Script,
@@ -221,9 +222,9 @@ def run_operations(state: bytes, admitted_count: int, depth: int, alphabet: Alph
                    checker: InvariantChecker, peek: bool = True) -> Iterator[Outcome]:
     """Every operation of the alphabet from ``state``, each on its own copy: every
     distinguishable iteration, then the admissions (below the request bound), then an
-    abort of each admitted request. The order leaves each level's states unchanged; it
-    only decides which shortest counterexample is met first, and iterations first meet
-    one sooner (docs/exhaust.md)."""
+    abort of each admitted request, then a flush where the alphabet has one. The order
+    leaves each level's states unchanged; it only decides which shortest counterexample
+    is met first, and iterations first meet one sooner (docs/exhaust.md)."""
     decisions: list[int] | None = []
     while decisions is not None:
         oracle = ChoiceOracle(alphabet, decisions)
@@ -234,6 +235,8 @@ def run_operations(state: bytes, admitted_count: int, depth: int, alphabet: Alph
             yield _run(state, depth, checker, admission, None, peek)
     for index in range(admitted_count):
         yield _run(state, depth, checker, Abort(index), None, peek)
+    if alphabet.flush:
+        yield _run(state, depth, checker, Flush(), None, peek)
 
 
 def explore(config: ModelConfig, depth: int, faults: frozenset[str] = frozenset(),

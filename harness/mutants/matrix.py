@@ -170,7 +170,9 @@ RACE_INVARIANTS = frozenset({"FM1", "FM3", "ST1", "ST2", "ST3", "ST4", "ST5"})
 
 # Committed triggers of the gpu_impl column (``<cell>@<preset>[sizes]-<bug>.json``): bugs
 # whose divergence the column's seeded search finds at some seeds only (B19's mixed step
-# needs a prompt capped to 0 new tokens beside a running decode: missed at 2 of 4 seeds).
+# needs a prompt capped to 0 new tokens beside a running decode: missed at 2 of 4 seeds;
+# B29's dedup needs two requests of one family prefilled together: missed in the tree cell
+# once the radix cells drew flushes).
 KILL_CORPUS = Path(__file__).parent / "kills"
 
 

@@ -14,6 +14,7 @@ from overlap_spec.harness.catalogue import BUGS, Bug
 from overlap_spec.harness.drive.script import (
     Admit,
     AdmitPrebuilt,
+    Flush,
     Iterate,
     Op,
     Script,
@@ -68,7 +69,7 @@ def decode_counterexample(result: bmc.BmcResult, faults: tuple[str, ...] = (),
                           preset: str = "minimal") -> Script:
     """The BMC model as a harness script: Admit ops before their iteration (in a radix
     cell all of family 0), one Iterate per iteration up to the violation, accepts and EOS
-    placed at batch positions."""
+    placed at batch positions, and after an iteration a flush that ran."""
     unrolling = result.unrolling
     model = result.raw_model
     assert unrolling is not None and model is not None, "no counterexample to decode"
@@ -101,6 +102,8 @@ def decode_counterexample(result: bmc.BmcResult, faults: tuple[str, ...] = (),
             accept_lens=accepts, eos_positions=eos,
             disable_overlap=flag(it.disable_overlap), spec_steps=value(it.rung),
             eos_offset=value(it.eos_offset))))
+        if it.flushed is not None and flag(it.flushed):
+            ops.append(Flush())
     return Script(result.cell, preset, ops, tuple(faults))
 
 

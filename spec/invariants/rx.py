@@ -178,11 +178,12 @@ def check_rx5(config: ModelConfig, obs: Observation) -> int:
     ``_compute_max_prefix_len`` (a match covers at most input_len - 1 tokens).
     """
     tree = _tree(obs)
+    present = {node.id for node in tree.nodes}
     count = 0
     for r in obs.get_holding():
         key = _get_key(config, r)
-        if key is None or not r.cache_protected_len:
-            continue
+        if key is None or not r.cache_protected_len or r.lock_node not in {None, *present}:
+            continue  # a lock on a node the tree lacks is RX2's
         path_key = tuple(k for node in tree.get_path(r.lock_node) for k in node.key)
         if path_key != key[:r.cache_protected_len] or len(key) < r.cache_protected_len:
             raise fail("RX5", obs, f"for request r{r.rid}: its {r.cache_protected_len} "
@@ -236,3 +237,32 @@ def check_rx7(config: ModelConfig, obs: Observation) -> int:
                        f"its key, its finish keyed {r.inserted_len}")
         count += 1
     return count
+
+
+@invariant("RX8", radix=True)
+def check_rx8(config: ModelConfig, obs: Observation) -> int:
+    """a flush runs only at full idle and leaves nothing
+
+    a flush_cache that ran found no request waiting or holding KV (none running, chunked or in
+    the batch in flight), and left every page free, every request row free and the tree
+    empty with both sizes 0.
+
+    Source: scheduler.py ``flush_cache`` and ``is_fully_idle`` (the running and last batches,
+    the result queue, the chunked request, the waiting queue), unified_tree_core.py
+    ``reset``, allocator ``clear``, memory_pool.py ``ReqToTokenPool.clear``; #12107 (a flush
+    blind to the overlap's batch in flight: its request's lock held a node of the old tree),
+    #27446 (the same under pipeline parallelism).
+    """
+    if obs.point is not ObservationPoint.FLUSH_CACHE:
+        return 0
+    busy = [f"r{r.rid}" for r in obs.requests if r.waiting or r.holds_kv]
+    tree, alloc = _tree(obs), obs.allocator
+    for what, got, want in (
+            (f"requests waiting or holding KV {busy}", len(busy), 0),
+            ("free pages", len(alloc.free_pages), alloc.total_pages),
+            ("free request rows", len(alloc.free_pool_rows), alloc.pool_rows),
+            ("tree nodes", len(tree.nodes), 0),
+            ("evictable + protected", tree.evictable_size + tree.protected_size, 0)):
+        if got != want:
+            raise fail("RX8", obs, f"after the flush: {got} {what}, expected {want}")
+    return 1 if any(r.finished for r in obs.requests) else 0  # a flush after some work
