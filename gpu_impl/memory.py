@@ -17,8 +17,14 @@ What is a tensor here and what is not:
   reference asks ``slot // page_size in req.pages``). A tree page sits in a request's row
   below its ``cache_protected_len``: readable, never a write target of the request (the
   one exception, a mixed chunk's decode row, is ``gpu_impl/worker.py``'s).
-- ``kv_cache`` is the KV slot buffer the forward writes; its last element is a trash slot
-  that masked writes land in, so a wrong write is counted, never a crash.
+- ``kv_cache`` is the KV slot buffer the forward writes; after the pages' slots come a
+  trash slot that masked writes land in, so a wrong write is counted, never a crash, and a
+  slot nothing writes, read by a copy through an unset entry. A write stores
+  who wrote which position, ``rid * KV_POSITION_STRIDE + position`` (:func:`decode_kv`
+  reads it back), a draft's tail copy its source's value (``move_kv_cache``); a slot no
+  forward ever wrote holds :data:`UNWRITTEN_KV`. Nothing clears it: a freed page keeps its
+  content until a write overwrites it (the reference's ``Runtime.kv_cache`` is the same
+  model, a dict).
 - The free page list and the tree cache's FIFO of evictable chunks stay on the host, as
   Python lists: the allocation order must match the reference exactly (front of the free
   list first, frees appended, whole chunks evicted oldest first), and host-side page ids
@@ -44,6 +50,20 @@ from overlap_spec.spec.units import PageId, PoolRow
 
 # page_owner of a page the radix tree holds (a radix cell): no request's to write.
 TREE_OWNER = -2
+# The KV slot buffer's content: rid * KV_POSITION_STRIDE + position, the writer and the
+# position it wrote; larger than any row width (ReqToTokenPool asserts it), so a value
+# decodes back to the pair. UNWRITTEN_KV: no forward ever wrote the slot.
+KV_POSITION_STRIDE = 1 << 24
+UNWRITTEN_KV = -1
+
+
+def decode_kv(value: int) -> tuple[int, int] | None:
+    """A ``kv_cache`` value as the observation's (request id, position), None unwritten
+    (``spec.interface.RequestState.kv_contents``)."""
+    if value == UNWRITTEN_KV:
+        return None
+    rid, position = divmod(value, KV_POSITION_STRIDE)
+    return rid, position
 
 
 class OutOfMemory(Exception):
@@ -131,6 +151,7 @@ class ReqToTokenPool:
     """The device table of KV slots per pool row, plus the host list of free rows."""
 
     def __init__(self, streams: Streams, size: int, width: int) -> None:
+        assert width < KV_POSITION_STRIDE, f"row width {width}: kv_cache values would collide"
         self.streams = streams
         self.size = size
         self.width = width
@@ -169,11 +190,13 @@ class KvPages:
         self.streams = streams
         self.page_size = page_size
         self.trash_slot = total_pages * page_size
+        # Never written: what a copy through an unset req_to_token entry reads.
+        self.unwritten_slot = self.trash_slot + 1
         with streams.use(SCHEDULE):
             self.page_owner = torch.full((max(total_pages, 1),), -1, dtype=torch.int64,
                                          device=streams.device)
-            self.kv_cache = torch.zeros(self.trash_slot + 1, dtype=torch.int64,
-                                        device=streams.device)
+            self.kv_cache = torch.full((self.unwritten_slot + 1,), UNWRITTEN_KV,
+                                       dtype=torch.int64, device=streams.device)
         streams.name(self.page_owner, "page_owner")
         streams.name(self.kv_cache, "kv_cache")
 

@@ -50,7 +50,7 @@ from overlap_spec.gpu_impl.mem_cache import (
     match_prefix,
     release_kv_cache,
 )
-from overlap_spec.gpu_impl.memory import RadixCache
+from overlap_spec.gpu_impl.memory import RadixCache, decode_kv
 from overlap_spec.gpu_impl.req import Req
 from overlap_spec.gpu_impl.runtime import Runtime
 from overlap_spec.gpu_impl.schedule_batch import ResultBatch, ScheduleBatch
@@ -276,6 +276,7 @@ class Scheduler:
         table = self.rt.req_to_token_pool.req_to_token
         width = table.shape[1]
         cells = streams.read_for_observation(table)
+        kv = streams.read_for_observation(self.rt.kv.kv_cache)
         requests = []
         for req in self.requests.values():
             status = "finished" if req.finished() else "waiting" if req.waiting else "running"
@@ -283,11 +284,12 @@ class Scheduler:
             if req.holds_kv and req.req_pool_idx is not None:
                 start = req.req_pool_idx * width
                 row = tuple(cells[start:start + min(req.kv_allocated_len, width)])
+            contents = tuple(None if slot < 0 else decode_kv(kv[slot]) for slot in row)
             requests.append(RequestState(req.rid, status, tuple(req.output_ids),
                                          req.kv_committed_len, req.kv_allocated_len, row,
                                          req.cached_len, req.finished_reason,
                                          req.spec_verify_ct, req.spec_num_correct_drafts,
-                                         req.get_protected_len()))
+                                         req.get_protected_len(), contents))
         tree = self.rt.tree
         return ObservableState(
             requests=tuple(requests),

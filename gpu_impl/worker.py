@@ -15,7 +15,9 @@ forward: its prefill rows as a prefill's, its decode rows as a decode's (``[s - 
 in a spec cell those are tails, which run one token from their pending bonus token.
 A write through a -1 entry, past ``kv_allocated_len`` or into a page another request owns
 is masked into the trash slot and counted as a kv_write_fault, all with tensor ops; a
-request that holds no pool row counts one fault per write, as in the reference.
+request that holds no pool row counts one fault per write, as in the reference. A good
+write stores its request and position (``memory.py``'s content model), which the
+differential compares with the reference's (``RequestState.kv_contents``).
 
 In a radix cell a request's row below its ``cache_protected_len`` holds the tree's pages
 (``page_owner`` :data:`~gpu_impl.memory.TREE_OWNER`): read, never written, so a write into
@@ -42,7 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
-from overlap_spec.gpu_impl.memory import TREE_OWNER
+from overlap_spec.gpu_impl.memory import KV_POSITION_STRIDE, TREE_OWNER
 from overlap_spec.gpu_impl.req import compute_env_tokens_tensor, get_env_chain_coefficients
 from overlap_spec.gpu_impl.runtime import Runtime
 from overlap_spec.gpu_impl.schedule_batch import ScheduleBatch
@@ -171,7 +173,9 @@ class ModelWorker:
         A position is written when its request holds a pool row, it lies inside the row
         and below ``kv_allocated_len``, its ``req_to_token`` entry is set and that slot's
         page is the request's own; every other wanted position of a request with a row is
-        a fault, and a request without a row counts one. Few tensor ops on purpose: on
+        a fault, and a request without a row counts one. A written slot holds ``rid *
+        KV_POSITION_STRIDE + position`` (who wrote which position: ``memory.py``, compared
+        by the differential). Few tensor ops on purpose: on
         CPU each one is a launch the race detector follows (profiled: this function was
         two fifths of a differential run's launches).
         """
@@ -191,7 +195,8 @@ class ModelWorker:
                 & inputs.is_own(owner))
         faults = (live ^ good).sum() + (~inputs.holds_row).sum()  # good is a subset of live
         target = torch.where(good, slots, kv.trash_slot)
-        kv.kv_cache.index_put_((target,), inputs.rid[:, None].expand_as(target))
+        values = torch.add(positions, inputs.rid[:, None], alpha=KV_POSITION_STRIDE)  # one op
+        kv.kv_cache.index_put_((target,), values)
         return faults
 
     def _write_kv_at(self, fb: ForwardBatch, inputs: RequestInputs, positions: torch.Tensor,
@@ -203,8 +208,10 @@ class ModelWorker:
         ``kv_allocated_len``, and its entry is a slot of the request's own; every other
         live position is a fault, and a request without a row counts one (the reference's
         ``_write_kv_at``). Where ``sources`` (positions, [bs, W]) is >= 0 the write is a
-        copy of that position's KV (``move_kv_cache``), read before anything is written;
-        elsewhere the draft's own KV. No boolean indexing: the shapes never depend on data.
+        copy of that position's KV (``move_kv_cache``), read before anything is written
+        (through an unset entry: ``UNWRITTEN_KV``); elsewhere the draft's own KV, its
+        request and position as :meth:`_write_kv` stores them. No boolean indexing: the
+        shapes never depend on data.
         """
         rt = self.rt
         pool = rt.req_to_token_pool
@@ -219,8 +226,10 @@ class ModelWorker:
                 & inputs.is_own(owner))
         faults = (live ^ good).sum() + (~inputs.holds_row).sum()  # good is a subset of live
         source_slots = pool.req_to_token[rows, sources.clamp(0, pool.width - 1)]
-        copied = kv.kv_cache[torch.where(source_slots >= 0, source_slots, kv.trash_slot)]
-        values = torch.where(sources >= 0, copied, inputs.rid[:, None])
+        # Through an unset entry a copy reads the slot no write reaches: UNWRITTEN_KV.
+        copied = kv.kv_cache[torch.where(source_slots >= 0, source_slots, kv.unwritten_slot)]
+        values = torch.where(sources >= 0, copied,
+                             torch.add(positions, inputs.rid[:, None], alpha=KV_POSITION_STRIDE))
         kv.kv_cache.index_put_((torch.where(good, slots, kv.trash_slot),), values)
         return faults
 

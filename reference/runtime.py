@@ -1,4 +1,5 @@
-"""What every reference component shares: config, pools, the stream record, device tensors.
+"""What every reference component shares: config, pools, the stream record, device tensors,
+the KV slots' content.
 
 A :class:`DeviceTensor` stands for a GPU tensor: a value list plus an id the
 happens-before record tracks. The forward stream is the schedule stream when
@@ -33,6 +34,11 @@ class Runtime:
     hb: HappensBefore = field(default_factory=HappensBefore)
     next_tensor_id: int = 0
     live_tensors: set[int] = field(default_factory=set)
+    # The KV slots' content: slot -> (request id, position) of the forward write that last
+    # stored it (a tail copy: its source's; None: copied from nothing written); a slot never
+    # written is absent. Never cleared: a freed page keeps it until overwritten (gpu_impl's
+    # ``kv_cache``, the same model; ``spec.interface.RequestState.kv_contents``).
+    kv_cache: dict[int, tuple[int, int] | None] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         cfg = self.config

@@ -236,11 +236,12 @@ class Scheduler:
             if req.holds_kv and req.req_pool_idx is not None:
                 width = min(req.kv_allocated_len, rt.req_to_token.width)
                 row = tuple(rt.req_to_token.rows[req.req_pool_idx][:width])
+            contents = tuple(rt.kv_cache.get(slot) for slot in row)
             requests.append(RequestState(req.rid, status, tuple(req.output_ids),
                                          req.kv_committed_len, req.kv_allocated_len, row,
                                          req.cached_len, req.finished_reason,
                                          req.spec_verify_ct, req.spec_num_correct_drafts,
-                                         req.get_protected_len()))
+                                         req.get_protected_len(), contents))
         return ObservableState(
             requests=tuple(requests),
             running=self._get_batch_state(self.running_batch),

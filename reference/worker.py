@@ -5,7 +5,9 @@ takes accept lengths and EOS from the environment's choices, and publishes
 new_seq_lens through the ``on_publish`` callback between verify and
 draft-extend (multi_layer_eagle_worker_v2.py). A write outside what the request
 owns is recorded as a :class:`KvWrite` fault, so an accounting error shows up
-as a wrong write instead of silently passing. The WAR fence's read-done event
+as a wrong write instead of silently passing; a good write stores its request and
+position in ``Runtime.kv_cache`` (a fault stores nothing), as gpu_impl's slot buffer
+does, for the differential's ``kv_contents``. The WAR fence's read-done event
 follows the last ``req_to_token`` read: in a spec-v2 decode the draft-extend's
 attention metadata, after the publish (the ``early_fence`` proposal: before it);
 a spec prefill records none, as EAGLE's does not.
@@ -18,7 +20,7 @@ Upstream: ``model_executor/forward_batch_info.py`` (init_new),
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from overlap_spec.reference.req import Req
@@ -92,6 +94,8 @@ class ForwardResult:
 
 OnPublish = Callable[[list[int]], None]
 Emit = Callable[..., None]
+KvContent = tuple[int, int] | None  # a KV slot's: (request id, position) written there
+KvWrites = list[tuple[int, KvContent]]  # (slot, content) a forward stores
 
 
 class ModelWorker:
@@ -114,12 +118,22 @@ class ModelWorker:
         self.rt.hb.record(READ_DONE, self.rt.forward_stream)
         self.shared_read_done_event = READ_DONE
 
-    def _write_kv(self, req: Req, start: int, end: int, faults: list[KvWrite]) -> None:
+    def _write_kv(self, req: Req, start: int, end: int, faults: list[KvWrite],
+                  writes: KvWrites) -> None:
         """The forward writes KV for positions [start, end) through req_to_token."""
-        self._write_kv_at(req, range(start, end), faults)
+        self._write_kv_at(req, range(start, end), faults, writes)
 
-    def _write_kv_at(self, req: Req, positions: Iterable[int], faults: list[KvWrite]) -> None:
-        """The forward writes KV for ``positions`` through req_to_token."""
+    def _write_kv_at(self, req: Req, positions: Iterable[int], faults: list[KvWrite],
+                     writes: KvWrites, sources: Sequence[int | None] = ()) -> None:
+        """The forward writes KV for ``positions`` through req_to_token.
+
+        A good write (a row, inside it and below ``kv_allocated_len``, a slot of the
+        request's pages) goes to ``writes`` as (slot, content): the request and the
+        position, or where ``sources`` names a position, that position's content read now
+        (a tail copy, ``move_kv_cache``; through an unset entry, None). The caller stores
+        them with :meth:`_store` once every read of the forward is done, as gpu_impl's
+        batched writes do; a fault writes nothing (gpu_impl's trash slot).
+        """
         rt = self.rt
         p = rt.config.page_size
         positions = list(positions)
@@ -128,12 +142,27 @@ class ModelWorker:
             return
         rt.hb.read(rt.forward_stream, ("req_to_token", req.req_pool_idx), "forward KV write")
         row = rt.req_to_token.rows[req.req_pool_idx]
-        for position in positions:
+        for k, position in enumerate(positions):
             slot = row[position] if 0 <= position < len(row) else -1
             if position < 0 or position >= req.kv_allocated_len:
                 faults.append(KvWrite(req.rid, position, slot, "beyond kv_allocated_len"))
             elif slot < 0 or slot // p not in req.pages:
                 faults.append(KvWrite(req.rid, position, slot, "slot not owned by the request"))
+            else:
+                source = sources[k] if k < len(sources) else None
+                writes.append((slot, (req.rid, position) if source is None
+                               else self._read_kv(row, source)))
+
+    def _read_kv(self, row: list[int], position: int) -> KvContent:
+        """The content of the row's ``position`` (clamped into the row, as gpu_impl's
+        gather is); None through an unset entry or where nothing was written."""
+        slot = row[min(max(position, 0), len(row) - 1)]
+        return self.rt.kv_cache.get(slot) if slot >= 0 else None
+
+    def _store(self, writes: KvWrites) -> None:
+        """The forward's good writes land in the KV slots, in order."""
+        for slot, content in writes:
+            self.rt.kv_cache[slot] = content
 
     def forward_batch_generation(self, batch: ScheduleBatch, step: StepId,
                                  choices: IterationChoices, on_publish: OnPublish) -> ForwardResult:
@@ -162,19 +191,21 @@ class ModelWorker:
         fb = init_new(rt, batch, batch.forward_mode)
         self.emit("init_new", forward=fb, batch=batch)
         faults: list[KvWrite] = []
+        writes: KvWrites = []
         tokens: list[int] = []
         eos: list[int | None] = []
         decode_rows = len(batch.decoding_reqs or ())
         for j, (req, fill_len) in enumerate(zip(batch.reqs, fb.seq_lens, strict=True)):
             if batch.is_decode_row(j):  # a mixed batch's decode: the token being processed
-                self._write_kv(req, fill_len - 1, fill_len, faults)
+                self._write_kv(req, fill_len - 1, fill_len, faults, writes)
                 req.apply(forward_decode, step, 1)
-            else:
-                self._write_kv(req, req.prefix_len, fill_len, faults)  # the chunk (or all)
+            else:  # the chunk (or all)
+                self._write_kv(req, req.prefix_len, fill_len, faults, writes)
                 req.apply(forward_extend, step, fill_len)
             run, eos_at = self._sample(batch, j, 1, choices, 1, fill_len)
             tokens += run
             eos.append(eos_at)
+        self._store(writes)
         if not rt.config.cell.is_spec or rt.config.cell.early_fence:
             self._record_reads_done()
         if rt.config.cell.is_spec:
@@ -195,14 +226,17 @@ class ModelWorker:
         fb = init_new(rt, batch, "decode")
         self.emit("init_new", forward=fb, batch=batch)
         faults: list[KvWrite] = []
+        writes: KvWrites = []
         tokens: list[int] = []
         eos: list[int | None] = []
         for j, (req, seq_len) in enumerate(zip(batch.reqs, fb.seq_lens, strict=True)):
-            self._write_kv(req, seq_len - 1, seq_len, faults)  # the token being processed
+            # The token being processed.
+            self._write_kv(req, seq_len - 1, seq_len, faults, writes)
             req.apply(forward_decode, step, 1)
             run, eos_at = self._sample(batch, j, 1, choices, 1, seq_len)
             tokens += run
             eos.append(eos_at)
+        self._store(writes)
         self._record_reads_done()
         return ForwardResult(step, "decode", list(batch.reqs), 1, tokens,
                              [1] * len(batch.reqs), eos, [s + 1 for s in fb.seq_lens],
@@ -218,6 +252,10 @@ class ModelWorker:
         verify = init_new(rt, batch, "verify")
         self.emit("init_new", forward=verify, batch=batch)
         faults: list[KvWrite] = []
+        # gpu_impl writes every request's draft (its tail copies read first), then every
+        # request's verify: the contents are stored in that order after the loop.
+        drafts: KvWrites = []
+        verifies: KvWrites = []
         tokens: list[int] = []
         accept_lens: list[int] = []
         eos: list[int | None] = []
@@ -225,8 +263,9 @@ class ModelWorker:
         stride = shape.draft_tokens
         for j, (req, seq_len) in enumerate(zip(batch.reqs, verify.seq_lens, strict=True)):
             slots, copies = compute_draft_writes(seq_len, shape, rt.config.page_size)
-            self._write_kv_at(req, slots + [target for target, _ in copies], faults)  # draft
-            self._write_kv(req, seq_len, seq_len + shape.draft_tokens, faults)  # verify
+            self._write_kv_at(req, slots + [target for target, _ in copies], faults, drafts,
+                              [None] * len(slots) + [source for _, source in copies])
+            self._write_kv(req, seq_len, seq_len + shape.draft_tokens, faults, verifies)
             accept = choices.get_accept_len(j, shape.max_accept_len)
             req.apply(forward_decode, step, accept)
             # The bonus token sits at seq_len; the run starts after it.
@@ -235,6 +274,7 @@ class ModelWorker:
             accept_lens.append(accept)
             eos.append(eos_at)
             new_seq_lens.append(compute_verify_new_seq_len(seq_len, accept))
+        self._store(drafts + verifies)
         early_fence = rt.config.cell.early_fence
         if early_fence:
             self._record_reads_done()

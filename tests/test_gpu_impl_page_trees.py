@@ -3,19 +3,28 @@
 last page's KV copied into the other branches' holes), computed on the device with no host
 read; page 1 and chains keep the contiguous draft; B21 (the row not widened) is a gpu_impl
 fault the differential catches, and its write faults are counted as the reference counts
-them; the differential agrees in the page-tree cells with no race."""
+them; the differential agrees in the page-tree cells with no race; a draft that writes as
+many slots at wrong positions in its own pages (no write fault) diverges at the request's
+``kv_contents``."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import pytest
 import torch
 
+from overlap_spec.gpu_impl.memory import KV_POSITION_STRIDE
 from overlap_spec.gpu_impl.scheduler import Scheduler as GpuScheduler
 from overlap_spec.gpu_impl.worker import ModelWorker
-from overlap_spec.harness.differential.compare import check_cell_differential
+from overlap_spec.harness.differential.compare import (
+    DifferentialPair,
+    check_cell_differential,
+    run_differential,
+)
+from overlap_spec.harness.drive.script import Admit, Iterate, Op, Script
 from overlap_spec.harness.drive.stateful import get_profile
 from overlap_spec.reference.scheduler import Scheduler as ReferenceScheduler
 from overlap_spec.spec.config import MINIMAL, REALISTIC, ModelConfig, get_cell
@@ -80,7 +89,8 @@ def test_the_draft_writes_compute_draft_writes_for_every_residue(
 
 def test_the_tail_copy_copies_the_partial_pages_kv(monkeypatch: pytest.MonkeyPatch) -> None:
     """A copy target gets its source slot's KV (``move_kv_cache``), not the draft's own; the
-    draft's slots get the draft's. Each source slot is marked just before the draft."""
+    draft's slots get the draft's (its request and position). Each source slot is marked
+    just before the draft."""
     config = config_of("nov-p4-v2tree-cpu-honest")
     shape, page = config.get_shape(), config.page_size
     model = GpuScheduler(config)
@@ -97,7 +107,7 @@ def test_the_tail_copy_copies_the_partial_pages_kv(monkeypatch: pytest.MonkeyPat
                 kv[table[row, source]] = 1000 + source
         faults = original(self, fb, inputs)
         for row, rid, (slots, copies) in zip(rows, rids, plans, strict=True):
-            assert all(int(kv[table[row, p]]) == rid for p in slots)
+            assert all(int(kv[table[row, p]]) == rid * KV_POSITION_STRIDE + p for p in slots)
             for target, source in copies:
                 assert int(kv[table[row, target]]) == 1000 + source, (target, source)
                 checked.append(target)
@@ -195,3 +205,48 @@ def test_the_differential_catches_b21() -> None:
     assert result.failure is not None
     divergence = result.failure.outcome.divergence
     assert divergence is not None and divergence.field.endswith("req_to_token"), divergence
+
+
+# --- what each forward wrote where (issue 43) ----------------------------------------------
+def test_a_draft_at_wrong_positions_diverges_at_the_kv_contents(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tree's branch regions sized without the partial page (``ceil(steps / page)`` pages
+    where ``compute_draft_writes`` takes ``ceil((lp + steps) / page)``): the same number of
+    writes, each in the request's own pages below ``kv_allocated_len``, so no write fault,
+    but at wrong positions once ``lp + steps`` passes a page. A prompt of 5 at page 4
+    decodes one token a step; at seq_len 7 (lp 3) the second branch drafts columns 11 and 12
+    instead of 15 and 16 and copies the tail into 8..10 (the verify then overwrites them)
+    instead of 12..14, so columns 12..16 differ. Only ``kv_contents`` shows it: the
+    differential names it at that decode, with every other field equal, ``kv_write_faults``
+    included."""
+    config = config_of("ov-p4-v2tree-cpu-honest")
+    page, steps = config.page_size, config.get_shape().steps
+    original = ModelWorker._write_kv_at
+
+    def misplaced(self: ModelWorker, fb: Any, inputs: Any, positions: torch.Tensor,
+                  live: torch.Tensor, sources: torch.Tensor) -> torch.Tensor:
+        seq_lens = fb.seq_lens[:, None]
+        base = seq_lens - seq_lens % page
+        span = (seq_lens % page + steps + page - 1) // page * page
+        short = (steps + page - 1) // page * page  # the partial page left out
+        moved = base + (positions - base) // span * short + (positions - base) % span
+        return original(self, fb, inputs, moved, live, sources)
+
+    monkeypatch.setattr(ModelWorker, "_write_kv_at", misplaced)
+    ops: list[Op] = [Admit(5, 8), *[Iterate(GO)] * 5]
+    outcome = run_differential(Script(config.cell.name, "minimal", ops))
+    divergence = outcome.divergence
+    assert divergence is not None, outcome.describe()
+    assert (divergence.step, divergence.field) == (4, "request r0.kv_contents"), divergence
+    ref, gpu = divergence.reference, divergence.gpu_impl
+    differing = [c for c, (a, b) in enumerate(zip(ref, gpu, strict=True)) if a != b]
+    assert differing == [12, 13, 14, 15, 16], (ref, gpu)  # 11: the last draft's, in both
+    assert (ref[12], gpu[12]) == ((0, 4), (0, 12))  # the tail copy's target, a draft slot
+    pair = DifferentialPair(config)
+    for op in ops[:divergence.step + 1]:
+        pair.apply(op)
+    assert pair.reference_state is not None
+    blind = [replace(state, requests=tuple(replace(r, kv_contents=None)
+                                           for r in state.requests))
+             for state in (pair.reference_state, pair.gpu.get_observable_state())]
+    assert blind[0] == blind[1]  # kv_write_faults, rows and lengths all agree

@@ -127,16 +127,23 @@ def test_a_mixed_decode_row_writes_the_tree_page_its_prefill_keyed() -> None:
 
 def test_a_write_into_a_tree_page_is_a_fault(monkeypatch: pytest.MonkeyPatch) -> None:
     """The same write counted as a fault, as any other write into a tree page is
-    (``page_owner`` names the tree's pages): the differential diverges at
-    ``kv_write_faults`` when the decode row writes."""
+    (``page_owner`` names the tree's pages): the differential diverges when the decode row
+    writes, first at the request's KV contents (position 7, which the reference wrote and
+    gpu_impl masked), and at ``kv_write_faults``."""
     def owned_only(self: RequestInputs, owner: torch.Tensor) -> torch.Tensor:
         return owner == self.rid[:, None]
 
     monkeypatch.setattr(RequestInputs, "is_own", owned_only)
     outcome = run_differential(_mixed_script())
     assert outcome.divergence is not None, outcome.describe()
-    assert (outcome.divergence.step, outcome.divergence.field) == (3, "kv_write_faults")
-    assert (outcome.divergence.reference, outcome.divergence.gpu_impl) == (0, 1)
+    assert (outcome.divergence.step, outcome.divergence.field) == (3, "request r0.kv_contents")
+    assert outcome.divergence.reference[7] == (0, 7) and outcome.divergence.gpu_impl[7] is None
+    pair = DifferentialPair(_mixed_script().get_config())
+    for op in _mixed_script().ops:
+        pair.apply(op)
+    assert pair.reference_state is not None
+    faults = (pair.reference_state.kv_write_faults, pair.gpu.get_observable_state().kv_write_faults)
+    assert faults == (0, 1)
 
 
 def test_a_checkpoint_without_the_repoint_fails_the_differential(

@@ -318,7 +318,10 @@ class UpstreamScheduler:
                                          int(req.spec_verify_ct),
                                          int(req.spec_num_correct_drafts),
                                          int(req.kv.cache_protected_len)
-                                         if self.config.cell.radix else 0))
+                                         if self.config.cell.radix else 0,
+                                         # Not reported: the stand-in keeps no KV buffer
+                                         # (harness/conformance/tier.py, NOT_REPORTED_UPSTREAM).
+                                         kv_contents=None))
         sched = self.scheduler
         return ObservableState(
             requests=tuple(requests),

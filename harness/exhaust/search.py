@@ -24,14 +24,19 @@ bytes, never from the live object. The converse does not hold: two equal states 
 equal strings or tuples are one object in one and two in the other pickle differently and
 are explored twice (a cost, not a loss). A digest collision would merge two different
 states; at 2^-128 per pair it is not a practical risk. :func:`canonicalise` first removes
-what no later operation reads, so that states differing only there merge:
+what no later operation's observations or decisions depend on, so that states differing
+only there merge:
 
 - the happens-before record's race and checked-pair lists up to the refinement's
   cursors (``Refinement.observe`` only reads past them), and ``host_syncs`` (read only
   from the length it had when the current iteration began);
 - ``Scheduler.step_index`` (the driver sets it before every operation);
 - ``Runtime.shape``, the iteration's rung (``run_iteration`` sets it before any read;
-  admit and abort do not read it).
+  admit and abort do not read it);
+- ``Runtime.kv_cache``, what each forward wrote where: no observation, guard or decision
+  reads it; only a later tail copy (into the same map) and ``get_observable_state`` (the
+  gpu_impl differential's comparison, which this tier never makes) do. Kept, it would
+  split states by which finished request last wrote a freed page.
 
 ``tests/test_exhaust.py`` checks the claim on a sample: operation prefixes that reach
 the same key are extended by the same suffixes, run from scratch, and must produce the
@@ -146,8 +151,8 @@ class Exploration:
 
 
 def canonicalise(model: Scheduler) -> None:
-    """Drop what no later operation reads (see the module docstring); the state's future
-    behaviour is unchanged."""
+    """Drop what no later operation's observations or decisions depend on (see the module
+    docstring); the state's future behaviour, as this tier sees it, is unchanged."""
     hb, refinement = model.rt.hb, model.refinement
     hb.races = hb.races[refinement.races_seen:]
     refinement.races_seen = 0
@@ -156,6 +161,7 @@ def canonicalise(model: Scheduler) -> None:
     hb.host_syncs = []
     model.step_index = 0
     model.rt.shape = model.config.get_shape()
+    model.rt.kv_cache = {}
 
 
 def get_state_bytes(model: Scheduler, admitted: list[RequestId]) -> bytes:
