@@ -189,11 +189,12 @@ def _record_reference_writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int,
     writes: list[tuple[int, int]] = []
     original = ref_worker.ModelWorker._write_kv_at
 
-    def spy(self: Any, req: Any, positions: Any, faults: Any) -> None:
+    def spy(self: Any, req: Any, positions: Any, faults: Any, stored: Any,
+            sources: Any = ()) -> None:
         positions = list(positions)
         assert positions == list(range(positions[0], positions[-1] + 1)), positions
         writes.append((positions[0], positions[-1] + 1))
-        original(self, req, positions, faults)
+        original(self, req, positions, faults, stored, sources)
 
     monkeypatch.setattr(ref_worker.ModelWorker, "_write_kv_at", spy)
     return writes
@@ -255,21 +256,26 @@ def test_a_forward_write_outside_what_the_request_owns_is_recorded() -> None:
     first, second = scheduler.requests[RequestId(0)], scheduler.requests[RequestId(1)]
     width = len(scheduler.rt.req_to_token.rows[first.req_pool_idx])
     faults: list[Any] = []
+    stored: list[Any] = []  # the good writes' (slot, content), not stored in the KV map
     worker = scheduler.worker
-    worker._write_kv(first, 0, first.kv_allocated_len, faults)
+    worker._write_kv(first, 0, first.kv_allocated_len, faults, stored)
     assert faults == []  # its own positions: nothing recorded
-    worker._write_kv(first, first.kv_allocated_len, first.kv_allocated_len + 1, faults)
-    worker._write_kv(first, width, width + 1, faults)
+    row = scheduler.rt.req_to_token.rows[first.req_pool_idx]
+    assert stored == [(row[k], (0, k)) for k in range(first.kv_allocated_len)]
+    stored.clear()
+    worker._write_kv(first, first.kv_allocated_len, first.kv_allocated_len + 1, faults, stored)
+    worker._write_kv(first, width, width + 1, faults, stored)
+    assert stored == []  # a fault writes nothing
     assert [(f.rid, f.position, f.slot, f.reason) for f in faults] == [
         (0, first.kv_allocated_len, -1, "beyond kv_allocated_len"),
         (0, width, -1, "beyond kv_allocated_len")]
     faults.clear()
-    row = scheduler.rt.req_to_token.rows[first.req_pool_idx]
     row[0] = scheduler.rt.req_to_token.rows[second.req_pool_idx][0]  # someone else's slot
-    worker._write_kv(first, 0, 1, faults)
+    worker._write_kv(first, 0, 1, faults, stored)
     assert [(f.position, f.slot, f.reason) for f in faults] == [
         (0, row[0], "slot not owned by the request")]
     faults.clear()
     scheduler.admit(1, 1)
-    worker._write_kv(scheduler.requests[RequestId(2)], 0, 1, faults)  # still waiting
+    worker._write_kv(scheduler.requests[RequestId(2)], 0, 1, faults, stored)  # still waiting
     assert [(f.rid, f.slot, f.reason) for f in faults] == [(2, None, "request holds no pool row")]
+    assert stored == []
