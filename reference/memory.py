@@ -37,14 +37,14 @@ class TokenToKVPoolAllocator:
     free_pages: list[PageId] = field(default_factory=list)
 
     def __post_init__(self) -> None:
-        self.free_pages = [PageId(p) for p in range(self.total_pages)]
+        self.clear()
 
     def available_size(self) -> int:
         return len(self.free_pages)
 
     def clear(self) -> None:
         """``clear`` (``flush_cache``): every page free again, in the first order."""
-        self.__post_init__()
+        self.free_pages = [PageId(p) for p in range(self.total_pages)]
 
     def alloc(self, pages: int) -> list[PageId]:
         if pages > len(self.free_pages):
@@ -118,7 +118,7 @@ class ReqToTokenPool:
 
     def __post_init__(self) -> None:
         self.rows = [[-1] * self.width for _ in range(self.size + 1)]
-        self.free_slots = [PoolRow(r) for r in range(1, self.size + 1)]
+        self.clear()
 
     def clear(self) -> None:
         """``clear`` (``flush_cache``): every row free again, in the first order; the rows'
