@@ -78,9 +78,17 @@ class Streams:
         self._cuda_streams: dict[str, Any] = {}
         self._cuda_events: dict[str, Any] = {}
         if self.is_cuda:
+            # S is the stream current when the scheduler is built: the release runs its
+            # whole event loop inside ``StreamContext(self.schedule_stream)``
+            # (scheduler.py, run_event_loop), so every kernel the scheduler enqueues
+            # outside a ``use()`` (prepare_for_decode's ``seq_lens + 1``, say) is on S.
+            # A fresh stream here would leave that work on whatever stream is current
+            # (the default stream), which no fence orders: the CUDA sanitizer's race at
+            # every cell's first decode (bench/results/cuda-20261129/).
             with torch.cuda.device(self.device):
                 self._cuda_streams = {name: torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
-                                      for name in DEVICE_STREAMS}
+                                      for name in DEVICE_STREAMS if name != SCHEDULE}
+                self._cuda_streams[SCHEDULE] = torch.cuda.current_stream(self.device)
         if detector is not None:
             detector.set_current_stream(SCHEDULE)
 

@@ -179,3 +179,23 @@ def test_carried_wheels_are_imported_first_by_every_step(tmp_path: Path) -> None
                             "--dry-run", "--wheels", str(tmp_path), "--out", str(out)],
                            cwd=ROOT, capture_output=True, text=True, timeout=60, check=False)
     assert empty.returncode == 2 and "no .whl file there" in empty.stderr
+
+
+def test_the_control_fails_when_the_clean_cell_already_fails() -> None:
+    """A race every run has (the GPU's first run, 2026-11-29: the schedule stream was not the
+    current stream) also "catches" B8; the control must say so instead of passing."""
+    from types import SimpleNamespace
+
+    from overlap_spec.harness.measure.evidence_steps import judge_control
+
+    crash = "exception: reference=None gpu_impl='CUDASanitizerErrors: detected 1 errors'"
+    failing = SimpleNamespace(examples=1, seconds=0.1, error=None,
+                              failure=SimpleNamespace(outcome=SimpleNamespace(
+                                  describe=lambda: crash)))
+    verdict = judge_control("cell", True, failing, failing, "call")
+    assert verdict.status == "failed"
+    assert verdict.reason is not None and "the clean cell already fails" in verdict.reason
+    assert "CUDASanitizerErrors" in verdict.reason
+    passing = SimpleNamespace(examples=25, seconds=0.1, error=None, failure=None)
+    missed = judge_control("cell", True, passing, passing, "call")
+    assert missed.status == "failed" and "not caught" in (missed.reason or "")

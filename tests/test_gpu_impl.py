@@ -321,6 +321,26 @@ def test_reference_counterexamples_replay_on_gpu_impl() -> None:
 
 @pytest.mark.cuda
 @needs_cuda
+def test_the_schedule_stream_is_the_stream_the_scheduler_enqueues_on() -> None:
+    """Work the scheduler enqueues outside ``Streams.use`` (``prepare_for_decode``'s
+    ``seq_lens + 1``) runs on the current stream, so S must be that stream, as the
+    release's loop runs inside ``StreamContext(schedule_stream)``; a fresh stream for S
+    left that work unordered, and the sanitizer flagged every cell's first decode
+    (bench/results/cuda-20261129/)."""
+    from overlap_spec.gpu_impl.streams import Streams
+    from overlap_spec.spec.happens_before import FORWARD, SCHEDULE
+
+    streams = Streams(torch.device("cuda"))
+    current = torch.cuda.current_stream()
+    assert streams._cuda_streams[SCHEDULE] == current
+    assert streams._cuda_streams[FORWARD] != current
+    with streams.use(FORWARD):
+        assert torch.cuda.current_stream() == streams._cuda_streams[FORWARD]
+    assert torch.cuda.current_stream() == current
+
+
+@pytest.mark.cuda
+@needs_cuda
 def test_cuda_sanitizer_suite_is_clean_and_catches_a_stream_bug(tmp_path: Path) -> None:
     """torch's CSAN on real streams: the clean model passes, B8 (no WAR fence) is caught.
 

@@ -71,16 +71,16 @@ class Sizes:
         return ",".join(self.cells) if self.cells is not None else None
 
 
-# On one H200 (16 cores): CUDA starts in each child (a few seconds); the differential is
-# about 1.7 s a cell on CPU under the race detector at the ci profile, and the sanitizer's
-# per-kernel Python is of the same order, with 8 cells at a time. The limits add up to
-# under the 470 s budget, which leaves half a minute of the 8 minutes for the rest.
+# On one H200 (16 cores), measured 2026-11-29 (bench/results/cuda-20261129/): environment
+# 4-6 s, diff 150-177 s (32 cells, 8 at a time, under the sanitizer), the control 49 s
+# (its cell twice: clean, then B8), syncs 16 s, bench 17-25 s. The limits add up
+# to the 470 s budget, which leaves half a minute of the 8 minutes for the rest.
 RUN = Sizes(
     device="cuda", cells=None, diff_profile="ci", control_examples=25,
     bench_batch_sizes=(1, 16, 64, 256, 1024), bench_iterations=20, upstream_profile="ci",
     budget_s=470.0,
-    step_limits_s={"environment": 40, "diff": 240, "sanitizer-control": 45, "syncs": 45,
-                   "bench": 70, "upstream": 30},
+    step_limits_s={"environment": 30, "diff": 240, "sanitizer-control": 80, "syncs": 40,
+                   "bench": 50, "upstream": 30},
 )
 DRY_RUN = Sizes(
     device="cpu", cells=DRY_RUN_CELLS, diff_profile="ci", control_examples=25,
@@ -305,11 +305,10 @@ def step_diff(ctx: StepContext) -> StepResult:
 
 def step_sanitizer_control(ctx: StepContext) -> StepResult:
     """B8 in one cell: the sanitizer (or the CPU race detector) must report a race, else the
-    clean run's "no race" says nothing."""
-    from overlap_spec.harness.differential.compare import (
-        check_cell_differential,
-        get_finding_kind,
-    )
+    clean run's "no race" says nothing; and the same cell without B8, with the same runs,
+    must report none, else the catch may be a race every run has (as a scheduler whose
+    schedule stream was not the current stream had) and says nothing about B8."""
+    from overlap_spec.harness.differential.compare import check_cell_differential
     from overlap_spec.harness.differential.tier import parse_device
     from overlap_spec.harness.drive.cells import DEFAULT_SEED, select_configs
     from overlap_spec.harness.drive.stateful import get_profile
@@ -321,33 +320,51 @@ def step_sanitizer_control(ctx: StepContext) -> StepResult:
     profile = get_profile(ctx.sizes.diff_profile)
     call = (f"{'enable_cuda_sanitizer(); ' if cuda else ''}check_cell_differential("
             f"{config.name}, profile={profile.name}, seed={DEFAULT_SEED}, "
-            f"faults={{{CONTROL_FAULT}}}, max_examples={ctx.sizes.control_examples}, "
-            f"device={device}, shrink=False)")
+            f"faults=F, max_examples={ctx.sizes.control_examples}, "
+            f"device={device}, shrink=False) for F in ({{}}, {{{CONTROL_FAULT}}})")
     if cuda:
         from torch.cuda._sanitizer import enable_cuda_sanitizer
 
         enable_cuda_sanitizer()  # type: ignore[no-untyped-call]
         _sanitizer_on = True
-    result = check_cell_differential(config, profile, DEFAULT_SEED,
-                                     frozenset({CONTROL_FAULT}),
-                                     max_examples=ctx.sizes.control_examples, device=device,
-                                     shrink=False)
-    details: dict[str, Any] = {"cell": config.name, "fault": CONTROL_FAULT,
-                               "examples": result.examples, "seconds": round(result.seconds, 2)}
-    if result.failure is None:
-        error = "" if result.error is None else f" (crash {type(result.error).__name__}: " \
-                                                f"{result.error})"
-        return StepResult("failed", f"{CONTROL_FAULT} was not caught in {result.examples} "
+    clean, faulty = (check_cell_differential(config, profile, DEFAULT_SEED, faults,
+                                             max_examples=ctx.sizes.control_examples,
+                                             device=device, shrink=False)
+                     for faults in (frozenset(), frozenset({CONTROL_FAULT})))
+    return judge_control(config.name, cuda, clean, faulty, call)
+
+
+def judge_control(cell: str, cuda: bool, clean: Any, faulty: Any, call: str) -> StepResult:
+    """The control's verdict from the clean run and the run with B8 (two
+    ``DifferentialResult``): ok only when the clean run found nothing and B8's was a race
+    (on CUDA the sanitizer raises inside gpu_impl, a crash the reference did not have; on
+    CPU the race detector reports it)."""
+    from overlap_spec.harness.differential.compare import get_finding_kind
+
+    details: dict[str, Any] = {"cell": cell, "fault": CONTROL_FAULT,
+                               "clean_examples": clean.examples,
+                               "examples": faulty.examples,
+                               "seconds": round(clean.seconds + faulty.seconds, 2)}
+    if clean.failure is not None or clean.error is not None:
+        found = (clean.failure.outcome.describe() if clean.failure is not None
+                 else f"crash {type(clean.error).__name__}: {clean.error}")
+        details["clean_finding"] = found
+        return StepResult("failed", f"the clean {cell} already fails: {found}; a catch of "
+                          f"{CONTROL_FAULT} would say nothing", call,
+                          f"clean {cell}: {found}", details)
+    if faulty.failure is None:
+        error = "" if faulty.error is None else f" (crash {type(faulty.error).__name__}: " \
+                                                f"{faulty.error})"
+        return StepResult("failed", f"{CONTROL_FAULT} was not caught in {faulty.examples} "
                           f"runs{error}: the race check is not watching", call,
                           "not caught", details)
-    outcome = result.failure.outcome
+    outcome = faulty.failure.outcome
     kind = get_finding_kind(outcome)
     found = outcome.describe()
     details.update(finding=found, kind=kind)
-    # On CUDA the sanitizer raises inside gpu_impl (a crash the reference did not have);
-    # on CPU the race detector reports the race.
     caught = "CUDASanitizerErrors" in found if cuda else kind.startswith("race:")
-    text = f"{CONTROL_FAULT} in {config.name}: {found}"
+    text = (f"clean {cell}: no finding in {clean.examples} runs; "
+            f"{CONTROL_FAULT} in {cell}: {found}")
     if not caught:
         return StepResult("failed", f"{CONTROL_FAULT} was found, but not as a race: {found}",
                           call, text, details)
