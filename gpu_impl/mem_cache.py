@@ -131,12 +131,16 @@ def alloc_for_extend(rt: Runtime, reqs: list[Req], ends: list[int],
         req.req_pool_idx = row
         req.holds_kv = True
         req.kv_allocated_len = 0
+        stale = req.prefix_len if rt.has_fault("B36") and req.is_retracted else 0
+        req.prefix_len = 0
         if radix is not None:
             # Admission locked the matched prefix: the row's [0, prefix_len) are the tree
             # path's slots (written with the extend's), and only the extend past it is
             # allocated (allocation.py:363-488); both the prefix and cpl start there.
             req.pages = [] if req.lock is None else radix.get_path_pages(req.lock)
             req.prefix_len = req.cache_protected_len = len(req.pages) * rt.config.page_size
+        if req.prefix_len < stale < ends[j]:  # B36: the forward's writes start late
+            req.prefix_len = stale
     grow_to(rt, reqs, ends)
     for req, end, fill_len, count in zip(reqs, ends, fill_lens, counted, strict=True):
         req.kv_committed_len = end

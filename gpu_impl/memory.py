@@ -20,7 +20,7 @@ What is a tensor here and what is not:
 - ``kv_cache`` is the KV slot buffer the forward writes; after the pages' slots come a
   trash slot that masked writes land in, so a wrong write is counted, never a crash, and a
   slot nothing writes, read by a copy through an unset entry. A write stores
-  who wrote which position, ``rid * KV_POSITION_STRIDE + position`` (:func:`decode_kv`
+  who wrote which position, ``writer * KV_POSITION_STRIDE + position`` (the writer: ``compute_kv_writer``, the request id and its epoch) (:func:`decode_kv`
   reads it back), a draft's tail copy its source's value (``move_kv_cache``); a slot no
   forward ever wrote holds :data:`UNWRITTEN_KV`. Nothing clears it: a freed page keeps its
   content until a write overwrites it (the reference's ``Runtime.kv_cache`` is the same
@@ -50,7 +50,7 @@ from overlap_spec.spec.units import PageId, PoolRow
 
 # page_owner of a page the radix tree holds (a radix cell): no request's to write.
 TREE_OWNER = -2
-# The KV slot buffer's content: rid * KV_POSITION_STRIDE + position, the writer and the
+# The KV slot buffer's content: writer * KV_POSITION_STRIDE + position, the writer and the
 # position it wrote; larger than any row width (ReqToTokenPool asserts it), so a value
 # decodes back to the pair. UNWRITTEN_KV: no forward ever wrote the slot.
 KV_POSITION_STRIDE = 1 << 24
@@ -58,7 +58,7 @@ UNWRITTEN_KV = -1
 
 
 def decode_kv(value: int) -> tuple[int, int] | None:
-    """A ``kv_cache`` value as the observation's (request id, position), None unwritten
+    """A ``kv_cache`` value as the observation's (writer, position), None unwritten
     (``spec.interface.RequestState.kv_contents``)."""
     if value == UNWRITTEN_KV:
         return None

@@ -72,6 +72,7 @@ class Req:
     # with their results unprocessed.
     prefix_len: int = 0
     extend_end: int = 0
+    epoch: int = 0  # retractions so far (the reference's ghost epoch)
     inflight_middle_chunks: int = 0
     # The prompt's tokens (spec.state.get_prompt_tokens): its family's, one token if refused.
     family: int = 0
@@ -108,8 +109,12 @@ class Req:
         elif len(self.output_ids) >= self.max_new_tokens:
             self.finished_reason = "length"
 
-    def reset_for_retract(self) -> None:
-        """Back to the waiting queue with no KV; output_ids are kept for the re-prefill."""
+    def reset_for_retract(self, keep_prefix: bool = False) -> None:
+        """Back to the waiting queue with no KV; output_ids are kept for the re-prefill.
+        A new epoch: the writer its KV writes name (``compute_kv_writer``). ``keep_prefix``:
+        B36, the last prefill's end kept as ``prefix_len`` (the reference checkpoints it
+        there at the prefill's result; this port only for a chunked request)."""
+        self.epoch += 1
         self.is_retracted = True
         self.prebuilt = False
         self.waiting = True
@@ -119,7 +124,7 @@ class Req:
         self.kv_committed_len = 0
         self.kv_allocated_len = 0
         self.release_count = 0
-        self.prefix_len = 0
+        self.prefix_len = max(self.prefix_len, self.extend_end) if keep_prefix else 0
         self.extend_end = 0
         self.inflight_middle_chunks = 0
         self.cache_protected_len = 0

@@ -659,7 +659,7 @@ class Scheduler:
         cell's tree then evicts for the ``remaining`` requests at once."""
         release_kv_cache(self.rt, req, is_insert=False)
         evict_after_retract(self.rt, remaining)
-        req.reset_for_retract()
+        req.reset_for_retract(keep_prefix=self.rt.has_fault("B36"))
         req.matched_len = 0
 
     # ------------------------------------------------------------------ run_batch

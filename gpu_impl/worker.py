@@ -49,6 +49,7 @@ from overlap_spec.gpu_impl.req import compute_env_tokens_tensor, get_env_chain_c
 from overlap_spec.gpu_impl.runtime import Runtime
 from overlap_spec.gpu_impl.schedule_batch import ScheduleBatch
 from overlap_spec.spec.state import EOS_TOKEN, IterationChoices
+from overlap_spec.spec.transitions import compute_kv_writer
 from overlap_spec.spec.units import StepId
 
 READ_DONE = "shared_read_done"  # reference.worker.READ_DONE
@@ -117,6 +118,7 @@ class RequestInputs:
     """Per-request host facts the stand-in forward needs, copied H2D on the forward stream."""
 
     rid: torch.Tensor
+    writer: torch.Tensor  # compute_kv_writer: what its KV writes name
     kv_allocated_len: torch.Tensor
     holds_row: torch.Tensor  # bool
     # A radix cell's mixed batch: the rows that may write a tree page of their own row
@@ -157,8 +159,12 @@ class ModelWorker:
         if self.rt.config.cell.radix and batch.forward_mode == "mixed":
             tree_writable = streams.device_tensor(
                 [batch.is_decode_row(j) for j in range(len(reqs))], stream) > 0
+        # The request ids and the KV writers (compute_kv_writer) in one copy.
+        ids = streams.device_tensor([req.rid for req in reqs]
+                                    + [compute_kv_writer(req.rid, req.epoch) for req in reqs],
+                                    stream)
         return RequestInputs(
-            rid=streams.device_tensor([req.rid for req in reqs], stream),
+            rid=ids[:len(reqs)], writer=ids[len(reqs):],
             kv_allocated_len=streams.device_tensor([req.kv_allocated_len for req in reqs],
                                                    stream),
             holds_row=streams.device_tensor([req.req_pool_idx is not None for req in reqs],
@@ -195,7 +201,7 @@ class ModelWorker:
                 & inputs.is_own(owner))
         faults = (live ^ good).sum() + (~inputs.holds_row).sum()  # good is a subset of live
         target = torch.where(good, slots, kv.trash_slot)
-        values = torch.add(positions, inputs.rid[:, None], alpha=KV_POSITION_STRIDE)  # one op
+        values = torch.add(positions, inputs.writer[:, None], alpha=KV_POSITION_STRIDE)  # one op
         kv.kv_cache.index_put_((target,), values)
         return faults
 
@@ -229,7 +235,7 @@ class ModelWorker:
         # Through an unset entry a copy reads the slot no write reaches: UNWRITTEN_KV.
         copied = kv.kv_cache[torch.where(source_slots >= 0, source_slots, kv.unwritten_slot)]
         values = torch.where(sources >= 0, copied,
-                             torch.add(positions, inputs.rid[:, None], alpha=KV_POSITION_STRIDE))
+                             torch.add(positions, inputs.writer[:, None], alpha=KV_POSITION_STRIDE))
         kv.kv_cache.index_put_((torch.where(good, slots, kv.trash_slot),), values)
         return faults
 

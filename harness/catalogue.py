@@ -1,4 +1,4 @@
-"""The catalogue of historical bugs B1-B35 (digest section 5; B16 is the reserve upstream
+"""The catalogue of historical bugs B1-B36 (digest section 5; B16 is the reserve upstream
 fixed in #26354, B17 what the upstream tier found the release doing, B18 a chunked-prefill
 counter bug of the JAX port, B19 and B20 mixed-chunk bugs, B21 the row of a tree on pages
 > 1, B22 an unaligned spec-v2 allocation, B23 the release's page-1 tree row: U7, B24
@@ -418,6 +418,17 @@ BUGS: Final[tuple[Bug, ...]] = (
         "is_fully_idle checks the running batch, the chunked request and the waiting queue, "
         "not the last batch or the result queue", ("RX8", "RX1"),
         lambda cell: cell.radix, radix=True, representative_cells=_RADIX_CELLS),
+    Bug("B36", "a retracted request re-prefilled from a stale prefix offset",
+        "issue 43's scenario (no upstream report found): 0.5.23's Req.reset_for_retract "
+        "clears prefix_len and extend_end (schedule_batch.py:2054, :2064); without that the "
+        "re-prefill's writes start at the old offset",
+        "a request prefilled and decoding is retracted, then re-admitted: its extend "
+        "[0, fill) writes only [old prefill end, fill), the row allocated and owned in full",
+        "reset_for_retract keeps prefix_len (the last prefill's end) and the re-admission "
+        "starts the forward's extend writes there (cache_protected_len and the ghost are "
+        "right); the page it gets back may still hold its own earlier holding's writes",
+        ("KV15",), lambda cell: True,
+        not_in_z3="the Z3 model keeps no KV contents (which write a slot holds)"),
 )
 
 def get_bug(bug_id: str) -> Bug:

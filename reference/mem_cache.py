@@ -89,7 +89,8 @@ def alloc_for_extend(rt: Runtime, req: Req, extend_end: int | None = None) -> No
     # the tree path's slots, and only the extend past it is allocated (allocation.py:363-488).
     radix = get_radix(rt)
     prefix = [] if radix is None or req.lock is None else radix.get_path_pages(req.lock)
-    req.apply(relation.prepare_for_extend, row, extend_end, len(prefix) * rt.config.page_size)
+    req.apply(relation.prepare_for_extend, row, extend_end, len(prefix) * rt.config.page_size,
+              rt.faults)
     req.pages = prefix
     back_columns(rt, req, 0, "alloc_for_extend")
 

@@ -49,10 +49,11 @@ class Refinement:
         self.observer = observer
         self.races_seen = 0
         self.checked_seen = 0
-        # Per request: the record, row, pages and lock its last view was built from, and
-        # the view.
+        # Per request: the record, row, pages, lock and KV contents its last view was built
+        # from, and the view.
         self._views: dict[RequestId, tuple[RequestRecord, tuple[SlotId, ...],
-                                           tuple[PageId, ...], int | None, RequestView]] = {}
+                                           tuple[PageId, ...], int | None,
+                                           tuple[tuple[int, int] | None, ...], RequestView]] = {}
 
     def __getstate__(self) -> dict[str, Any]:
         # The view cache is not state: a copy (the exhaustive tier's pickled states, its
@@ -81,16 +82,18 @@ class Refinement:
         # The held lock's node (a lock on the root, no prefix, shows as none: the root is
         # not one of TreeView's nodes).
         lock = None if req.lock is None or req.lock.parent is None else req.lock.id
+        contents = tuple(self.rt.kv_cache.get(slot) for slot in row)
         previous = self._views.get(state.rid)
         if (previous is not None and previous[0] is state and previous[1] == row
-                and previous[2] == pages and previous[3] == lock):
-            return previous[4]
-        view = self._build_request_view(req, row, pages, lock)
-        self._views[state.rid] = (state, row, pages, lock, view)
+                and previous[2] == pages and previous[3] == lock and previous[4] == contents):
+            return previous[5]
+        view = self._build_request_view(req, row, pages, lock, contents)
+        self._views[state.rid] = (state, row, pages, lock, contents, view)
         return view
 
     def _build_request_view(self, req: Req, row: tuple[SlotId, ...],
-                            pages: tuple[PageId, ...], lock: int | None) -> RequestView:
+                            pages: tuple[PageId, ...], lock: int | None,
+                            contents: tuple[tuple[int, int] | None, ...]) -> RequestView:
         g = req.ghost
         radix = isinstance(self.rt.tree, RadixCache)
         return RequestView(
@@ -125,6 +128,8 @@ class Refinement:
             cache_protected_len=req.cache_protected_len,
             lock_node=lock,
             prompt_family=req.family if radix else None,
+            kv_contents=contents,
+            prebuilt=req.state.prebuilt,
             ghost=GhostView(
                 epoch=g.epoch,
                 kv_len_true=TokenCount(g.kv_len_true),

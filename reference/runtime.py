@@ -34,7 +34,7 @@ class Runtime:
     hb: HappensBefore = field(default_factory=HappensBefore)
     next_tensor_id: int = 0
     live_tensors: set[int] = field(default_factory=set)
-    # The KV slots' content: slot -> (request id, position) of the forward write that last
+    # The KV slots' content: slot -> (writer, position) of the forward write that last
     # stored it (a tail copy: its source's; None: copied from nothing written); a slot never
     # written is absent. Never cleared: a freed page keeps it until overwritten (gpu_impl's
     # ``kv_cache``, the same model; ``spec.interface.RequestState.kv_contents``).

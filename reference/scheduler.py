@@ -656,7 +656,7 @@ class Scheduler:
         radix cell the tree evicts for the ``remaining`` requests at once."""
         release_kv_cache(self.rt, req, is_insert=False)
         evict_after_retract(self.rt, remaining)
-        req.apply(relation.reset_for_retract)
+        req.apply(relation.reset_for_retract, self.rt.faults)
         req.matched_len = 0
 
     # ------------------------------------------------------------------ run_batch

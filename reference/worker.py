@@ -37,6 +37,7 @@ from overlap_spec.spec.state import (
 from overlap_spec.spec.transitions import (
     compute_draft_extend_seq_lens,
     compute_draft_writes,
+    compute_kv_writer,
     compute_verify_new_seq_len,
 )
 from overlap_spec.spec.units import StepId
@@ -94,7 +95,7 @@ class ForwardResult:
 
 OnPublish = Callable[[list[int]], None]
 Emit = Callable[..., None]
-KvContent = tuple[int, int] | None  # a KV slot's: (request id, position) written there
+KvContent = tuple[int, int] | None  # a KV slot's: (writer, position) written there: compute_kv_writer
 KvWrites = list[tuple[int, KvContent]]  # (slot, content) a forward stores
 
 
@@ -150,8 +151,8 @@ class ModelWorker:
                 faults.append(KvWrite(req.rid, position, slot, "slot not owned by the request"))
             else:
                 source = sources[k] if k < len(sources) else None
-                writes.append((slot, (req.rid, position) if source is None
-                               else self._read_kv(row, source)))
+                writes.append((slot, (compute_kv_writer(req.rid, req.ghost.epoch), position)
+                               if source is None else self._read_kv(row, source)))
 
     def _read_kv(self, row: list[int], position: int) -> KvContent:
         """The content of the row's ``position`` (clamped into the row, as gpu_impl's

@@ -32,8 +32,9 @@ class RequestState:
     spec_verify_ct: int  # the request's verify count (RP6)
     spec_num_correct_drafts: int  # its accepted drafts (RP6)
     cache_protected_len: int = 0  # a radix cell's: row[0:cpl] is the tree's (RX4)
-    # What each forward wrote where: per column of ``req_to_token``, the (request id,
-    # position) of the last write into its slot (a draft's tail copy, ``move_kv_cache``,
+    # What each forward wrote where: per column of ``req_to_token``, the (writer,
+    # position) of the last write into its slot (the writer: the request id and its epoch,
+    # ``transitions.compute_kv_writer``) (a draft's tail copy, ``move_kv_cache``,
     # carries its source's), None where no forward wrote the slot. Below a radix cell's
     # cache_protected_len the tree's pages: another request's writes; a page reused after a
     # free keeps its content until overwritten. The whole field None: not reported (the

@@ -287,7 +287,8 @@ def abort(req: RequestRecord) -> RequestRecord:
             "cache_protected_len", "ghost.extend_inflight", "ghost.kv_len_true",
             "ghost.settled_len")
 def prepare_for_extend(req: RequestRecord, row: PoolRow, extend_end: int | None = None,
-                       prefix_len: int = 0) -> RequestRecord:
+                       prefix_len: int = 0, faults: frozenset[str] = NO_FAULTS
+                       ) -> RequestRecord:
     """``ScheduleBatch.prepare_for_extend`` / ``alloc_for_extend`` for one request: a pool
     row and committed = allocated = the extend's end, ``extend_end``: fill_len (prompt plus
     every output token, so a retracted request is re-prefilled) unless chunked prefill cut
@@ -296,7 +297,9 @@ def prepare_for_extend(req: RequestRecord, row: PoolRow, extend_end: int | None 
 
     With the radix cache the extend starts past the prefix admission matched
     (``match_kv_cache``: ``prefix_len`` and ``cache_protected_len``, common.py:244,
-    schedule_batch.py:1742), whose KV another request wrote and settled."""
+    schedule_batch.py:1742), whose KV another request wrote and settled. B36: a retracted
+    request's extend starts at the stale offset its retraction kept (cpl and the ghost do
+    not move: only the forward's writes start late)."""
     name = "prepare_for_extend"
     require(req.waiting, name, req, "waiting", "expected a waiting request")
     require(not req.holds_kv, name, req, "holds_kv", "expected a request without KV")
@@ -305,10 +308,12 @@ def prepare_for_extend(req: RequestRecord, row: PoolRow, extend_end: int | None 
     end, middle = compute_extend_kv(req.prompt_len, req.output_len, extend_end)
     require(0 <= prefix_len < end <= fill_len, name, req, "extend_end",
             f"extend [{prefix_len}, {end}) outside 1..{fill_len}")
+    stale = "B36" in faults and req.is_retracted and prefix_len < req.prefix_len < end
     return replace(req, req_pool_idx=row, holds_kv=True, kv_allocated_len=end,
                    kv_committed_len=end, is_retracted=False, waiting=False, extend_end=end,
                    inflight_middle_chunks=req.inflight_middle_chunks + middle,
-                   prefix_len=prefix_len, cache_protected_len=prefix_len,
+                   prefix_len=req.prefix_len if stale else prefix_len,
+                   cache_protected_len=prefix_len,
                    ghost=ghost_prepare_extend(req.ghost, prefix_len))
 
 
@@ -567,16 +572,18 @@ def compute_release_cached(cell: Cell, committed: int, prompt_len: int, output_l
             "inflight_middle_chunks", "cache_protected_len", "ghost.epoch",
             "ghost.kv_len_true", "ghost.settled_len", "ghost.inflight_steps",
             "ghost.prepared_steps", "ghost.extend_inflight")
-def reset_for_retract(req: RequestRecord) -> RequestRecord:
+def reset_for_retract(req: RequestRecord, faults: frozenset[str] = NO_FAULTS
+                      ) -> RequestRecord:
     """``Req.reset_for_retract`` after ``release_req`` (``retract_decode``): back to the
     waiting queue with no KV; output_ids are kept for the re-prefill, a prebuilt request
-    is re-prefilled here. The ghost starts a new epoch."""
+    is re-prefilled here. The ghost starts a new epoch. B36 keeps ``prefix_len``."""
     require(not req.holds_kv, "reset_for_retract", req, "holds_kv",
             "expected the KV released first (release_kv_cache)")
     return replace(req, is_retracted=True, prebuilt=False, kv_committed_len=0,
                    kv_allocated_len=0, req_pool_idx=None, holds_kv=False, waiting=True,
-                   release_count=0, prefix_len=0, extend_end=0, inflight_middle_chunks=0,
-                   cache_protected_len=0, ghost=ghost_retract(req.ghost))
+                   release_count=0, prefix_len=req.prefix_len if "B36" in faults else 0,
+                   extend_end=0, inflight_middle_chunks=0, cache_protected_len=0,
+                   ghost=ghost_retract(req.ghost))
 
 
 @transition("output_ids", "ghost.kv_len_true", "ghost.settled_len", "ghost.output_len_true",

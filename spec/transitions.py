@@ -388,3 +388,14 @@ def compute_host_sync_budget(cell: Cell) -> int:
     if cell.overlap and not cell.needs_cpu_seq_lens:
         return 1
     return 2
+
+
+KV_WRITER_EPOCH_STRIDE = 1 << 16  # request ids stay below it (compute_kv_writer asserts)
+
+
+def compute_kv_writer(rid: int, epoch: int) -> int:
+    """Whom a forward's KV write names (``RequestState.kv_contents``, KV15): the request
+    id, plus ``epoch`` strides after each retraction, so that a page the request gets back
+    after a retraction does not pass for one written in its new holding."""
+    assert 0 <= rid < KV_WRITER_EPOCH_STRIDE, f"request id {rid} out of the writer's range"
+    return rid + epoch * KV_WRITER_EPOCH_STRIDE

@@ -116,6 +116,12 @@ def _prefilling(r: object) -> bool:
     return bool(r.holds_kv and r.ghost.extend_inflight and not r.finished)  # type: ignore[attr-defined]
 
 
+def _extended(r: object) -> bool:
+    """A live request whose own extend starts at column 0 (KV15 judges it)."""
+    return bool(r.is_live and not r.prebuilt and r.extend_end > 0  # type: ignore[attr-defined]
+                and r.cache_protected_len == 0 and r.kv_contents)  # type: ignore[attr-defined]
+
+
 PERTURB: dict[str, Callable[[Observation], Observation]] = {
     "SL1": lambda o: replace(o, forward=replace(o.forward, seq_lens_sum=(o.forward.seq_lens_sum or 0) + 1)),
     "SL2": lambda o: replace(o, batch=replace(o.batch, seq_lens=_bump(o.batch.seq_lens))),
@@ -150,6 +156,9 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
     # A pending prefill cut short of its fill while no request is the chunked one.
     "KV12": lambda o: _with_request(o, _prefilling, extend_end=next(
         r.extend_end for r in o.requests if _prefilling(r)) - 1),
+    # The first column of a live request's extend shows nothing written.
+    "KV15": lambda o: _with_request(o, _extended, kv_contents=(None, *o.requests[
+        _first_request(o, _extended)].kv_contents[1:])),
     "FM1": lambda o: replace(o, races=(_race("new_seq_lens_buf", (FORWARD, "write"), (SCHEDULE, "read")),)),
     "FM2": lambda o: replace(o, resolve=replace(o.resolve, uncovered_rows=o.resolve.rows[:1])),
     "FM3": lambda o: replace(o, races=(_race("output_tokens_buf", (SCHEDULE, "write"), (FORWARD, "read")),)),

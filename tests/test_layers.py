@@ -55,9 +55,11 @@ PROJECT = set(ALLOWED)
 # other), its view in the observation, the RX family over it (about 170 lines), and the
 # relation's prefix (cache_protected_len, the checkpoint) with KV11 per candidate.
 # flush_cache (the tree's reset, the observation point, RX8: about 20 lines).
+# Issue 43's properties (KV15's whole writes and the writer's epoch: about 30 lines; the
+# others with their views) raise it to 2,600.
 # The GUIDE's target is well under 2,000: this is still past it; the invariants (about
 # 1,000 lines) are most of the rest.
-SPEC_CODE_LINE_CAP = 2500
+SPEC_CODE_LINE_CAP = 2600
 
 
 def _module_name(path: Path) -> str:

@@ -33,10 +33,13 @@ only there merge:
 - ``Scheduler.step_index`` (the driver sets it before every operation);
 - ``Runtime.shape``, the iteration's rung (``run_iteration`` sets it before any read;
   admit and abort do not read it);
-- ``Runtime.kv_cache``, what each forward wrote where: no observation, guard or decision
-  reads it; only a later tail copy (into the same map) and ``get_observable_state`` (the
-  gpu_impl differential's comparison, which this tier never makes) do. Kept, it would
-  split states by which finished request last wrote a freed page.
+- of ``Runtime.kv_cache`` (what each forward wrote where), the slots no request holds: KV15
+  reads the contents of held rows, a tail copy reads its own row, and a slot freed and
+  handed out again is read only where its new holder's forward failed to overwrite it,
+  which KV15 reports whether the slot shows the old write or none (the old write is
+  another holding's, never the new one's: the writer names the epoch). Kept, they would
+  split states by which finished request last wrote a freed page. Held slots are kept,
+  in slot order.
 
 ``tests/test_exhaust.py`` checks the claim on a sample: operation prefixes that reach
 the same key are extended by the same suffixes, run from scratch, and must produce the
@@ -161,7 +164,11 @@ def canonicalise(model: Scheduler) -> None:
     hb.host_syncs = []
     model.step_index = 0
     model.rt.shape = model.config.get_shape()
-    model.rt.kv_cache = {}
+    rt = model.rt
+    held = {slot for req in model.requests.values()
+            if req.holds_kv and req.req_pool_idx is not None
+            for slot in rt.req_to_token.rows[req.req_pool_idx][:max(req.kv_allocated_len, 0)]}
+    rt.kv_cache = {slot: rt.kv_cache[slot] for slot in sorted(held) if slot in rt.kv_cache}
 
 
 def get_state_bytes(model: Scheduler, admitted: list[RequestId]) -> bytes:

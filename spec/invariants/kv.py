@@ -508,3 +508,38 @@ def check_kv12(config: ModelConfig, obs: Observation) -> int:
                        f"{'decode' if batch.forward_mode == 'decode' else 'running'} batch")
         count += 1
     return count
+
+
+@invariant("KV15")
+def check_kv15(config: ModelConfig, obs: Observation) -> int:
+    """a prefill writes its whole extend
+
+    at an iteration's end, each live request holding KV holds in every column c of its row
+    from p to ``extend_end`` (its prefill's, or its latest chunk's, end) the KV its own
+    forward wrote for position c since its last retraction (writer ``compute_kv_writer``
+    of its id and epoch, position c); p is ``cache_protected_len`` with the radix cache
+    (below it the tree's pages, RX4) and 0 without; a PD-prebuilt request's KV arrived
+    without a forward and is not judged. A forward that starts late (a retracted
+    request's stale prefix offset, B36) leaves a column unwritten, or holding an older
+    holding's write of a page it got back.
+
+    Source: schedule_batch.py prepare_for_extend (``out_cache_loc`` for ``[len(prefix_indices),
+    seq_len)``), reset_for_retract (``prefix_indices`` emptied), mem_cache/common.py
+    alloc_for_extend.
+    """
+    if obs.point is not ObservationPoint.ITERATION_END:
+        return 0
+    judged = 0
+    for r in obs.requests:
+        if r.kv_contents is None or not r.is_live or r.prebuilt or r.extend_end <= 0:
+            continue
+        writer = tr.compute_kv_writer(r.rid, r.ghost.epoch)
+        start = r.cache_protected_len if config.cell.radix else 0
+        for c in range(start, r.extend_end):
+            found = r.kv_contents[c] if c < len(r.kv_contents) else "no column"
+            if found != (writer, c):
+                raise fail("KV15", obs, f"for request r{r.rid}: column {c} of its extend "
+                           f"[{start}, {r.extend_end}) holds {found}, expected its own write "
+                           f"{(writer, c)} (epoch {r.ghost.epoch})")
+        judged += 1
+    return judged
