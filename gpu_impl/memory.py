@@ -20,8 +20,9 @@ What is a tensor here and what is not:
 - ``kv_cache`` is the KV slot buffer the forward writes; after the pages' slots come a
   trash slot that masked writes land in, so a wrong write is counted, never a crash, and a
   slot nothing writes, read by a copy through an unset entry. A write stores
-  who wrote which position, ``writer * KV_POSITION_STRIDE + position`` (the writer: ``compute_kv_writer``, the request id and its epoch) (:func:`decode_kv`
-  reads it back), a draft's tail copy its source's value (``move_kv_cache``); a slot no
+  who wrote which position, ``writer * KV_POSITION_STRIDE + position`` (the writer:
+  ``compute_kv_writer``, the request id and its epoch; :func:`decode_kv` reads it
+  back), a draft's tail copy its source's value (``move_kv_cache``); a slot no
   forward ever wrote holds :data:`UNWRITTEN_KV`. Nothing clears it: a freed page keeps its
   content until a write overwrites it (the reference's ``Runtime.kv_cache`` is the same
   model, a dict).

@@ -95,7 +95,7 @@ class ForwardResult:
 
 OnPublish = Callable[[list[int]], None]
 Emit = Callable[..., None]
-KvContent = tuple[int, int] | None  # a KV slot's: (writer, position) written there: compute_kv_writer
+KvContent = tuple[int, int] | None  # a KV slot's (writer, position): compute_kv_writer
 KvWrites = list[tuple[int, KvContent]]  # (slot, content) a forward stores
 
 
