@@ -162,6 +162,7 @@ class Scheduler:
         # abort of it, applied at the top of the next step (process_pending_chunked_abort).
         self.chunked_req: Req | None = None
         self.pending_chunked_abort: Req | None = None
+        self.paused = False  # pause_generation's _engine_paused
 
     # ------------------------------------------------------------------ interface
     def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False,
@@ -207,6 +208,8 @@ class Scheduler:
         req.finished_reason = "abort"
 
     def run_iteration(self, choices: IterationChoices) -> None:
+        if self.paused:  # the loop ingests, then continues before get_next_batch_to_run
+            return
         self.rt.shape = self.config.get_shape(choices.spec_steps)
         batch = self.get_next_batch_to_run(choices)
         self.cur_batch = batch
@@ -251,7 +254,7 @@ class Scheduler:
             self.running_batch,)
         busy = [b for b in batches if b is not None and b.reqs]
         return (not busy and not (sees_in_flight and self.result_queue)
-                and not self.waiting_queue and self.chunked_req is None)
+                and (self.paused or not self.waiting_queue) and self.chunked_req is None)
 
     def flush_cache(self) -> bool:
         """``Scheduler.flush_cache``: at full idle the tree reset, the pools back to their
@@ -266,6 +269,32 @@ class Scheduler:
         pages = list(range(rt.allocator.total_pages))
         rt.kv.set_owner(pages, [-1] * len(pages))
         return True
+
+    def pause_generation(self) -> None:
+        """``pause_generation(mode="retract")`` (the reference's: the queued result first,
+        then the running batch's, the unmerged extend batch's and the chunked request's
+        unfinished requests released without caching and re-queued)."""
+        self.paused = True
+        if self.config.cell.overlap and self.last_batch is not None and self.result_queue:
+            self.pop_and_process()
+        running, last = self.running_batch, self.last_batch
+        retract = [req for req in (running.reqs if running is not None else [])
+                   if not req.finished()]
+        if (last is not None and last.forward_mode in ("extend", "mixed")
+                and last is not running):
+            retract += [req for req in last.reqs if not req.finished()]
+        chunked = self.chunked_req
+        if chunked is not None and not chunked.finished() and chunked not in retract:
+            retract.append(chunked)
+        self.last_batch = None
+        for k, req in enumerate(retract):
+            self.release_req(req, len(retract) - k)
+        self.running_batch = None
+        self.waiting_queue.extend(retract)
+        self.chunked_req = None
+
+    def continue_generation(self) -> None:
+        self.paused = False
 
     def set_step_index(self, index: int) -> None:
         self.step_index = index

@@ -41,6 +41,7 @@ class Observed(Protocol):
     step_index: int
     requests: dict[RequestId, Req]
     chunked_req: Req | None
+    paused: bool
 
 
 class Refinement:
@@ -206,6 +207,7 @@ class Refinement:
             checked_pairs=checked,
             chunked_rid=None if scheduler.chunked_req is None else scheduler.chunked_req.rid,
             tree=self.get_tree_view(),
+            paused=scheduler.paused,
             **parts,
         )
         self.observer(obs)

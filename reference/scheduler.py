@@ -120,6 +120,7 @@ class Scheduler:
         # abort of it, applied at the top of the next step (process_pending_chunked_abort).
         self.chunked_req: Req | None = None
         self.pending_chunked_abort: Req | None = None
+        self.paused = False  # pause_generation's _engine_paused
 
     # ------------------------------------------------------------------ interface
     def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False,
@@ -155,6 +156,10 @@ class Scheduler:
 
     def run_iteration(self, choices: IterationChoices) -> None:
         hb = self.rt.hb
+        if self.paused:  # the loop ingests, then continues before get_next_batch_to_run
+            self.refinement.observe(ObservationPoint.ITERATION_END, self, host_syncs=(),
+                                    launched_this_iteration=False)
+            return
         syncs_before = len(hb.host_syncs)
         self.rt.shape = self.config.get_shape(choices.spec_steps)
         batch = self.get_next_batch_to_run(choices)
@@ -204,9 +209,10 @@ class Scheduler:
     def is_fully_idle(self, sees_in_flight: bool = True) -> bool:
         """``Scheduler.is_fully_idle``: nothing runs, waits or is being chunked, and (unless
         ``sees_in_flight`` is off: B35's check) no batch is in flight or has its result
-        queued."""
+        queued. While paused ``flush_cache`` ignores the waiting queue (``ignore_waiting``,
+        scheduler.py:5520): no waiting request holds KV here."""
         idle = ((self.running_batch is None or self.running_batch.is_empty())
-                and not self.waiting_queue and self.chunked_req is None)
+                and (self.paused or not self.waiting_queue) and self.chunked_req is None)
         return idle and (not sees_in_flight or (
             (self.last_batch is None or self.last_batch.is_empty()) and not self.result_queue))
 
@@ -222,6 +228,39 @@ class Scheduler:
         self.rt.allocator.clear()
         self.refinement.observe(ObservationPoint.FLUSH_CACHE, self)
         return True
+
+    def pause_generation(self) -> None:
+        """``Scheduler.pause_generation(mode="retract")`` (scheduler.py:5817-5932): paused;
+        under overlap the queued result is processed at once; then the running batch's
+        unfinished requests, the last batch's when it is an extend batch not yet merged,
+        and the chunked request, in that order, are released without caching
+        (``retract_all``: ``release_req`` with the count left) and re-queued; the running
+        batch emptied, its latch cleared, no chunked request. The pending chunked abort
+        marker stays (the release keeps it; its next check drops it, the request holding
+        no KV). The new-token ratio is untouched."""
+        self.paused = True
+        if self.config.cell.overlap and self.last_batch is not None and self.result_queue:
+            self.pop_and_process()
+        running, last = self.running_batch, self.last_batch
+        retract = [req for req in (running.reqs if running is not None else [])
+                   if not req.finished()]
+        if (last is not None and last.forward_mode in ("extend", "mixed")
+                and last is not running):
+            retract += [req for req in last.reqs if not req.finished()]
+        chunked = self.chunked_req
+        if chunked is not None and not chunked.finished() and chunked not in retract:
+            retract.append(chunked)
+        self.last_batch = None
+        for k, req in enumerate(retract):
+            self.release_req(req, len(retract) - k)
+        self.running_batch = None
+        self.waiting_queue.extend(retract)
+        self.chunked_req = None
+        self.refinement.observe(ObservationPoint.PAUSE_GENERATION, self)
+
+    def continue_generation(self) -> None:
+        """``Scheduler.continue_generation``: ``_engine_paused`` cleared."""
+        self.paused = False
 
     def set_step_index(self, index: int) -> None:
         self.step_index = index

@@ -93,6 +93,16 @@ class SchedulerModel(Protocol):
         (True); otherwise refused, nothing changed (False)."""
         ...
 
+    def pause_generation(self) -> None:
+        """``Scheduler.pause_generation(mode="retract")``: the queued result processed, every
+        unfinished request running, just prefilled or chunked retracted and re-queued; no
+        batch is built until :meth:`continue_generation`."""
+        ...
+
+    def continue_generation(self) -> None:
+        """``Scheduler.continue_generation``: iterations build batches again."""
+        ...
+
     def run_iteration(self, choices: IterationChoices) -> None:
         """One pass of the event loop with the environment's choices."""
         ...

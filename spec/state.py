@@ -38,6 +38,7 @@ class ObservationPoint(enum.Enum):
     PROCESS_RESULT = "process_result"
     ABORT = "abort"
     FLUSH_CACHE = "flush_cache"  # after a flush_cache that ran (a refused one changes nothing)
+    PAUSE_GENERATION = "pause_generation"  # after pause_generation(mode="retract")
     ITERATION_END = "iteration_end"
 
 
@@ -364,6 +365,7 @@ class Observation:
     chunked_rid: RequestId | None = None  # Scheduler.chunked_req (chunked prefill)
     launched_this_iteration: bool = False
     tree: TreeView | None = None  # the radix tree (cells with ``radix``; None elsewhere)
+    paused: bool = False  # pause_generation holds the loop (``Scheduler._engine_paused``)
     # Cross-participant access pairs whose order was checked since the previous
     # observation (races included): the stream claims' witnesses. Not written to traces:
     # the trace checker recomputes them from the stream events.

@@ -32,9 +32,11 @@ from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
     AdmitPrebuilt,
+    Continue,
     Flush,
     Iterate,
     Op,
+    PauseRetract,
     apply_op,
     get_factory,
 )
@@ -139,6 +141,10 @@ CHUNKED = {"chunked_prefill_size": 4}
     # Without: refused while the request runs, then one on an empty tree.
     ("cache-flush", "ov-p1-none-radix", {}, [Admit(4, 2, 0), STEP, STEP, STEP, STEP, Flush()],
      [Flush(), Admit(4, 2, 0), STEP, Flush(), STEP]),
+    # Without: a pause with nothing admitted, or after the only request finished.
+    ("pause-retract", "ov-p1-none", {}, [Admit(2, 6), STEP, STEP, PauseRetract(), STEP,
+                                         Continue(), STEP],
+     [PauseRetract(), Continue(), Admit(2, 1), STEP, STEP, STEP, PauseRetract(), Continue()]),
 ])
 def test_each_recogniser_fires_on_its_mechanism_only(
         mechanism: str, cell: str, sizes: dict[str, int], ops: list[Op],

@@ -255,6 +255,29 @@ class UpstreamScheduler:
         self._raise_pending()
         return flushed
 
+    def pause_generation(self) -> None:
+        """The release's own ``Scheduler.pause_generation(mode="retract")`` between two
+        iterations (where its loop would take a ``PauseGenerationReqInput``); the requests
+        it retracted (``Req.retraction_count`` moved) start a new ghost epoch."""
+        from sglang.srt.managers.io_struct import PauseGenerationReqInput
+
+        self.retracted_in_operation = frozenset()
+        counts = {id(t.req): t.req.retraction_count for t in self.tracks.values()}
+        self.scheduler.pause_generation(PauseGenerationReqInput(mode="retract"))
+        retracted = [t.req for t in self.tracks.values()
+                     if t.req.retraction_count != counts[id(t.req)]]
+        self.on_retract(retracted, [])
+        self.observe(ObservationPoint.PAUSE_GENERATION)
+        self._raise_pending()
+
+    def continue_generation(self) -> None:
+        """The release's own ``Scheduler.continue_generation`` (no cache emptying: CPU)."""
+        from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+        self.retracted_in_operation = frozenset()
+        self.scheduler.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False))
+        self._raise_pending()
+
     def run_iteration(self, choices: IterationChoices) -> None:
         self.launched = False
         self.retracted_in_operation = frozenset()
@@ -720,6 +743,7 @@ class UpstreamScheduler:
             chunked_rid=None if chunked_track is None else chunked_track.rid,
             tree=(read_tree(self.scheduler.tree_cache, self.config.page_size)
                   if self.config.cell.radix else None),
+            paused=bool(self.scheduler._engine_paused),
             **parts,
         )
         try:

@@ -129,6 +129,10 @@ NEEDS: Final[tuple[Need, ...]] = (
        "upstream/adapter.py, upstream/session.py: aborts one request, or all between examples"),
     _f(SCHEDULER, "Scheduler.flush_cache", "(self, empty_cache=)",
        "upstream/session.py: the reset between examples"),
+    _f(SCHEDULER, "Scheduler.pause_generation", "(self, recv_req)",
+       "upstream/adapter.py: the script's pause_retract"),
+    _f(SCHEDULER, "Scheduler.continue_generation", "(self, recv_req)",
+       "upstream/adapter.py: the script's continue"),
     _f(SCHEDULER, "Scheduler.is_fully_idle",
        "(self, for_health_check=, ignore_waiting=)",
        "upstream/session.py: the drain between examples"),
@@ -145,7 +149,7 @@ NEEDS: Final[tuple[Need, ...]] = (
         "chunked_prefill_size chunked_req enable_overlap forward_ct future_map invariant_checker "
         "is_mixed_chunk last_batch max_req_input_len new_token_ratio_tracker "
         "req_to_token_pool running_batch token_to_kv_pool_allocator tree_cache waiting_queue "
-        "_pending_chunked_abort_req dynamic_chunk_sizer",
+        "_pending_chunked_abort_req dynamic_chunk_sizer _engine_paused",
         "upstream/adapter.py, upstream/hooks.py, upstream/session.py: read off the scheduler"),
     _v(SCHEDULER, "resolve_forward_inputs",
        "upstream/hooks.py: the scheduler module's imported name, wrapped (FM4, FM5)"),
@@ -211,7 +215,7 @@ NEEDS: Final[tuple[Need, ...]] = (
     *_a(BATCH, "Req",
         "extend_end finished_reason inflight_middle_chunks is_retracted kv origin_input_ids "
         "output_ids output_ids_through_stop prefix_len rid sampling_params "
-        "spec_num_correct_drafts spec_verify_ct decode_batch_idx",
+        "spec_num_correct_drafts spec_verify_ct decode_batch_idx retraction_count",
         "upstream/adapter.py, upstream/worker.py: read off a request"),
     *_a(BATCH, "ReqKvInfo", "holds_kv kv_allocated_len kv_committed_len req_pool_idx",
         "upstream/adapter.py: the request's KV lengths and row"),
@@ -225,6 +229,10 @@ NEEDS: Final[tuple[Need, ...]] = (
         "speculative_num_draft_tokens"), _WORKER),
     _k("sglang.srt.managers.io_struct", "AbortReq", ("rid", "abort_all"),
        "upstream/adapter.py, upstream/session.py: aborts"),
+    _k("sglang.srt.managers.io_struct", "PauseGenerationReqInput", ("mode",),
+       "upstream/adapter.py: pause_retract"),
+    _k("sglang.srt.managers.io_struct", "ContinueGenerationReqInput", ("torch_empty_cache",),
+       "upstream/adapter.py: continue"),
     _k("sglang.srt.sampling.sampling_params", "SamplingParams",
        ("max_new_tokens", "temperature"), "upstream/adapter.py: admits a request"),
     _f("sglang.srt.sampling.sampling_params", "SamplingParams.normalize",

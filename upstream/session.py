@@ -247,7 +247,8 @@ class Session:
         self._wait()
 
     def reset(self) -> None:
-        """Back to an empty scheduler between examples: abort all, drain, flush_cache."""
+        """Back to an empty scheduler between examples: resume a paused one, abort all,
+        drain, flush_cache."""
         from sglang.srt.managers.io_struct import AbortReq
 
         self.start()
@@ -256,6 +257,10 @@ class Session:
         if not self.used:
             self.used = True
             return
+        if sched._engine_paused:  # an example that ended in pause_generation
+            from sglang.srt.managers.io_struct import ContinueGenerationReqInput
+
+            sched.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False))
         drain = IterationChoices(allow_prefill=False)
         for _ in range(DRAIN_ITERATIONS):
             # Again every pass: a retraction puts an aborted request back in the queue.

@@ -20,7 +20,16 @@ from typing import Any, Final
 
 from hypothesis import strategies as st
 
-from overlap_spec.harness.drive.script import Abort, Admit, AdmitPrebuilt, Flush, Iterate, Op
+from overlap_spec.harness.drive.script import (
+    Abort,
+    Admit,
+    AdmitPrebuilt,
+    Continue,
+    Flush,
+    Iterate,
+    Op,
+    PauseRetract,
+)
 from overlap_spec.spec.config import ModelConfig, Preset, SpecMode
 from overlap_spec.spec.state import IterationChoices
 
@@ -97,9 +106,13 @@ def generate_random_ops(config: ModelConfig, rng: random.Random, count: int) -> 
     prompt_lens = get_prompt_lens(preset)
     ops: list[Op] = []
     admitted = 0
+    paused = False
     for _ in range(count):
         roll = rng.random()
-        if admitted < 4 and (roll < 0.3 or admitted == 0):
+        if paused and roll < 0.3:
+            ops.append(Continue())
+            paused = False
+        elif admitted < 4 and (roll < 0.3 or admitted == 0):
             admitted += 1
             if not preset.chunked_prefill_size and rng.random() < 0.2:
                 ops.append(AdmitPrebuilt(rng.choice(prompt_lens),
@@ -112,6 +125,11 @@ def generate_random_ops(config: ModelConfig, rng: random.Random, count: int) -> 
             ops.append(Abort(rng.randrange(admitted)))
         elif roll > 0.92 and config.cell.radix:  # flush_cache, drawn in the radix cells
             ops.append(Flush())
+        elif roll > 0.9:  # pause_generation(mode="retract"), resumed at once half the time
+            ops.append(PauseRetract())
+            paused = rng.random() < 0.5
+            if not paused:
+                ops.append(Continue())
         else:
             accept = tuple(top if rng.random() < 0.3 else rng.randint(1, top)
                            for _ in range(width))

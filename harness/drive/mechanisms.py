@@ -159,6 +159,8 @@ MECHANISMS: Final = (
               "allocation or a retraction", "the radix cells"),
     Mechanism("cache-flush", "a flush_cache ran on a non-empty radix tree (at full idle)",
               "the radix cells"),
+    Mechanism("pause-retract", "pause_generation(mode=\"retract\") retracted a request "
+              "(every unfinished one running, just prefilled or chunked)", "every size set"),
 )
 
 _RECOGNISERS: Final[tuple[tuple[str, Callable[[MechanismTracker, Observation], bool]], ...]] = (
@@ -188,6 +190,8 @@ _RECOGNISERS: Final[tuple[tuple[str, Callable[[MechanismTracker, Observation], b
      and obs.point is not ObservationPoint.FLUSH_CACHE and _get_tree_size(obs) < t._tree_size),
     ("cache-flush", lambda t, obs: obs.point is ObservationPoint.FLUSH_CACHE
      and t._tree_size > 0),
+    ("pause-retract", lambda t, obs: obs.point is ObservationPoint.PAUSE_GENERATION
+     and t._changed(obs, _retracted)),
 )
 
 assert [m.id for m in MECHANISMS] == [name for name, _ in _RECOGNISERS]

@@ -9,7 +9,7 @@ A script is JSON::
              {"op": "iterate", "allow_prefill": true, "retract": 0,
               "accept_lens": [2, 1, 1], "eos_positions": [0]},
              {"op": "abort", "request": 0},
-             {"op": "flush"}]}
+             {"op": "flush"}, {"op": "pause_retract"}, {"op": "continue"}]}
 
 An optional ``"sizes"`` object sets sizes in place of the preset's (the KV pool,
 the request rows, the chain's draft steps; ``harness.drive.cells.SIZE_LIMITS`` holds
@@ -81,7 +81,19 @@ class Flush:
     refused (nothing changes) otherwise."""
 
 
-Op = Admit | AdmitPrebuilt | Iterate | Abort | Flush
+@dataclass(frozen=True)
+class PauseRetract:
+    """``pause_generation(mode="retract")`` between iterations: every unfinished request
+    running, just prefilled or chunked is retracted and re-queued, and iterations build
+    nothing until :class:`Continue`."""
+
+
+@dataclass(frozen=True)
+class Continue:
+    """``continue_generation``: iterations build batches again (nothing if not paused)."""
+
+
+Op = Admit | AdmitPrebuilt | Iterate | Abort | Flush | PauseRetract | Continue
 
 
 @dataclass
@@ -128,6 +140,10 @@ def op_to_json(op: Op) -> dict[str, Any]:
         return {"op": "abort", "request": op.request}
     if isinstance(op, Flush):
         return {"op": "flush"}
+    if isinstance(op, PauseRetract):
+        return {"op": "pause_retract"}
+    if isinstance(op, Continue):
+        return {"op": "continue"}
     c = op.choices
     return {"op": "iterate", "allow_prefill": c.allow_prefill, "retract": c.retract,
             "accept_lens": list(c.accept_lens), "eos_positions": sorted(c.eos_positions),
@@ -164,6 +180,10 @@ def op_from_json(raw: Any, index: int) -> Op:
         return Abort(_field(raw, "request", int, where))
     if kind == "flush":
         return Flush()
+    if kind == "pause_retract":
+        return PauseRetract()
+    if kind == "continue":
+        return Continue()
     if kind == "iterate":
         accept = _field(raw, "accept_lens", list, where)
         eos = _field(raw, "eos_positions", list, where)
@@ -181,7 +201,8 @@ def op_from_json(raw: Any, index: int) -> Op:
             eos_offset=_field(raw, "eos_offset", int, where) if "eos_offset" in raw else 0,
         ))
     raise ScriptError(f"{where}: unknown op {kind!r} "
-                      "(expected admit, admit_prebuilt, iterate, abort or flush)")
+                      "(expected admit, admit_prebuilt, iterate, abort, flush, "
+                      "pause_retract or continue)")
 
 
 def script_to_json(script: Script) -> dict[str, Any]:
@@ -394,6 +415,10 @@ def apply_op(model: SchedulerModel, op: Op, admitted: list[RequestId]) -> None:
             model.abort(admitted[op.request % len(admitted)])
     elif isinstance(op, Flush):
         model.flush_cache()
+    elif isinstance(op, PauseRetract):
+        model.pause_generation()
+    elif isinstance(op, Continue):
+        model.continue_generation()
     else:
         model.run_iteration(op.choices)
 

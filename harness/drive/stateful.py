@@ -37,9 +37,11 @@ from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
     AdmitPrebuilt,
+    Continue,
     Flush,
     Iterate,
     Op,
+    PauseRetract,
     Script,
     apply_op,
     get_factory,
@@ -131,6 +133,7 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
             self.model = factory(config, faults, self.checker)
             self.script = Script.for_config(config, [], tuple(sorted(faults)), implementation)
             self.admitted: list[RequestId] = []
+            self.paused = False
             if log is not None:
                 log.last_script = self.script
 
@@ -180,6 +183,22 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
             @rule()
             def flush(self) -> None:
                 self._apply(Flush())
+
+        # pause_generation(mode="retract"), resumed at once or by a later rule: everything
+        # unfinished back to the waiting queue, and iterations that build nothing meanwhile.
+        @precondition(lambda self: not self.paused)
+        @rule(resume=st.booleans())
+        def pause_retract(self, resume: bool) -> None:
+            self._apply(PauseRetract())
+            if resume:
+                self._apply(Continue())
+            self.paused = not resume
+
+        @precondition(lambda self: self.paused)
+        @rule()
+        def continue_generation(self) -> None:
+            self._apply(Continue())
+            self.paused = False
 
         def teardown(self) -> None:
             if log is not None:

@@ -243,19 +243,21 @@ def check_rx7(config: ModelConfig, obs: Observation) -> int:
 def check_rx8(config: ModelConfig, obs: Observation) -> int:
     """a flush runs only at full idle and leaves nothing
 
-    a flush_cache that ran found no request waiting or holding KV (none running, chunked or in
-    the batch in flight), and left every page free, every request row free and the tree
-    empty with both sizes 0.
+    a flush_cache that ran found no request holding KV (none running, chunked or in the batch
+    in flight) and none waiting unless generation was paused, and left every page free,
+    every request row free and the tree empty with both sizes 0.
 
     Source: scheduler.py ``flush_cache`` and ``is_fully_idle`` (the running and last batches,
-    the result queue, the chunked request, the waiting queue), unified_tree_core.py
+    the result queue, the chunked request, the waiting queue; ``ignore_waiting`` while
+    ``pause_generation`` holds the loop, :5520), unified_tree_core.py
     ``reset``, allocator ``clear``, memory_pool.py ``ReqToTokenPool.clear``; #12107 (a flush
     blind to the overlap's batch in flight: its request's lock held a node of the old tree),
     #27446 (the same under pipeline parallelism).
     """
     if obs.point is not ObservationPoint.FLUSH_CACHE:
         return 0
-    busy = [f"r{r.rid}" for r in obs.requests if r.waiting or r.holds_kv]
+    busy = [f"r{r.rid}" for r in obs.requests
+            if (r.waiting and not obs.paused) or r.holds_kv]
     tree, alloc = _tree(obs), obs.allocator
     for what, got, want in (
             (f"requests waiting or holding KV {busy}", len(busy), 0),
