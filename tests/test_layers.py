@@ -54,10 +54,11 @@ PROJECT = set(ALLOWED)
 # (spec/radix.py, about 140 lines: it is host-side state they may not import from each
 # other), its view in the observation, the RX family over it (about 170 lines), and the
 # relation's prefix (cache_protected_len, the checkpoint) with KV11 per candidate.
-# flush_cache (the tree's reset, the observation point, RX8: about 20 lines).
+# flush_cache (the tree's reset, the observation point, RX8: about 20 lines), and to 2525
+# for RP10 (issue 43: the placement view and its predicate, 29 lines, from 2485).
 # The GUIDE's target is well under 2,000: this is still past it; the invariants (about
 # 1,000 lines) are most of the rest.
-SPEC_CODE_LINE_CAP = 2500
+SPEC_CODE_LINE_CAP = 2525
 
 
 def _module_name(path: Path) -> str:
