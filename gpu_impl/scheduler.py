@@ -667,7 +667,10 @@ class Scheduler:
                                                  [batch.reqs[j].max_new_tokens for j in order])
         if retracted or aborted:
             batch.filter_batch(keep_indices=order)  # in the policy's order
-            self.waiting_queue.extend(retracted)
+            if not self.rt.has_fault("B37"):
+                self.waiting_queue.extend(retracted)
+            for req in retracted if self.rt.has_fault("B37") else ():
+                req.waiting = False  # B37: dropped, not re-queued (the flag is membership)
 
     def _decode_pages_needed(self, batch: ScheduleBatch) -> list[int]:
         seq_lens: list[int | None] = [None] * len(batch.reqs)

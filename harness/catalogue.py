@@ -429,6 +429,21 @@ BUGS: Final[tuple[Bug, ...]] = (
         "right); the page it gets back may still hold its own earlier holding's writes",
         ("KV15",), lambda cell: True,
         not_in_z3="the Z3 model keeps no KV contents (which write a slot holds)"),
+    # A request lost to the scheduler (issue 43): the retraction's re-queue is the one road
+    # back from the running batch (scheduler.py:4539-4540).
+    Bug("B37", "a retracted request that leaves every queue",
+        "no report of the silent drop found; #37260 (open, 2026-08-31) is the same road "
+        "refusing: _add_request_to_queue's queued-request limit answers a retracted "
+        "request 503 instead of re-queueing it (unreachable here: no max_queued_requests)",
+        "a retraction (memory pressure or forced) releases a running request and takes it "
+        "out of the running batch; it is in no queue, batch or slot, unfinished, and never "
+        "runs again",
+        "retract_decode's caller skips the re-queue of the retracted requests", ("RP10",),
+        lambda cell: True,
+        representative_cells=("ov-p1-none", "nov-p4-none", "ov-p1-v2chain-cpu-honest"),
+        not_in_z3="the BMC's waiting queue is each request's waiting flag "
+                  "(proofs/bmc_checks.py _membership_facts): a request out of the queue "
+                  "with the flag set has no encoding, and RP10 no Z3 predicate"),
 )
 
 def get_bug(bug_id: str) -> Bug:

@@ -50,6 +50,7 @@ from overlap_spec.spec.state import (
     LaunchMember,
     LaunchView,
     ObservationPoint,
+    PlacementView,
     ProcessedEntry,
     PublishRecord,
     RelayGather,
@@ -198,7 +199,8 @@ class Scheduler:
         # "event:copy_done:7" -> "event:copy_done": the step number is not part of the kind.
         syncs = tuple(":".join(s.split(":")[:2]) for s in hb.host_syncs[syncs_before:])
         self.refinement.observe(ObservationPoint.ITERATION_END, self, host_syncs=syncs,
-                                launched_this_iteration=launched)
+                                launched_this_iteration=launched,
+                                placement=self.get_placement_view())
 
     def on_idle(self) -> None:
         """``Scheduler.on_idle``: once nothing runs, waits, is in flight or is being chunked
@@ -294,6 +296,19 @@ class Scheduler:
             tree_pages=len(rt.tree.get_pages()),
             tree=rt.tree.tree.view() if isinstance(rt.tree, RadixCache) else None,
         )
+
+    def get_placement_view(self) -> PlacementView:
+        """Where the requests are (RP10): the queue, the two batches, the results queued."""
+        last = self.last_batch
+        return PlacementView(
+            waiting=tuple(req.rid for req in self.waiting_queue),
+            running=() if self.running_batch is None else tuple(
+                req.rid for req in self.running_batch.reqs),
+            last=() if last is None else tuple(req.rid for req in last.reqs),
+            last_mode=None if last is None else last.forward_mode,
+            last_is_running=last is not None and last is self.running_batch,
+            in_flight=tuple(tuple(req.rid for req in queued.batch.reqs)
+                            for queued in self.result_queue))
 
     @staticmethod
     def _get_batch_state(batch: ScheduleBatch | None) -> BatchState | None:
@@ -683,7 +698,8 @@ class Scheduler:
         if not retracted and not aborted:
             return
         batch.filter_batch(keep_indices=order)  # the policy's order, as the release keeps it
-        self.waiting_queue.extend(retracted)
+        if not self.rt.has_fault("B37"):  # B37: the retracted leave every queue
+            self.waiting_queue.extend(retracted)
         self._observe_batch(ObservationPoint.RETRACT_DECODE, batch)
 
     def _pages_needed_for(self, batch: ScheduleBatch, keep: set[int]) -> int:

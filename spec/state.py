@@ -303,6 +303,21 @@ class ResultView:
 
 
 @dataclass(frozen=True)
+class PlacementView:
+    """Where the scheduler keeps its requests at the end of an iteration (RP10), by id:
+    ``waiting_queue``, ``running_batch.reqs``, ``last_batch.reqs`` (with its mode, and
+    whether it is the running batch itself, as a launched decode is) and each batch in
+    flight (``result_queue``: launched, result not processed), oldest first."""
+
+    waiting: tuple[RequestId, ...]
+    running: tuple[RequestId, ...]
+    last: tuple[RequestId, ...]
+    last_mode: str | None  # None: no last batch
+    last_is_running: bool
+    in_flight: tuple[tuple[RequestId, ...], ...]
+
+
+@dataclass(frozen=True)
 class AllocatorView:
     total_pages: int
     page_size: int
@@ -364,6 +379,7 @@ class Observation:
     host_syncs: tuple[str, ...] | None = None  # at ITERATION_END: syncs of this iteration
     chunked_rid: RequestId | None = None  # Scheduler.chunked_req (chunked prefill)
     launched_this_iteration: bool = False
+    placement: PlacementView | None = None  # at ITERATION_END (None: not shown, a trace's call)
     tree: TreeView | None = None  # the radix tree (cells with ``radix``; None elsewhere)
     paused: bool = False  # pause_generation holds the loop (``Scheduler._engine_paused``)
     # Cross-participant access pairs whose order was checked since the previous

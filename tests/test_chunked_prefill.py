@@ -234,8 +234,13 @@ def test_b18_a_continuing_chunk_left_uncounted_is_caught(cell: str, caught_by: s
 
 def test_a_chunked_request_merged_into_the_running_batch_is_caught(
         monkeypatch: pytest.MonkeyPatch) -> None:
-    """The chunked request left in the merge (no ``reqs_to_exclude``): decoded mid-prompt."""
+    """The chunked request left in the merge (no ``reqs_to_exclude``): in the running batch
+    and the chunked slot at the iteration's end (RP10), then decoded mid-prompt (KV12)."""
     monkeypatch.setattr(Scheduler, "get_merge_exclusions", lambda self, last: set())
+    violation = _run_until_violation(chunked("ov-p1-none"))
+    assert violation.invariant_id == "RP10", str(violation)
+    assert "in 2 places (the running batch, the chunked slot)" in str(violation)
+    monkeypatch.setitem(globals(), "INVARIANTS", [i for i in INVARIANTS if i.id != "RP10"])
     violation = _run_until_violation(chunked("ov-p1-none"))
     assert violation.invariant_id == "KV12", str(violation)
 

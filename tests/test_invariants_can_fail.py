@@ -198,6 +198,9 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
     # A prompt the release refuses (18 tokens or more at the minimal context of 24) holding
     # KV: what an admission without validate_input_length runs (B24).
     "RP9": lambda o: _with_request(o, lambda r: r.holds_kv, prompt_len=23),
+    # An unfinished request queued once more: in two places (B37 leaves one in none).
+    "RP10": lambda o: replace(o, placement=replace(o.placement, waiting=(
+        *o.placement.waiting, next(r.rid for r in o.requests if not r.finished)))),
     # A tree page freed as well (a release from below cache_protected_len: #13714).
     "RX1": lambda o: replace(o, allocator=replace(o.allocator, free_pages=(
         *o.allocator.free_pages, o.tree.nodes[0].pages[0]))),

@@ -41,8 +41,8 @@ OTHER_CELL = "ov-p1-none"
 
 THROWAWAY = '''
 
-@invariant("RP10", overshoot=True, is_spec=False)
-def check_rp10(config: ModelConfig, obs: Observation) -> int:
+@invariant("RP11", overshoot=True, is_spec=False)
+def check_rp11(config: ModelConfig, obs: Observation) -> int:
     """a request holding KV has a pool row
 
     Every request holding KV has its row of req_to_token: true by what holding KV means, a
@@ -52,7 +52,7 @@ def check_rp10(config: ModelConfig, obs: Observation) -> int:
     """
     for r in obs.get_holding():
         if FALSE or r.req_pool_idx is None:
-            raise fail("RP10", obs, f"for request r{r.rid}: holds KV, req_pool_idx="
+            raise fail("RP11", obs, f"for request r{r.rid}: holds KV, req_pool_idx="
                        f"{r.req_pool_idx}")
     return len(obs.get_holding())
 '''
@@ -65,7 +65,7 @@ from overlap_spec.harness.cli import main
 from overlap_spec.spec.invariants import get_invariant
 
 out, cell, other, negative = Path(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4] == "1"
-found = {"registered_from": get_invariant("RP10").check.__code__.co_filename}
+found = {"registered_from": get_invariant("RP11").check.__code__.co_filename}
 from overlap_spec.harness.trace.check import check_trace_file, record_script_trace
 if negative:
     found["review"] = main(["review", "--cells", cell, "-j", "1", "-q", "--out", str(out),
@@ -99,9 +99,9 @@ witness = load_plan(config).witnesses[0]
 pair = DifferentialPair(config, device=torch.device("cpu"))
 outcomes = [pair.apply(op) for op in witness.ops]
 found["differential"] = {"ok": all(o.ok for o in outcomes),
-                         "exercised": pair.checker.exercised.get("RP10", 0)}
+                         "exercised": pair.checker.exercised.get("RP11", 0)}
 trace = record_script_trace(Script.for_config(config, list(witness.ops)), out / "w.trace.ndjson")
-found["trace"] = {"status": trace.status, "exercised": trace.exercised.get("RP10", 0)}
+found["trace"] = {"status": trace.status, "exercised": trace.exercised.get("RP11", 0)}
 found["corpus"] = check_cell_corpus(config)
 found["ids"] = list(INVARIANT_IDS)
 print(json.dumps(found))
@@ -149,25 +149,25 @@ def test_an_invariant_added_in_one_file_is_checked_by_every_tier(tmp_path: Path)
     found = _run_driver(copy, always_false=False)
     out = copy / "out"
     ids = found["ids"]  # its family's last (RX follows RP), the ranges read from the registry
-    assert ids.index("RP10") == ids.index("RP9") + 1 and ids[-1].startswith("RX")
+    assert ids.index("RP11") == ids.index("RP10") + 1 and ids[-1].startswith("RX")
     listed = json.loads((out / "invariants.json").read_text())
-    assert "RP1-RP10" in listed["ranges"]
-    entry = next(inv for inv in listed["invariants"] if inv["id"] == "RP10")
+    assert "RP1-RP11" in listed["ranges"]
+    entry = next(inv for inv in listed["invariants"] if inv["id"] == "RP11")
     assert entry["claim"] == "a request holding KV has a pool row"
     assert entry["source"] == "schedule_batch.py ``Req.req_pool_idx``"
     assert entry["cells"] == [CELL] and entry["applies"] == "cells with overshoot and not is_spec"
 
     assert found["review"] == 0, found["stdout"]
     review = json.loads((out / "review.json").read_text())
-    verdicts = review["invariants"]["RP10"]
+    verdicts = review["invariants"]["RP11"]
     assert {v for c, v in verdicts.items() if c.startswith(f"{CELL}@")} == {"pass"}
     assert {v for c, v in verdicts.items() if c.startswith(f"{OTHER_CELL}@")} == {"n/a"}
-    assert review["details"][f"{CELL}@minimal"]["exercised"]["RP10"] > 0
-    assert "RP10" not in review["details"][f"{OTHER_CELL}@minimal"]["exercised"]
+    assert review["details"][f"{CELL}@minimal"]["exercised"]["RP11"] > 0
+    assert "RP11" not in review["details"][f"{OTHER_CELL}@minimal"]["exercised"]
 
     assert found["exhaust"] == 0
     exhaust = json.loads((out / "exhaust.json").read_text())["cells"][f"{CELL}@minimal"]
-    assert exhaust["witnesses"]["RP10"] > 0 and exhaust["verdict"] == "pass"
+    assert exhaust["witnesses"]["RP11"] > 0 and exhaust["verdict"] == "pass"
     assert found["diff"] == 0
     assert found["differential"]["ok"] and found["differential"]["exercised"] > 0
     assert found["trace"] == {"status": "ok", "exercised": found["trace"]["exercised"]}
@@ -175,10 +175,10 @@ def test_an_invariant_added_in_one_file_is_checked_by_every_tier(tmp_path: Path)
 
     assert found["prove"] == 0
     prove = json.loads((out / "prove.json").read_text())
-    assert "RP10" not in {row["invariant"] for row in prove["cells"][CELL]}
-    assert prove["not_encoded"][CELL]["RP10"].startswith("no row without the BMC")
+    assert "RP11" not in {row["invariant"] for row in prove["cells"][CELL]}
+    assert prove["not_encoded"][CELL]["RP11"].startswith("no row without the BMC")
 
-    assert found["corpus"] == [f"{CELL}@minimal: RP10 applies but is neither claimed nor n/a"]
+    assert found["corpus"] == [f"{CELL}@minimal: RP11 applies but is neither claimed nor n/a"]
 
 
 def test_an_added_invariant_that_is_false_fails_the_run_naming_it(tmp_path: Path) -> None:
@@ -187,10 +187,10 @@ def test_an_added_invariant_that_is_false_fails_the_run_naming_it(tmp_path: Path
     assert found["review"] == 1, found["stdout"]
     review = json.loads((copy / "out" / "review.json").read_text())
     failed = review["details"][f"{CELL}@minimal"]
-    assert failed["failed"][0] == "RP10" and failed["violation"].startswith("RP10 violated")
+    assert failed["failed"][0] == "RP11" and failed["violation"].startswith("RP11 violated")
     assert failed["trace"] == "violation"  # the trace checker finds it in the saved trace
-    assert found["traces"] and set(found["traces"]) == {"RP10"}  # each size set's trace
-    assert review["invariants"]["RP10"][f"{CELL}@minimal"] == "fail"
+    assert found["traces"] and set(found["traces"]) == {"RP11"}  # each size set's trace
+    assert review["invariants"]["RP11"][f"{CELL}@minimal"] == "fail"
 
 
 def test_every_hand_written_id_is_a_registered_invariant() -> None:

@@ -16,6 +16,9 @@ spec                          upstream 0.5.23
 RequestView.rid               ``Req.rid`` = ``"r<n>"``, n the spec's id
 finished                      ``req.finished()``, or aborted while waiting (no reason)
 Observation.chunked_rid       ``Scheduler.chunked_req``
+Observation.placement         at ITERATION_END: ``waiting_queue``, ``running_batch.reqs``,
+                              ``last_batch`` (its reqs, mode, identity with the running
+                              batch), ``result_queue``'s batch copies (overlap only)
 release_count, cached_len,    counted by the ``tree_cache.on_release`` hook inside
 committed_at_release          ``release_kv_cache``; cached = ``owned_kv_len()`` when
                               checkpointed (finish)
@@ -74,6 +77,7 @@ from overlap_spec.spec.state import (
     LaunchView,
     Observation,
     ObservationPoint,
+    PlacementView,
     ProcessedEntry,
     PublishRecord,
     RelayGather,
@@ -287,7 +291,8 @@ class UpstreamScheduler:
         finally:
             hooks.HOST.retract_pending = None
         self.report_idle_checks()
-        self.observe(ObservationPoint.ITERATION_END, launched_this_iteration=self.launched)
+        self.observe(ObservationPoint.ITERATION_END, launched_this_iteration=self.launched,
+                     placement=self.get_placement_view())
         self._raise_pending()
         self.run_upstream_checker()
 
@@ -805,6 +810,24 @@ class UpstreamScheduler:
             forward_mode=read_forward_mode(batch, in_forward),
             rids=tuple(self.by_req[id(r)].rid for r in batch.reqs if id(r) in self.by_req),
             **read_batch(batch))
+
+    def get_placement_view(self) -> PlacementView:
+        """Where the release keeps its requests, between two iterations (RP10): the waiting
+        queue, ``running_batch`` (never None), ``last_batch`` and the overlap loop's
+        ``result_queue`` (absent without overlap)."""
+        sched = self.scheduler
+
+        def rids(reqs: Iterable[Any]) -> tuple[RequestId, ...]:
+            return tuple(self.by_req[id(r)].rid for r in reqs if id(r) in self.by_req)
+
+        last = sched.last_batch
+        return PlacementView(
+            waiting=rids(sched.waiting_queue), running=rids(sched.running_batch.reqs),
+            last=() if last is None else rids(last.reqs),
+            last_mode=None if last is None else read_forward_mode(last),
+            last_is_running=last is not None and last is sched.running_batch,
+            in_flight=tuple(rids(batch.reqs)
+                            for batch, _ in getattr(sched, "result_queue", ())))
 
     def get_allocator_view(self) -> AllocatorView:
         view = read_allocator(self.scheduler, self.config.cell.radix)

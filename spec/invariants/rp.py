@@ -269,3 +269,41 @@ def check_rp9(config: ModelConfig, obs: Observation) -> int:
             raise fail("RP9", obs, f"for request r{r.rid}: a prompt of {r.prompt_len} "
                        f"tokens holds KV, where validate_input_length refuses it")
     return len(holding)
+
+
+@invariant("RP10")
+def check_rp10(config: ModelConfig, obs: Observation) -> int:
+    """one place per request
+
+    at the end of an iteration every unfinished request is in exactly one place, once: the
+    waiting queue (a retracted one too), the running batch, the last batch while it waits for
+    its merge (an extend or mixed batch that is not the running batch, less the chunked
+    request; the next get_next_batch_to_run merges it) or the chunked slot (its chunk's batch
+    and result are the last batch and what is in flight, not a second place). A finished
+    request is in no waiting queue; it may stay in the running or the last batch, or in
+    flight, until the next step's filter_batch, so "finished in none" holds only past that
+    filter, not at the end of an iteration, where RP10 looks. What is in flight is the last
+    batch's.
+    Witnessed by each unfinished request.
+
+    Source: scheduler.py ``event_loop_overlap`` (``last_batch``, ``result_queue``),
+    ``get_next_batch_to_run`` (``reqs_to_exclude``, the merge, the filter),
+    ``update_running_batch`` (the retracted re-queued: ``_add_request_to_queue``).
+    """
+    p = obs.placement
+    if obs.point is not ObservationPoint.ITERATION_END or p is None:
+        return 0
+    merging = p.last_mode in ("extend", "mixed") and not p.last_is_running
+    places = {"the waiting queue": p.waiting, "the running batch": p.running,
+              "the last batch": [r for r in p.last if merging and r != obs.chunked_rid],
+              "the chunked slot": [r for r in [obs.chunked_rid] if r is not None]}
+    for rid in {rid for batch in p.in_flight for rid in batch} - set(p.last):
+        raise fail("RP10", obs, f"for request r{rid}: in flight, not in the last batch")
+    for r in obs.requests:
+        found = [name for name, rids in places.items() for rid in rids if rid == r.rid]
+        if "the waiting queue" in found if r.finished else len(found) != 1:
+            state = f"finished ({r.finish_reason})" if r.finished else "unfinished"
+            raise fail("RP10", obs, f"for request r{r.rid}: {state} and in {len(found)} places "
+                       f"({', '.join(found) or 'none'}), expected "
+                       + ("not the waiting queue" if r.finished else "one"))
+    return sum(not r.finished for r in obs.requests)
