@@ -159,7 +159,8 @@ class Scheduler:
         hb = self.rt.hb
         if self.paused:  # the loop ingests, then continues before get_next_batch_to_run
             self.refinement.observe(ObservationPoint.ITERATION_END, self, host_syncs=(),
-                                    launched_this_iteration=False)
+                                    launched_this_iteration=False,
+                                    placement=self.get_placement_view())
             return
         syncs_before = len(hb.host_syncs)
         self.rt.shape = self.config.get_shape(choices.spec_steps)

@@ -106,7 +106,7 @@ def generate_random_ops(config: ModelConfig, rng: random.Random, count: int) -> 
     prompt_lens = get_prompt_lens(preset)
     ops: list[Op] = []
     admitted = 0
-    paused = False
+    paused, pauses = False, 0
     for _ in range(count):
         roll = rng.random()
         if paused and roll < 0.3:
@@ -125,9 +125,9 @@ def generate_random_ops(config: ModelConfig, rng: random.Random, count: int) -> 
             ops.append(Abort(rng.randrange(admitted)))
         elif roll > 0.92 and config.cell.radix:  # flush_cache, drawn in the radix cells
             ops.append(Flush())
-        elif roll > 0.9:  # pause_generation(mode="retract"), resumed at once half the time
+        elif roll > 0.9 and not pauses:  # pause_generation(mode="retract"), once a script
             ops.append(PauseRetract())
-            paused = rng.random() < 0.5
+            pauses, paused = 1, rng.random() < 0.5
             if not paused:
                 ops.append(Continue())
         else:

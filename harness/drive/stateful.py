@@ -134,6 +134,7 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
             self.script = Script.for_config(config, [], tuple(sorted(faults)), implementation)
             self.admitted: list[RequestId] = []
             self.paused = False
+            self.pauses = 0
             if log is not None:
                 log.last_script = self.script
 
@@ -184,15 +185,18 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
             def flush(self) -> None:
                 self._apply(Flush())
 
-        # pause_generation(mode="retract"), resumed at once or by a later rule: everything
-        # unfinished back to the waiting queue, and iterations that build nothing meanwhile.
-        @precondition(lambda self: not self.paused)
+        # pause_generation(mode="retract"), at most once a run (it retracts everything, which
+        # would starve the states other bugs need), resumed at once or by a later rule:
+        # everything unfinished back to the waiting queue, iterations building nothing
+        # meanwhile.
+        @precondition(lambda self: not self.paused and not self.pauses)
         @rule(resume=st.booleans())
         def pause_retract(self, resume: bool) -> None:
             self._apply(PauseRetract())
             if resume:
                 self._apply(Continue())
             self.paused = not resume
+            self.pauses += 1
 
         @precondition(lambda self: self.paused)
         @rule()

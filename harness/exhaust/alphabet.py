@@ -138,6 +138,9 @@ class Alphabet:
     rows: int  # batch positions the choices index (accept_lens, eos_positions)
     scope: str = FULL  # the alphabet's name (FULL, PD_DECODE or SHARED)
     flush: bool = False  # flush_cache is an operation (the shared alphabet's)
+    # pause_generation(mode="retract") and continue_generation are operations (the full and
+    # shared alphabets'; the PD decode instance's pause rebootstraps, which is not modelled)
+    pause: bool = False
 
     def describe(self) -> str:
         """One line per kind of operation, for reports."""
@@ -151,8 +154,9 @@ class Alphabet:
         plural = "s" * (self.max_requests != 1)
         named = "" if self.scope == FULL else f"{self.scope} alphabet: "
         flush = "; flush" if self.flush else ""
+        pause = "; pause_retract; continue" if self.pause else ""
         return (f"{named}up to {self.max_requests} request{plural}; {admits}; "
-                f"abort(each admitted){flush}; iterate over {'; '.join(varied)}")
+                f"abort(each admitted){flush}{pause}; iterate over {'; '.join(varied)}")
 
 
 def get_rungs(config: ModelConfig) -> tuple[int, ...]:
@@ -245,7 +249,7 @@ def get_alphabet(config: ModelConfig, max_requests: int = MAX_REQUESTS,
                    for name, values in domains.items()}
         domains[ACCEPT_LEN] = tuple(dict.fromkeys((1, config.max_accept_len)))
     return Alphabet(config, tuple(admissions), max_requests, domains, rows, scope,
-                    flush=scope == SHARED)
+                    flush=scope == SHARED, pause=scope != PD_DECODE)
 
 
 # -- where a field cannot matter -----------------------------------------------------------

@@ -61,9 +61,11 @@ from overlap_spec.harness.drive.script import (
     Abort,
     Admit,
     AdmitPrebuilt,
+    Continue,
     Flush,
     Iterate,
     Op,
+    PauseRetract,
     Script,
     apply_op,
     run_script,
@@ -235,7 +237,8 @@ def run_operations(state: bytes, admitted_count: int, depth: int, alphabet: Alph
                    checker: InvariantChecker, peek: bool = True) -> Iterator[Outcome]:
     """Every operation of the alphabet from ``state``, each on its own copy: every
     distinguishable iteration, then the admissions (below the request bound), then an
-    abort of each admitted request, then a flush where the alphabet has one. The order
+    abort of each admitted request, then a flush, a pause and a continue where the alphabet
+    has them. The order
     leaves each level's states unchanged; it only decides which shortest counterexample
     is met first, and iterations first meet one sooner (docs/exhaust.md)."""
     decisions: list[int] | None = []
@@ -250,6 +253,9 @@ def run_operations(state: bytes, admitted_count: int, depth: int, alphabet: Alph
         yield _run(state, depth, checker, Abort(index), None, peek)
     if alphabet.flush:
         yield _run(state, depth, checker, Flush(), None, peek)
+    if alphabet.pause:  # each a no-op where it does not apply (paused, or not), merged away
+        yield _run(state, depth, checker, PauseRetract(), None, peek)
+        yield _run(state, depth, checker, Continue(), None, peek)
 
 
 def explore(config: ModelConfig, depth: int, faults: frozenset[str] = frozenset(),
