@@ -1546,3 +1546,54 @@ def test_the_release_flushes_where_the_reference_does(cell: str) -> None:
     assert flushed[:2] == [False, False] and True in flushed
     assert all(flushed[flushed.index(True):])  # idle stays idle: every later flush runs
     assert result["reference"]["rx8"] == len(flushed) - flushed.index(True)
+
+
+PAUSE_PROBE = """
+import json
+import sys
+from overlap_spec.harness.drive.checker import InvariantChecker
+from overlap_spec.harness.drive.script import (
+    Admit, Continue, Flush, Iterate, PauseRetract, Script, apply_op, get_factory)
+from overlap_spec.spec.state import IterationChoices
+
+def run(implementation):
+    config = Script(sys.argv[1], "minimal").get_config()
+    checker = InvariantChecker(config)
+    model = get_factory(implementation)(config, frozenset(), checker)
+    step = Iterate(IterationChoices())
+    ops = [Admit(6, 4), Admit(3, 4), step, step, PauseRetract(), step, Flush(), Continue()]
+    ops += [step] * 8
+    admitted, states = [], []
+    for op in ops:
+        apply_op(model, op, admitted)
+        state = model.get_observable_state()
+        states.append([[r.rid, r.status, len(r.output_ids), r.kv_committed_len,
+                        r.kv_allocated_len] for r in state.requests])
+    return {"states": states, "rp10": checker.exercised["RP10"]}
+
+print(json.dumps({name: run(name) for name in ("reference", "upstream")}))
+"""
+
+
+@needs_sglang
+@pytest.mark.parametrize("cell", ["ov-p1-none", "nov-p4-v2chain-cpu-honest",
+                                  "ov-p1-v2chain-cpu-honest-radix"])
+def test_the_release_pauses_with_retraction_where_the_reference_does(cell: str) -> None:
+    """The release's own ``pause_generation(mode="retract")`` between iterations: both
+    requests, prefilled and decoding, back in the waiting queue holding nothing, an
+    iteration while paused building nothing, a flush while paused running (the waiting
+    queue ignored), and after ``continue_generation`` both re-prefilled and finished, the
+    same as the reference's op by op."""
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", PAUSE_PROBE, cell],
+                          capture_output=True, text=True, env=dict(os.environ,
+                                                                   PYTHONPATH=str(REPO)),
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["upstream"]["states"] == result["reference"]["states"]
+    states = result["reference"]["states"]
+    assert all(s[1] == "running" for s in states[3])  # both decoding before the pause
+    assert all(s[1:] == ["waiting", s[2], 0, 0] and s[2] > 0 for s in states[4])  # retracted
+    assert states[5] == states[4]  # paused: nothing built
+    assert all(s[1] == "finished" for s in states[-1])
+    assert result["reference"]["rp10"] > 0 and result["upstream"]["rp10"] > 0
