@@ -281,7 +281,7 @@ class Scheduler:
         retract = [req for req in (running.reqs if running is not None else [])
                    if not req.finished()]
         if (last is not None and last.forward_mode in ("extend", "mixed")
-                and last is not running):
+                and last is not running and not self.rt.has_fault("B41")):
             retract += [req for req in last.reqs if not req.finished()]
         chunked = self.chunked_req
         if chunked is not None and not chunked.finished() and chunked not in retract:

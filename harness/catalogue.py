@@ -444,6 +444,17 @@ BUGS: Final[tuple[Bug, ...]] = (
         not_in_z3="the BMC's waiting queue is each request's waiting flag "
                   "(proofs/bmc_checks.py _membership_facts): a request out of the queue "
                   "with the flag set has no encoding, and RP10 no Z3 predicate"),
+    Bug("B41", "a pause that forgets the just-prefilled requests",
+        "no report of this exact mistake; the path's history: #20273 (merged 2026-04: the "
+        "last batch's merge leaked prefill requests into the running batch on prefill "
+        "nodes), #30675 (merged 2026-07-09: the retract path rewritten as request-level "
+        "release and re-queue, which lists the unmerged extend batch, scheduler.py:5849-5861)",
+        "pause_generation(mode=\"retract\") right after a prefill's launch: its requests are "
+        "only in the last (extend) batch, which the pause drops (last_batch = None)",
+        "pause_generation retracts the running batch and the chunked request but not the "
+        "unmerged extend batch's requests: they keep their KV and are in no queue",
+        ("RP10",), lambda cell: True,
+        not_in_z3="the Z3 model has no pause_generation (and RP10 no Z3 predicate)"),
 )
 
 def get_bug(bug_id: str) -> Bug:
