@@ -120,6 +120,9 @@ class Scheduler:
         # abort of it, applied at the top of the next step (process_pending_chunked_abort).
         self.chunked_req: Req | None = None
         self.pending_chunked_abort: Req | None = None
+        # B38: the finished requests this step's filter dropped, still counted as running
+        # load by the admission that follows (empty without the fault).
+        self.stale_load: list[Req] = []
 
     # ------------------------------------------------------------------ interface
     def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False,
@@ -291,9 +294,12 @@ class Scheduler:
                     self.running_batch.merge_batch(last)
                     self._observe_batch(ObservationPoint.MERGE_BATCH, self.running_batch)
         running = self.running_batch
+        self.stale_load = []
         if not self.config.cell.overshoot and running is not None and running.reqs:
             # The release filters at every step, before admission counts the batch.
             before = len(running.reqs)
+            if self.rt.has_fault("B38"):
+                self.stale_load = [req for req in running.reqs if req.finished()]
             running.filter_batch()
             if len(running.reqs) != before:
                 running.batch_is_full = False
@@ -446,6 +452,7 @@ class Scheduler:
         members = [] if running is None else running.reqs
         if running is not None and not members:
             running.batch_is_full = False
+        load = members + self.stale_load  # the running requests PrefillAdder sums (B38: more)
         waiting = [req for req in self.waiting_queue if not req.prebuilt]
         continued = self.chunked_req
         latched = running is not None and running.batch_is_full
@@ -465,7 +472,7 @@ class Scheduler:
         total: float = mixed
         current = mixed
         total += sum([compute_running_token_offset(req.max_new_tokens, len(req.output_ids),
-                                                   self.new_token_ratio) for req in members])
+                                                   self.new_token_ratio) for req in load])
         chunk = cfg.preset.chunked_prefill_size - mixed if cfg.preset.chunked_prefill_size \
             else None  # rem_chunk_tokens
         chosen: list[Req] = []
@@ -546,7 +553,7 @@ class Scheduler:
                 self.waiting_queue.remove(req)
         view = AdmissionView(
             self.new_token_ratio, available, rows,
-            tuple((req.max_new_tokens, len(req.output_ids)) for req in members),
+            tuple((req.max_new_tokens, len(req.output_ids)) for req in load),
             tuple((req.rid, compute_fill_len(req.prompt_len, len(req.output_ids)),
                    req.max_new_tokens, len(req.output_ids)) for req in waiting),
             len(chosen) - (continued is not None),

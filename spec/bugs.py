@@ -1,4 +1,5 @@
-"""The IDs of the historical bugs B1-B35, the faults an implementation can re-introduce.
+"""The IDs of the historical bugs B1-B35 and B38, the faults an implementation can
+re-introduce.
 
 A ``faults`` set of these IDs switches each bug's mechanism on in the relation
 (``spec/relation.py``) and in the implementations; with none they are the intended design.
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from typing import Final
 
-BUG_IDS: Final = tuple(f"B{number}" for number in range(1, 36))
+BUG_IDS: Final = tuple(f"B{number}" for number in (*range(1, 36), 38))
 
 # B25's crash, raised by both implementations' retract_decode under the fault where the
 # release aborts the last request (the catalogue's expected crash matches these words).

@@ -149,8 +149,19 @@ ROW_RACE_FREE = {(bug.id, cell.name): "overshoot era: a finished request holds i
                  for bug in BUGS for cell in enumerate_cells()
                  if bug.id == "B9" and bug.applies(cell) and not cell.early_fence
                  and cell.overshoot}
+# B38 (finished requests counted as running load at admission) needs three requests: the
+# finished one, one admitted and one its load leaves out (a prefill that admits nothing is not
+# observed, and a continued chunk always has room for its rest: tests/test_admissible_load.py).
+# The full alphabet draws two, the pd-decode one admits only prebuilt requests, which
+# admission does not count: no search reaches it (overlap-spec exhaust --faults B38 is clean
+# in nov-p1-none, 3,269 states). The Hypothesis column kills it (KV13), gpu_impl's
+# differential too, and tests/test_admissible_load.py holds the hand-written trigger.
+THREE_REQUESTS = {(bug.id, cell.name): "needs three requests; the alphabet draws two"
+                  for bug in BUGS for cell in enumerate_cells()
+                  if bug.id == "B38" and bug.applies(cell)}
 KILL_PAIRS = [(bug.id, cell.name) for bug in BUGS for cell in get_bug_cells(bug.id)
-              if bug.applies(cell) and (bug.id, cell.name) not in ROW_RACE_FREE]
+              if bug.applies(cell) and (bug.id, cell.name) not in ROW_RACE_FREE
+              and (bug.id, cell.name) not in THREE_REQUESTS]
 
 # One cheap cell per bug (measured on 2 shared cores: B16 about 30 s of CPU, the rest a few
 # seconds together); the slow matrix runs every applicable cell.
@@ -271,13 +282,15 @@ def test_a_crash_other_than_the_expected_one_is_inconclusive_not_a_kill(
 
 def test_the_fast_subset_has_every_bug_in_an_applicable_cell() -> None:
     assert all(get_bug(b).applies(get_cell(c)) for b, c in FAST_KILLS)
-    assert [b for b, _ in FAST_KILLS] == [bug.id for bug in BUGS]
+    assert [b for b, _ in FAST_KILLS] == [bug.id for bug in BUGS
+                                          if bug.id not in {b for b, _ in THREE_REQUESTS}]
     assert not set(FAST_KILLS) & set(DEEPER_KILLS)
     assert ONE_REQUEST_FAST_KILLS <= set(FAST_KILLS) and SLOW_FAST_KILLS <= set(FAST_KILLS)
 
 
 def test_every_bug_is_in_the_matrix_in_every_cell_where_it_applies() -> None:
-    """Only B9 in the six pre-claim cells is left out (ROW_RACE_FREE, with its test below);
+    """Only B9 in the six pre-claim cells (ROW_RACE_FREE, with its test below) and B38
+    (THREE_REQUESTS: past the alphabet's two requests) are left out;
     the pairs past the default bounds are B17 under overlap (one level deeper, one
     request), B20 under overlap (one level deeper, two requests) and B9 under the
     release's fence (the pd-decode alphabet)."""
@@ -285,7 +298,7 @@ def test_every_bug_is_in_the_matrix_in_every_cell_where_it_applies() -> None:
     assert sorted(ROW_RACE_FREE) == sorted(("B9", c.name) for c in spec_overlap
                                            if c.preclaim and not c.early_fence)
     assert len(ROW_RACE_FREE) == 6
-    assert sorted([*KILL_PAIRS, *ROW_RACE_FREE]) == sorted(
+    assert sorted([*KILL_PAIRS, *ROW_RACE_FREE, *THREE_REQUESTS]) == sorted(
         (bug.id, cell.name) for bug in BUGS for cell in get_bug_cells(bug.id)
         if bug.applies(cell))
     radix = {cell.name for cell in enumerate_radix_cells()}
@@ -466,8 +479,8 @@ EXPECTED_COUNTS = {
     ("ov-p1-v2chain-cpu-honest-rungreserve", 3): (1144, 1535, 13197, (3, 40, 1100)),
 }
 # The witnesses counted over the same runs, all invariants together.
-EXPECTED_WITNESSES = {("ov-p1-none", 3): 10401, ("ov-p1-v2chain-cpu-honest", 3): 157437,
-                      ("ov-p1-v2chain-cpu-honest-rungreserve", 3): 158037}
+EXPECTED_WITNESSES = {("ov-p1-none", 3): 10473, ("ov-p1-v2chain-cpu-honest", 3): 157653,
+                      ("ov-p1-v2chain-cpu-honest-rungreserve", 3): 158253}
 
 
 @pytest.mark.parametrize(("cell", "depth"), [

@@ -150,6 +150,11 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
     # A pending prefill cut short of its fill while no request is the chunked one.
     "KV12": lambda o: _with_request(o, _prefilling, extend_end=next(
         r.extend_end for r in o.requests if _prefilling(r)) - 1),
+    # A request outside the prefill shown running with 4096 tokens to go: by the re-derived
+    # load the admitted request did not fit (KV11, on the scheduler's own load, passes).
+    "KV13": lambda o: _with_request(o, lambda r: r.rid not in o.batch.rids, holds_kv=True,
+                                    finished=False, waiting=False, is_retracted=False,
+                                    max_new_tokens=10**6),
     "FM1": lambda o: replace(o, races=(_race("new_seq_lens_buf", (FORWARD, "write"), (SCHEDULE, "read")),)),
     "FM2": lambda o: replace(o, resolve=replace(o.resolve, uncovered_rows=o.resolve.rows[:1])),
     "FM3": lambda o: replace(o, races=(_race("output_tokens_buf", (SCHEDULE, "write"), (FORWARD, "read")),)),
