@@ -163,6 +163,9 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.pending_chunked_abort: Req | None = None
         self.paused = False  # pause_generation's _engine_paused
+        # B38: the finished requests this step's filter dropped, still summed as running
+        # load by the admission after it (empty without the fault).
+        self.stale_load: list[Req] = []
 
     # ------------------------------------------------------------------ interface
     def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False,
@@ -281,7 +284,7 @@ class Scheduler:
         retract = [req for req in (running.reqs if running is not None else [])
                    if not req.finished()]
         if (last is not None and last.forward_mode in ("extend", "mixed")
-                and last is not running and not self.rt.has_fault("B41")):
+                and last is not running and not self.rt.has_fault("B39")):
             retract += [req for req in last.reqs if not req.finished()]
         chunked = self.chunked_req
         if chunked is not None and not chunked.finished() and chunked not in retract:
@@ -366,8 +369,11 @@ class Scheduler:
             if not last.is_empty():
                 self._merge_into_running(last)
         running = self.running_batch
+        self.stale_load = []
         if not self.config.cell.overshoot and running is not None:
             size = len(running.reqs)
+            if self.rt.has_fault("B38"):
+                self.stale_load = [req for req in running.reqs if req.finished()]
             running.filter_batch()  # the release: at every step, before admission
             running.batch_is_full = running.batch_is_full and len(running.reqs) == size
         if choices.allow_prefill:
@@ -526,7 +532,7 @@ class Scheduler:
         budget = PrefillBudget(get_available_pages(self.rt) * page, mixed, mixed)
         budget.total_offset += sum([
             compute_running_token_offset(r.max_new_tokens, len(r.output_ids), self.ratio)
-            for r in members])
+            for r in [*members, *self.stale_load]])
         # rem_chunk_tokens
         chunk = preset.chunked_prefill_size - mixed if preset.chunked_prefill_size else None
         admitted: list[Req] = []

@@ -1,10 +1,10 @@
-"""The catalogue of historical bugs B1-B36 (digest section 5; B16 is the reserve upstream
+"""The catalogue of historical bugs B1-B39 (digest section 5; B16 is the reserve upstream
 fixed in #26354, B17 what the upstream tier found the release doing, B18 a chunked-prefill
 counter bug of the JAX port, B19 and B20 mixed-chunk bugs, B21 the row of a tree on pages
 > 1, B22 an unaligned spec-v2 allocation, B23 the release's page-1 tree row: U7, B24
 a prompt too long admitted, B25 the crash when the last request does not fit; B26-B35 the
-radix prefix cache's, in the radix cells only), each a
-mutant the checkers must kill.
+radix prefix cache's, in the radix cells only; B38 finished requests still counted as the
+admission's running load), each a mutant the checkers must kill.
 
 Each entry names the upstream PRs, the trigger, the invariants the digest says it
 breaks and the cells where the trigger can occur. An implementation re-introduces
@@ -444,7 +444,25 @@ BUGS: Final[tuple[Bug, ...]] = (
         not_in_z3="the BMC's waiting queue is each request's waiting flag "
                   "(proofs/bmc_checks.py _membership_facts): a request out of the queue "
                   "with the flag set has no encoding, and RP10 no Z3 predicate"),
-    Bug("B41", "a pause that forgets the just-prefilled requests",
+    # Admission's own inputs (issue 43): KV11 judges the scheduler's running load against
+    # itself; KV13 re-derives it from the requests.
+    Bug("B38", "finished requests still counted as running load at admission",
+        "the family of #22518 (open, 2026-04-10: under overlap a prefill-only running "
+        "batch kept its finished requests and its latch, and admission stalled; #22596, "
+        "open, its fix) and #20273 (merged 2026-03-10: requests leaked into running_batch, "
+        "never cleaned up, stalled admission at max_running_requests); 0.5.23 filters the "
+        "running batch at every step, before PrefillAdder sums it (scheduler.py:3963-3968; "
+        "the reference's realignment A10)",
+        "a running request finishes early (EOS) with max_new_tokens left; at the next "
+        "admission a waiting request fits the KV its departure left, with a row free",
+        "the admission sums the remaining max_new_tokens x new_token_ratio of the requests "
+        "the step's filter dropped as finished, besides the running batch's", ("KV13",),
+        lambda cell: not cell.overshoot,
+        representative_cells=("ov-p1-none", "nov-p1-none"),
+        not_in_z3="KV11 and KV13 have no Z3 predicate (proofs/claims.py): the BMC's "
+                  "admission meets only the state claims, which an admission that admits too "
+                  "little leaves true"),
+    Bug("B39", "a pause that forgets the just-prefilled requests",
         "no report of this exact mistake; the path's history: #20273 (merged 2026-04: the "
         "last batch's merge leaked prefill requests into the running batch on prefill "
         "nodes), #30675 (merged 2026-07-09: the retract path rewritten as request-level "

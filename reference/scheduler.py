@@ -122,6 +122,9 @@ class Scheduler:
         self.chunked_req: Req | None = None
         self.pending_chunked_abort: Req | None = None
         self.paused = False  # pause_generation's _engine_paused
+        # B38: the finished requests this step's filter dropped, still counted as running
+        # load by the admission that follows (empty without the fault).
+        self.stale_load: list[Req] = []
 
     # ------------------------------------------------------------------ interface
     def admit(self, prompt_len: int, max_new_tokens: int, prebuilt: bool = False,
@@ -248,7 +251,7 @@ class Scheduler:
         retract = [req for req in (running.reqs if running is not None else [])
                    if not req.finished()]
         if (last is not None and last.forward_mode in ("extend", "mixed")
-                and last is not running and not self.rt.has_fault("B41")):
+                and last is not running and not self.rt.has_fault("B39")):
             retract += [req for req in last.reqs if not req.finished()]
         chunked = self.chunked_req
         if chunked is not None and not chunked.finished() and chunked not in retract:
@@ -346,9 +349,12 @@ class Scheduler:
                     self.running_batch.merge_batch(last)
                     self._observe_batch(ObservationPoint.MERGE_BATCH, self.running_batch)
         running = self.running_batch
+        self.stale_load = []
         if not self.config.cell.overshoot and running is not None and running.reqs:
             # The release filters at every step, before admission counts the batch.
             before = len(running.reqs)
+            if self.rt.has_fault("B38"):
+                self.stale_load = [req for req in running.reqs if req.finished()]
             running.filter_batch()
             if len(running.reqs) != before:
                 running.batch_is_full = False
@@ -501,6 +507,7 @@ class Scheduler:
         members = [] if running is None else running.reqs
         if running is not None and not members:
             running.batch_is_full = False
+        load = members + self.stale_load  # the running requests PrefillAdder sums (B38: more)
         waiting = [req for req in self.waiting_queue if not req.prebuilt]
         continued = self.chunked_req
         latched = running is not None and running.batch_is_full
@@ -520,7 +527,7 @@ class Scheduler:
         total: float = mixed
         current = mixed
         total += sum([compute_running_token_offset(req.max_new_tokens, len(req.output_ids),
-                                                   self.new_token_ratio) for req in members])
+                                                   self.new_token_ratio) for req in load])
         chunk = cfg.preset.chunked_prefill_size - mixed if cfg.preset.chunked_prefill_size \
             else None  # rem_chunk_tokens
         chosen: list[Req] = []
@@ -601,7 +608,7 @@ class Scheduler:
                 self.waiting_queue.remove(req)
         view = AdmissionView(
             self.new_token_ratio, available, rows,
-            tuple((req.max_new_tokens, len(req.output_ids)) for req in members),
+            tuple((req.max_new_tokens, len(req.output_ids)) for req in load),
             tuple((req.rid, compute_fill_len(req.prompt_len, len(req.output_ids)),
                    req.max_new_tokens, len(req.output_ids)) for req in waiting),
             len(chosen) - (continued is not None),

@@ -162,9 +162,20 @@ DEEPER_KILLS.update({(bug.id, cell.name): Search(6, 2)
 PAST_SPEC_DEPTH = {(bug.id, cell.name): "retraction and re-prefill past the spec depth"
                    for bug in BUGS for cell in enumerate_cells()
                    if bug.id == "B36" and cell.is_spec}
+# B38 (finished requests counted as running load at admission) needs three requests: the
+# finished one, one admitted and one its load leaves out (a prefill that admits nothing is not
+# observed, and a continued chunk always has room for its rest: tests/test_admissible_load.py).
+# The full alphabet draws two, the pd-decode one admits only prebuilt requests, which
+# admission does not count: no search reaches it (overlap-spec exhaust --faults B38 is clean
+# in nov-p1-none, 3,269 states). The Hypothesis column kills it (KV13), gpu_impl's
+# differential too, and tests/test_admissible_load.py holds the hand-written trigger.
+THREE_REQUESTS = {(bug.id, cell.name): "needs three requests; the alphabet draws two"
+                  for bug in BUGS for cell in enumerate_cells()
+                  if bug.id == "B38" and bug.applies(cell)}
 KILL_PAIRS = [(bug.id, cell.name) for bug in BUGS for cell in get_bug_cells(bug.id)
               if bug.applies(cell) and (bug.id, cell.name) not in ROW_RACE_FREE
-              and (bug.id, cell.name) not in PAST_SPEC_DEPTH]
+              and (bug.id, cell.name) not in PAST_SPEC_DEPTH
+              and (bug.id, cell.name) not in THREE_REQUESTS]
 
 # One cheap cell per bug (measured on 2 shared cores: B16 about 30 s of CPU, the rest a few
 # seconds together); the slow matrix runs every applicable cell.
@@ -198,7 +209,8 @@ FAST_KILLS += [(bug.id, min((c for c in enumerate_radix_cells() if bug.applies(c
                             key=_get_radix_cost).name)
                for bug in BUGS if is_radix_bug(bug.id)]
 FAST_KILLS += [("B36", "nov-p1-none"),
-               ("B37", "nov-p1-none")]  # B37: a forced retraction at depth 3, two requests
+               ("B37", "nov-p1-none"),  # B37: a forced retraction at depth 3, two requests
+               ("B39", "nov-p1-none")]  # B39: admit, prefill, pause, iterate (B38: none)
 
 
 def _config(cell: str) -> ModelConfig:
@@ -287,13 +299,15 @@ def test_a_crash_other_than_the_expected_one_is_inconclusive_not_a_kill(
 
 def test_the_fast_subset_has_every_bug_in_an_applicable_cell() -> None:
     assert all(get_bug(b).applies(get_cell(c)) for b, c in FAST_KILLS)
-    assert [b for b, _ in FAST_KILLS] == [bug.id for bug in BUGS]
+    assert [b for b, _ in FAST_KILLS] == [bug.id for bug in BUGS
+                                          if bug.id not in {b for b, _ in THREE_REQUESTS}]
     assert not set(FAST_KILLS) & set(DEEPER_KILLS)
     assert ONE_REQUEST_FAST_KILLS <= set(FAST_KILLS) and SLOW_FAST_KILLS <= set(FAST_KILLS)
 
 
 def test_every_bug_is_in_the_matrix_in_every_cell_where_it_applies() -> None:
-    """Only B9 in the six pre-claim cells is left out (ROW_RACE_FREE, with its test below);
+    """Only B9 in the six pre-claim cells (ROW_RACE_FREE, with its test below) and B38
+    (THREE_REQUESTS: past the alphabet's two requests) are left out;
     the pairs past the default bounds are B17 under overlap (one level deeper, one
     request), B20 under overlap (one level deeper, two requests) and B9 under the
     release's fence (the pd-decode alphabet)."""
@@ -303,7 +317,7 @@ def test_every_bug_is_in_the_matrix_in_every_cell_where_it_applies() -> None:
     assert len(ROW_RACE_FREE) == 6
     assert sorted(PAST_SPEC_DEPTH) == sorted(("B36", c.name) for c in enumerate_cells()
                                              if c.is_spec)
-    assert sorted([*KILL_PAIRS, *ROW_RACE_FREE, *PAST_SPEC_DEPTH]) == sorted(
+    assert sorted([*KILL_PAIRS, *ROW_RACE_FREE, *PAST_SPEC_DEPTH, *THREE_REQUESTS]) == sorted(
         (bug.id, cell.name) for bug in BUGS for cell in get_bug_cells(bug.id)
         if bug.applies(cell))
     radix = {cell.name for cell in enumerate_radix_cells()}

@@ -156,6 +156,11 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
     # A pending prefill cut short of its fill while no request is the chunked one.
     "KV12": lambda o: _with_request(o, _prefilling, extend_end=next(
         r.extend_end for r in o.requests if _prefilling(r)) - 1),
+    # A request outside the prefill shown running with 4096 tokens to go: by the re-derived
+    # load the admitted request did not fit (KV11, on the scheduler's own load, passes).
+    "KV13": lambda o: _with_request(o, lambda r: r.rid not in o.batch.rids, holds_kv=True,
+                                    finished=False, waiting=False, is_retracted=False,
+                                    max_new_tokens=10**6),
     # The first column of a live request's extend shows nothing written.
     "KV15": lambda o: _with_request(o, _extended, kv_contents=(None, *o.requests[
         _first_request(o, _extended)].kv_contents[1:])),

@@ -132,7 +132,7 @@ def test_the_overshoot_era_starves_a_request_behind_a_prefill_only_batch() -> No
     tokens asked, 23 left) does not fit while they run, which latches batch_is_full. Their
     prefill results finish them, but the overshoot era filters the running batch only when
     it decodes, so they never leave it, the latch never clears and r2 never runs. The
-    release filters at every step ("update_running_batch may never run", scheduler.py:3962)
+    release filters at every step ("update_running_batch may never run", scheduler.py:3963-3968)
     and serves r2. Whether the era itself had the prefill-only rule is not known here: the
     era cell models the loop, the rule is the release's."""
     requests = [(1, 0), (8, 0), (14, 8)]

@@ -2,10 +2,12 @@
 ``kv_allocated_len`` (slots reserved), the pages and pool rows behind them, and how they move
 under retraction, finish, release, the bonus pre-claim, admission and chunked prefill."""
 
+from dataclasses import replace
+
 from overlap_spec.spec import transitions as tr
 from overlap_spec.spec.config import ModelConfig
 from overlap_spec.spec.invariants.registry import fail, invariant
-from overlap_spec.spec.state import AllocatorView, Observation, ObservationPoint
+from overlap_spec.spec.state import AdmissionView, AllocatorView, Observation, ObservationPoint
 
 
 @invariant("KV1")
@@ -389,36 +391,40 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
     (:1409-1431), _commit_prefill_admission (:1685-1705), mem_cache/prefill_budget.py.
     """
     view = obs.admission
-    if view is None or obs.batch is None:
-        return 0
+    return 0 if view is None or obs.batch is None else _judge_admission("KV11", config, obs, view)
+
+
+def _judge_admission(check: str, config: ModelConfig, obs: Observation, view: AdmissionView) -> int:
+    """KV11's rule applied to ``view``: the admission's own inputs (KV11), or the ones KV13
+    re-derives from the requests and the allocator."""
+    assert obs.batch is not None, "an admission is observed with its prefill"
     continued = view.continued
     admitted = tuple(rid for rid, *_ in view.waiting[:view.admitted])
     expected_rids = ((continued[0],) if continued else ()) + admitted
     if expected_rids != obs.batch.rids:
-        raise fail("KV11", obs, f"for the prefill: it holds {list(obs.batch.rids)}, the "
+        raise fail(check, obs, f"for the prefill: it holds {list(obs.batch.rids)}, the "
                    f"admission admitted {list(expected_rids)}")
     page, clip, free = config.page_size, tr.CLIP_MAX_NEW_TOKENS, view.available_tokens
     # Summed as PrefillBudget sums them (float rounding included): 0, the running estimate,
     # then each admission's reservation.
     # A mixed step sets one token per running decode aside first, from both budgets.
     mixed = view.mixed_decode_tokens
-    total: float = mixed
-    total += sum([min(max_new - out, clip) * view.new_token_ratio
-                  for max_new, out in view.running])
+    total: float = mixed + sum([min(max_new - out, clip) * view.new_token_ratio
+                                for max_new, out in view.running])
     current = mixed
     chunk = None if not view.chunk_size else view.chunk_size - mixed
     if continued is not None:
         rid, prefix, fill, max_new, end = continued
         assert chunk is not None
         if chunk <= 0:  # nothing of the chunk budget left: the chunk would be empty
-            raise fail("KV11", obs, f"for request r{rid}: continued with {chunk} left of the "
+            raise fail(check, obs, f"for request r{rid}: continued with {chunk} left of the "
                        f"chunk budget ({mixed} running decode(s) set aside): an empty chunk "
                        f"[{prefix}, {end})")
         room = min(chunk, int(free - total))  # available_chunk_tokens, not page-floored
         expected = prefix + min(fill - prefix, room if room > 0 else chunk)
         expected = min(expected, view.continued_limit or expected)  # the model's cap (U8)
         if end != expected:
-            raise fail("KV11", obs, f"for request r{rid}: its next chunk ends at {end}, the "
+            raise fail(check, obs, f"for request r{rid}: its next chunk ends at {end}, the "
                        f"chunk budget {chunk} from prefix {prefix} of {fill} says {expected}")
         paged = tr.compute_page_align_up(end - prefix, page)
         total += paged + page + (min(max_new, clip) if end == fill else 0)
@@ -440,17 +446,17 @@ def check_kv11(config: ModelConfig, obs: Observation) -> int:
         if k == view.admitted:
             if (not view.latched and k + held < view.rows and capacity and fits
                     and not spent):
-                raise fail("KV11", obs, f"for request r{rid}: left waiting though it asks "
+                raise fail(check, obs, f"for request r{rid}: left waiting though it asks "
                            f"{asked} tokens < {free - total:.3f} left (free {free}, chunk "
-                           f"budget {chunk})")
+                           f"budget {chunk}, {len(view.running)} running)")
             return held + k + 1  # the continued request and the waiting ones judged
         if view.latched or k + held >= view.rows or not fits or spent:
-            raise fail("KV11", obs, f"for request r{rid}: admitted asking {asked} tokens, "
+            raise fail(check, obs, f"for request r{rid}: admitted asking {asked} tokens, "
                        f"{free - total:.3f} left (free {free}, rows {view.rows}, chunk budget "
                        f"{chunk}, latched {view.latched})")
         end = view.ends[k]
         if end != first:
-            raise fail("KV11", obs, f"for request r{rid}: its extend ends at {end} of {fill} "
+            raise fail(check, obs, f"for request r{rid}: its extend ends at {end} of {fill} "
                        f"with {chunk} left of the chunk budget")
         paged = tr.compute_page_align_up(end - prefix, page)
         total += paged + page + (min(max_new, clip) if end == fill else 0)
@@ -508,6 +514,41 @@ def check_kv12(config: ModelConfig, obs: Observation) -> int:
                        f"{'decode' if batch.forward_mode == 'decode' else 'running'} batch")
         count += 1
     return count
+
+
+@invariant("KV13", overshoot=False)
+def check_kv13(config: ModelConfig, obs: Observation) -> int:
+    """a waiting request the re-derived running load admits is admitted
+
+    KV11's rule judged on inputs re-derived from the requests and the allocator, not read from
+    the scheduler: at a prefill's admission the running load is every request holding KV that
+    is neither finished, retracted, waiting nor in the prefill (the release filters the running
+    batch at every step before PrefillAdder sums it, so a request a processed result finished
+    no longer counts, while one whose queued result will finish it still does); the rows are
+    max_running_requests less that count, at most the pool rows free before the prefill took
+    its own (the continued chunk keeps its row); a mixed step sets one token per such request
+    aside. By them a waiting request that fits, with a row free, is admitted, and each one
+    admitted fits. The free KV and the new-token ratio are the admission's. N/a in the
+    overshoot era: it filtered the running batch only in update_running_batch, after admission.
+
+    Source: scheduler.py get_next_batch_to_run's every-step filter_batch (:3963-3968), before
+    _get_new_batch_prefill_raw builds PrefillAdder from running_batch (:4157-4174);
+    get_num_allocatable_reqs (:4027-4050); schedule_policy.py PrefillAdder.__init__ (:673-680),
+    _get_running_request_total_token_offset (:785-794); schedule_batch.py filter_batch
+    (:3845-3849: finished() requests leave).
+    """
+    view, batch = obs.admission, obs.batch
+    if view is None or batch is None or not isinstance(obs.allocator, AllocatorView):
+        return 0
+    derived = [(r.max_new_tokens, r.output_len) for r in obs.requests if r.holds_kv and not (
+        r.finished or r.is_retracted or r.waiting or r.rid in batch.rids)]
+    # The same requests keep the scheduler's order: PrefillBudget's float sum depends on it.
+    running = view.running if sorted(view.running) == sorted(derived) else tuple(derived)
+    rows = min(config.preset.max_running_requests - len(running),
+               len(obs.allocator.free_pool_rows) + len(batch.rids))
+    # mixed_chunk is 0 or 1: one token set aside per running request with it.
+    return _judge_admission("KV13", config, obs, replace(view, running=running, rows=rows,
+                            mixed_decode_tokens=len(running) * config.preset.mixed_chunk))
 
 
 @invariant("KV15")
