@@ -427,7 +427,7 @@ BUGS: Final[tuple[Bug, ...]] = (
         "reset_for_retract keeps prefix_len (the last prefill's end) and the re-admission "
         "starts the forward's extend writes there (cache_protected_len and the ghost are "
         "right); the page it gets back may still hold its own earlier holding's writes",
-        ("KV15",), lambda cell: True,
+        ("KV14",), lambda cell: True,
         not_in_z3="the Z3 model keeps no KV contents (which write a slot holds)"),
     # A request lost to the scheduler (issue 43): the retraction's re-queue is the one road
     # back from the running batch (scheduler.py:4539-4540).

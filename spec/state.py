@@ -115,7 +115,7 @@ class RequestView:
     cache_protected_len: int = 0
     lock_node: int | None = None
     prompt_family: int | None = None
-    # KV15: per column of ``row_slots``, the (writer, position) of the last forward write
+    # KV14: per column of ``row_slots``, the (writer, position) of the last forward write
     # into its slot (spec.interface.RequestState.kv_contents); None: not shown (the upstream
     # tier's stand-in worker keeps no KV buffer; traces do not carry it).
     kv_contents: tuple[tuple[int, int] | None, ...] | None = field(

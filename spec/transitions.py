@@ -394,7 +394,7 @@ KV_WRITER_EPOCH_STRIDE = 1 << 16  # request ids stay below it (compute_kv_writer
 
 
 def compute_kv_writer(rid: int, epoch: int) -> int:
-    """Whom a forward's KV write names (``RequestState.kv_contents``, KV15): the request
+    """Whom a forward's KV write names (``RequestState.kv_contents``, KV14): the request
     id, plus ``epoch`` strides after each retraction, so that a page the request gets back
     after a retraction does not pass for one written in its new holding."""
     assert 0 <= rid < KV_WRITER_EPOCH_STRIDE, f"request id {rid} out of the writer's range"

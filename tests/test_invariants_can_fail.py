@@ -117,7 +117,7 @@ def _prefilling(r: object) -> bool:
 
 
 def _extended(r: object) -> bool:
-    """A live request whose own extend starts at column 0 (KV15 judges it)."""
+    """A live request whose own extend starts at column 0 (KV14 judges it)."""
     return bool(r.is_live and not r.prebuilt and r.extend_end > 0  # type: ignore[attr-defined]
                 and r.cache_protected_len == 0 and r.kv_contents)  # type: ignore[attr-defined]
 
@@ -162,7 +162,7 @@ PERTURB: dict[str, Callable[[Observation], Observation]] = {
                                     finished=False, waiting=False, is_retracted=False,
                                     max_new_tokens=10**6),
     # The first column of a live request's extend shows nothing written.
-    "KV15": lambda o: _with_request(o, _extended, kv_contents=(None, *o.requests[
+    "KV14": lambda o: _with_request(o, _extended, kv_contents=(None, *o.requests[
         _first_request(o, _extended)].kv_contents[1:])),
     "FM1": lambda o: replace(o, races=(_race("new_seq_lens_buf", (FORWARD, "write"), (SCHEDULE, "read")),)),
     "FM2": lambda o: replace(o, resolve=replace(o.resolve, uncovered_rows=o.resolve.rows[:1])),

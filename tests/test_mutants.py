@@ -122,12 +122,12 @@ def test_every_radix_bug_is_killed_in_every_radix_cell_it_applies_in(tmp_path: P
 def test_b36_is_killed_in_every_cell_it_applies_in(tmp_path: Path) -> None:
     """B36 (a stale prefix offset after a retraction) lies past the exhaustive tier's depth
     in the speculative cells (tests/test_exhaust.py, PAST_SPEC_DEPTH): the Hypothesis
-    column kills it by KV15 in every cell, at the quick budget."""
+    column kills it by KV14 in every cell, at the quick budget."""
     (result,) = run_mutants(get_profile("quick"), SEED, {"B36"}, save_dir=tmp_path,
                             all_cells=True, jobs=2)
     assert result.verdict == KILLED, [(c.cell, c.verdict, c.detail) for c in result.cells]
     assert len(result.cells) == len(get_applicable_cells(result.bug))
-    assert all("KV15" in c.all_invariants for c in result.cells)
+    assert all("KV14" in c.all_invariants for c in result.cells)
 
 
 @pytest.mark.slow

@@ -466,7 +466,7 @@ NOT_JUDGED_ON_RELEASE: Final[dict[str, str]] = {
             "which the stand-in replaces; running them is step 3 of the plan in "
             "docs/upstream-model-runner.md"),
     "KV10": "the bonus pre-claim is an earlier era (#28754); no 0.5.23 cell has it",
-    "KV15": ("what each forward wrote where is the stand-in worker's, which keeps no KV "
+    "KV14": ("what each forward wrote where is the stand-in worker's, which keeps no KV "
              "buffer (the release's attention backends write it in code the stand-in "
              "replaces; docs/upstream-tier.md: the differential's kv_contents, not reported "
              "either)"),

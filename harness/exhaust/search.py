@@ -33,10 +33,10 @@ only there merge:
 - ``Scheduler.step_index`` (the driver sets it before every operation);
 - ``Runtime.shape``, the iteration's rung (``run_iteration`` sets it before any read;
   admit and abort do not read it);
-- of ``Runtime.kv_cache`` (what each forward wrote where), the slots no request holds: KV15
+- of ``Runtime.kv_cache`` (what each forward wrote where), the slots no request holds: KV14
   reads the contents of held rows, a tail copy reads its own row, and a slot freed and
   handed out again is read only where its new holder's forward failed to overwrite it,
-  which KV15 reports whether the slot shows the old write or none (the old write is
+  which KV14 reports whether the slot shows the old write or none (the old write is
   another holding's, never the new one's: the writer names the epoch). Kept, they would
   split states by which finished request last wrote a freed page. Held slots are kept,
   in slot order.

@@ -551,7 +551,7 @@ def check_kv13(config: ModelConfig, obs: Observation) -> int:
                             mixed_decode_tokens=len(running) * config.preset.mixed_chunk))
 
 
-@invariant("KV15")
+@invariant("KV14")
 def check_kv15(config: ModelConfig, obs: Observation) -> int:
     """a prefill writes its whole extend
 
@@ -579,7 +579,7 @@ def check_kv15(config: ModelConfig, obs: Observation) -> int:
         for c in range(start, r.extend_end):
             found = r.kv_contents[c] if c < len(r.kv_contents) else "no column"
             if found != (writer, c):
-                raise fail("KV15", obs, f"for request r{r.rid}: column {c} of its extend "
+                raise fail("KV14", obs, f"for request r{r.rid}: column {c} of its extend "
                            f"[{start}, {r.extend_end}) holds {found}, expected its own write "
                            f"{(writer, c)} (epoch {r.ghost.epoch})")
         judged += 1
