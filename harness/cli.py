@@ -468,7 +468,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="where failing scripts are saved (default: .overlap-spec)")
     review.add_argument("-q", "--quiet", action="store_true", help="no progress lines")
     review.set_defaults(func=cmd_review)
-    mutants = sub.add_parser("mutants", help="the B1-B35, B38 kill matrix")
+    mutants = sub.add_parser("mutants", help="the B1-B39 kill matrix")
     mutants.add_argument("--bugs", type=bug_ids, help="comma-separated bug IDs (default: all)")
     mutants.add_argument("--all-cells", action="store_true",
                          help="every applicable cell instead of the representative ones")
