@@ -81,16 +81,16 @@ def test_the_generator_itself_reaches_a_full_pool_at_a_non_spec_decode(
     on the process: the default seed does in 4 of the 7 non-spec cells where only the
     reference is imported (as in ``check``'s workers) and in none in this module, which
     imports the differential too (measured 2026-11-26; the generated sequences differ with
-    the imports); here, in the page-4 cells this test runs, at ci's 64 examples (since
-    2026-11-29) seeds 8 and 14 do in both cells (of seeds 1 to 15: 8 and 14 in ov-p4-none,
-    5, 8 and 14 in nov-p4-none), so the test runs seed 8 (14 doubled its time)."""
+    the imports); here, in the page-4 cells this test runs, at ci's 64 examples: since the
+    pause operations (issue 43, 2026-11-29) seeds 3, 17 and 18 of 1 to 24 do, in ov-p4-none
+    (before them 8 and 14 did in both cells), so the test runs seed 3."""
     from overlap_spec.harness.drive.cells import select_configs
     from overlap_spec.harness.drive.stateful import check_cell, get_profile
 
     monkeypatch.setattr(mem_cache, "compute_ns_decode_pages_needed", lambda s, p: 0)
     crashed = []
     for config in select_configs("*-p4-none", "minimal"):
-        for run_seed in (8,):
+        for run_seed in (3,):
             result = check_cell(config, get_profile("ci"), run_seed, shrink=False)
             if result.error is not None and "OutOfMemory" in repr(result.error):
                 crashed.append(f"{config.name} seed {run_seed}")

@@ -37,7 +37,7 @@ from overlap_spec.spec.bugs import BUG_IDS
 from overlap_spec.spec.config import MINIMAL, ModelConfig, enumerate_cells, get_cell
 from overlap_spec.spec.happens_before import D2H, SCHEDULE
 from overlap_spec.spec.state import IterationChoices
-from overlap_spec.spec.transitions import compute_host_sync_budget
+from overlap_spec.spec.transitions import KV_WRITER_EPOCH_STRIDE, compute_host_sync_budget
 
 SEED = 20261122
 ROOT = Path(__file__).resolve().parent.parent
@@ -475,6 +475,11 @@ KV_CONTENT_CELLS = [("ov-p4-v2tree-cpu-honest", {}), ("nov-p4-v2tree-cpu-honest"
                     ("ov-p4-none-radix", {"chunked_prefill_size": 8, "mixed_chunk": 1})]
 
 
+# Since the pause operations, seed 3 no longer shares a page in the paged mixed-chunk radix
+# cell; seed 4 does.
+SEEDS_KV_CONTENT = (1, 2, 3, 4)
+
+
 @pytest.mark.parametrize(("cell", "sizes"), KV_CONTENT_CELLS, ids=lambda v: str(v))
 def test_the_clean_differential_agrees_on_what_each_forward_wrote_where(
         cell: str, sizes: dict[str, int]) -> None:
@@ -487,7 +492,7 @@ def test_the_clean_differential_agrees_on_what_each_forward_wrote_where(
     config = Script(cell, "minimal", sizes=dict(sizes)).get_config()
     assert check_sizes(config) is None
     seen: set[str] = set()
-    for seed in (1, 2, 3):
+    for seed in SEEDS_KV_CONTENT:
         pair = DifferentialPair(config)
         rng = random.Random(seed)
         for op in generate_random_ops(config, rng, 50):
@@ -500,8 +505,9 @@ def test_the_clean_differential_agrees_on_what_each_forward_wrote_where(
                 for column, content in enumerate(req.kv_contents or ()):
                     if content is not None:
                         writer, position = content
+                        # The writer names the request and its epoch (compute_kv_writer).
                         seen.add(("shared" if column < req.cache_protected_len else "stale")
-                                 if writer != req.rid
+                                 if writer % KV_WRITER_EPOCH_STRIDE != req.rid
                                  else "own" if position == column else "elsewhere")
     expected = {"own"}
     if config.is_paged_tree:

@@ -187,11 +187,6 @@ def get_na_reason(config: ModelConfig, invariant_id: str, searched: int) -> str:
             return (f"no request decodes at these sizes: a one-token prompt's first spec "
                     f"decode asks for {need} tokens (the prompt and the reserve) of a "
                     f"{config.kv_tokens}-token pool, so the out-of-memory abort ends it first")
-    if (invariant_id == "KV5" and config.preset.mixed_chunk
-            and config.preset.chunked_prefill_size - 1 < config.page_size):
-        return ("a running decode takes one token of the chunk budget and a chunk is whole "
-                "pages, so a request is admitted only while none runs: one runs at a time, "
-                "and a retraction keeps the last one")
     reason = (f"no witness at these sizes: the seeded witness search on this tree "
               f"({searched} scripts of {SEARCH_OPS} operations) reached no observation that "
               "exercises it")

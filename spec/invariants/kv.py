@@ -552,7 +552,7 @@ def check_kv13(config: ModelConfig, obs: Observation) -> int:
 
 
 @invariant("KV14")
-def check_kv15(config: ModelConfig, obs: Observation) -> int:
+def check_kv14(config: ModelConfig, obs: Observation) -> int:
     """a prefill writes its whole extend
 
     at an iteration's end, each live request holding KV holds in every column c of its row
