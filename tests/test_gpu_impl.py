@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import os
 import random
 from pathlib import Path
 
@@ -454,7 +455,8 @@ def test_the_gpu_columns_committed_triggers_still_diverge() -> None:
     then found at every seed); the clean gpu_impl runs it in agreement."""
     from overlap_spec.harness.mutants.matrix import KILL_CORPUS, load_known_trigger
 
-    paths = sorted(KILL_CORPUS.glob("*.json"))
+    paths = sorted(p for p in KILL_CORPUS.glob("*.json") if not p.name.endswith(
+        ".reference.json"))
     assert paths
     for path in paths:
         script = load_script(path)
@@ -464,6 +466,34 @@ def test_the_gpu_columns_committed_triggers_still_diverge() -> None:
         assert load_known_trigger(bug, config) is not None
         assert not run_differential(script).ok, path.name
         assert run_differential(dataclasses.replace(script, faults=())).ok, path.name
+
+
+def test_the_hypothesis_columns_committed_triggers_still_kill() -> None:
+    """harness/mutants/kills/*.reference.json: each trips an invariant its bug lists on the
+    faulted reference and nothing on the clean one (the Hypothesis column replays it before
+    its search), and the column reports the kill from it."""
+    from overlap_spec.harness.drive.script import run_script
+    from overlap_spec.harness.mutants.matrix import (
+        KILL_CORPUS,
+        load_known_trigger,
+        run_mutant_in_cell,
+    )
+
+    paths = sorted(KILL_CORPUS.glob("*.reference.json"))
+    assert paths
+    for path in paths:
+        script = load_script(path)
+        bug = next(b for b in BUGS if b.id == script.faults[0])
+        config = script.get_config()
+        assert path.name == f"{config.name.replace('@', '-')}-{bug.id}.reference.json"
+        assert load_known_trigger(bug, config, "reference") is not None
+        broken = run_script(script, catch_crash=True).violation
+        assert broken is not None and set(broken.all_ids) & set(bug.invariants), path.name
+        clean = run_script(dataclasses.replace(script, faults=()), catch_crash=True)
+        assert clean.violation is None and clean.crashed is None, path.name
+        kill = run_mutant_in_cell(bug, config, get_profile("quick"), SEED,
+                                  Path(os.environ["OVERLAP_SPEC_OUT"]))
+        assert kill.verdict == KILLED, (path.name, kill)
 
 
 # --- what each forward wrote where (issue 43) ----------------------------------------------

@@ -23,7 +23,7 @@ from overlap_spec.harness.drive.script import (
     run_script,
     save_script,
 )
-from overlap_spec.harness.drive.stateful import Profile, check_cell, get_failure_dir
+from overlap_spec.harness.drive.stateful import CellResult, Profile, check_cell, get_failure_dir
 from overlap_spec.harness.mutants.select import (
     KILLED,
     NO_GPU_PATH,
@@ -92,8 +92,9 @@ class MutantResult:
 def run_mutant_in_cell(bug: Bug, config: ModelConfig, profile: Profile, seed: int,
                        save_dir: Path) -> CellKill:
     started = time.perf_counter()
-    result = check_cell(config, profile, seed, frozenset({bug.id}), save_dir=save_dir,
-                        shrink=False, max_examples=profile.mutant_examples)
+    result = _replay_known_trigger(bug, config) or check_cell(
+        config, profile, seed, frozenset({bug.id}), save_dir=save_dir, shrink=False,
+        max_examples=profile.mutant_examples)
     kill = CellKill(config.name, SURVIVED)
     if result.error is not None:
         found = Crash.of(result.error)
@@ -168,22 +169,45 @@ def get_gpu_supported_faults() -> frozenset[str]:
 RACE_INVARIANTS = frozenset({"FM1", "FM3", "ST1", "ST2", "ST3", "ST4", "ST5"})
 
 
-# Committed triggers of the gpu_impl column (``<cell>@<preset>[sizes]-<bug>.json``): bugs
-# whose divergence the column's seeded search finds at some seeds only (B19's mixed step
-# needs a prompt capped to 0 new tokens beside a running decode: missed at 2 of 4 seeds;
-# B29's dedup needs two requests of one family prefilled together: missed in the tree cell
-# once the radix cells drew flushes).
+# Committed triggers (``<cell>@<preset>[sizes]-<bug>.json`` of the gpu_impl column,
+# ``...-<bug>.reference.json`` of the Hypothesis column): bugs whose kill the column's seeded
+# search finds at some seeds only (B19's mixed step needs a prompt capped to 0 new tokens
+# beside a running decode: missed at 2 of 4 seeds; B29's dedup needs two requests of one
+# family prefilled together: missed in the tree cell once the radix cells drew flushes;
+# B38 three requests, one finishing early beside two arrivals, missed in ov-p1-none once
+# the pause operations were drawn; B39 a pause right after a prefill's launch).
 KILL_CORPUS = Path(__file__).parent / "kills"
 
 
-def load_known_trigger(bug: Bug, config: ModelConfig) -> Script | None:
-    """The committed trigger of ``bug`` in ``config``, as a faulted gpu_impl script."""
-    path = KILL_CORPUS / f"{config.name.replace('@', '-')}-{bug.id}.json"
+def load_known_trigger(bug: Bug, config: ModelConfig,
+                       implementation: str = "gpu_impl") -> Script | None:
+    """The committed trigger of ``bug`` in ``config``, as a faulted script of
+    ``implementation`` (the gpu_impl column's ``<name>-<bug>.json``, the Hypothesis
+    column's ``<name>-<bug>.reference.json``)."""
+    suffix = "" if implementation == "gpu_impl" else f".{implementation}"
+    path = KILL_CORPUS / f"{config.name.replace('@', '-')}-{bug.id}{suffix}.json"
     if not path.exists():
         return None
     script = load_script(path)
-    assert script.faults == (bug.id,) and script.implementation == "gpu_impl", path
+    assert script.faults == (bug.id,) and script.implementation == implementation, path
     return script
+
+
+def _replay_known_trigger(bug: Bug, config: ModelConfig) -> CellResult | None:
+    """The Hypothesis column's committed trigger of ``bug`` in ``config``, replayed on the
+    faulted reference: its result when it trips an invariant the catalogue lists for the
+    bug (the kill is then judged, minimised and saved as a search's would be), else None
+    and the seeded search runs. For bugs whose trigger that search reaches at some seeds
+    only (B38's three requests, one finishing early beside two arrivals)."""
+    known = load_known_trigger(bug, config, "reference")
+    if known is None:
+        return None
+    outcome = run_script(known, catch_crash=True)
+    if outcome.violation is None or not set(outcome.violation.all_ids) & set(bug.invariants):
+        return None
+    result = CellResult(config, frozenset({bug.id}), 0, "known trigger", 0.0)
+    result.violation, result.script = outcome.violation, known
+    return result
 
 
 def needs_race_detector(bug: Bug) -> bool:
