@@ -49,13 +49,19 @@ def test_vectors_cover_every_cell_and_replay_green(vectors: Path) -> None:
     readme = (vectors / "README.md").read_text()
     assert "overlap-spec-vector" in readme and "`post`" in readme
     # Every bug that lists invariants has invalid vectors (B2 too, whose gpu_impl kill is
-    # its crash); B25, only a crash, has none: a vector's verdict is an invariant ID.
+    # its crash); B25, only a crash, has none: a vector's verdict is an invariant ID; nor
+    # B36, whose KV14 judges what vectors do not carry (UNSERIALISED_INVARIANTS).
     from overlap_spec.harness.catalogue import BUGS
+    from overlap_spec.harness.vectors import UNSERIALISED_INVARIANTS
 
     faulted = {e["faults"][0] for e in entries if e["faults"]}
-    listed = {bug.id for bug in BUGS if bug.invariants}
-    # B9's one vector (the early fence's cell) takes more than this fixture's 15 tries.
-    assert faulted <= listed and listed - faulted <= {"B9"} and "B2" in faulted, faulted
+    listed = {bug.id for bug in BUGS
+              if bug.invariants and not set(bug.invariants) <= UNSERIALISED_INVARIANTS}
+    # B9's one vector (the early fence's cell), B16's (page 4's arithmetic) and B38's (three
+    # requests, one finishing early) take more than this fixture's 15 tries: the command's
+    # 60 find every one (2026-11-29: all but B25 and B36, 1,735 vectors).
+    assert faulted <= listed and listed - faulted <= {"B9", "B16", "B38"}, faulted
+    assert "B2" in faulted, faulted
 
 
 def test_a_vector_is_plain_self_contained_json(few_vectors: Path) -> None:
