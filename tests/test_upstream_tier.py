@@ -1029,7 +1029,8 @@ def test_the_release_chunking_agrees_with_the_reference(tmp_path: Path) -> None:
     report = check_sized_cells(tmp_path, "ov-p1-none,nov-p1-v2chain-cpu-honest",
                                "chunked_prefill_size=4", "KV12")
     for name, diff in report["differential"]["cells"].items():
-        assert set(diff["operations_by_kind"]) == {"admit", "iterate", "abort"}, name
+        assert {"admit", "iterate", "abort"} <= set(diff["operations_by_kind"]) <= {
+            "admit", "iterate", "abort", "pauseretract", "continue"}, name
     # A prompt of 10 in chunks of 4, aborted with its second chunk scheduled (under overlap
     # still in flight), then a second prompt through all three chunks and its decodes.
     iterate = {"op": "iterate", "allow_prefill": True, "retract": 0, "accept_lens": [1, 1, 1],

@@ -56,7 +56,14 @@ from overlap_spec.harness.drive.cells import (
     split_preset,
 )
 from overlap_spec.harness.drive.checker import InvariantChecker
-from overlap_spec.harness.drive.script import Iterate, Op, Script, apply_op, save_script
+from overlap_spec.harness.drive.script import (
+    Continue,
+    Iterate,
+    Op,
+    Script,
+    apply_op,
+    save_script,
+)
 from overlap_spec.harness.drive.stateful import (
     Profile,
     RunLog,
@@ -540,9 +547,12 @@ def run_cell(config: ModelConfig, profile: Profile, seed: int, save_dir: Path,
             until the release's loop has run its idle-time checks (on_idle, the scheduler
             fully idle). These iterations are the script's ops: judged, compared with the
             reference and replayed like any other. Hypothesis draws nothing here, so a seed
-            draws what it drew before."""
+            draws what it drew before. An example that ended paused is resumed first (a
+            ``continue`` op): a paused loop never reaches on_idle."""
             release = self.pair.upstream
             before = release.idle_checks_ran
+            if release.scheduler._engine_paused:
+                self._apply(Continue())
             for _ in range(IDLE_POINT_ITERATIONS):
                 if release.idle_checks_ran > before:
                     idle["reached"] += 1

@@ -189,7 +189,12 @@ def make_machine(config: ModelConfig, faults: frozenset[str], implementation: st
         # would starve the states other bugs need), resumed at once or by a later rule:
         # everything unfinished back to the waiting queue, iterations building nothing
         # meanwhile.
-        @precondition(lambda self: not self.paused and not self.pauses)
+        # Not in the upstream tier's search: the release loses an abort of the chunked
+        # request that a pause retracts before the next step's top (its marker is dropped,
+        # no to_finish set), where the reference finishes it "abort" (found 2026-11-29;
+        # docs/upstream-pause-retract.md). Until that is modelled or listed, the release is
+        # paused by its witnesses and tests/test_upstream_tier.py only.
+        @precondition(lambda self: not upstream and not self.paused and not self.pauses)
         @rule(resume=st.booleans())
         def pause_retract(self, resume: bool) -> None:
             self._apply(PauseRetract())
