@@ -194,7 +194,9 @@ def test_release_passes_with_listed_findings(tmp_path: Path) -> None:
         assert diff["operations_agreed"] > 0
         # Every kind of operation was compared (until 2026-11-27 the differential never
         # drove an abort: its machine's admitted list stayed empty).
-        assert set(diff["operations_by_kind"]) == {"admit", "iterate", "abort"}
+        # The witnesses replayed first may pause and resume the release (the search does not).
+        assert {"admit", "iterate", "abort"} <= set(diff["operations_by_kind"]) <= {
+            "admit", "iterate", "abort", "pauseretract", "continue"}
         assert sum(diff["operations_by_kind"].values()) == diff["operations_agreed"]
         assert diff["stopped"] == {}
     cells = report["differential"]["cells"]
