@@ -217,7 +217,11 @@ def test_release_passes_with_listed_findings(tmp_path: Path) -> None:
     listed = {f["id"] for f in report["findings"] if f["listed"]}
     assert "U3" in listed and "U1" not in listed  # U1 retired: SL4 skips emptied batches
     assert all(f["listed"] for f in report["findings"])
-    assert "U6" in listed  # RP5: an abort's last verify shows tokens past the cap
+    # U6 (RP5: an abort's last verify shows tokens past the cap) is found here at some
+    # seeds only (not since the pause rule joined the machine, 2026-11-29); its
+    # deterministic replay is test_an_abort_in_the_verify_that_holds_a_stop_shows_tokens_past_
+    # the_stop below. Whatever is found is listed.
+    assert listed <= {"U3", "U5", "U6"}, listed
     # Every finding carries a minimised script that reproduces it on the release.
     spec_finding = next(f for f in report["findings"] if f["id"] == "U3")
     # ... and says which sglang it was seen on (the release: no commit).
