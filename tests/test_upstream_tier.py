@@ -1604,3 +1604,43 @@ def test_the_release_pauses_with_retraction_where_the_reference_does(cell: str) 
     assert states[5] == states[4]  # paused: nothing built
     assert all(s[1] == "finished" for s in states[-1])
     assert result["reference"]["rp10"] > 0 and result["upstream"]["rp10"] > 0
+
+
+LOST_ABORT_PROBE = """
+import json
+from overlap_spec.harness.drive.script import (
+    Abort, Admit, Continue, Iterate, PauseRetract, Script, apply_op, get_factory)
+from overlap_spec.spec.state import IterationChoices
+
+def run(implementation):
+    config = Script("ov-p1-none", "minimal", sizes={"chunked_prefill_size": 4}).get_config()
+    model = get_factory(implementation)(config, frozenset(), None)
+    idle = Iterate(IterationChoices(allow_prefill=False))
+    ops = [Admit(12, 4), Iterate(IterationChoices()), idle, idle, Abort(0), PauseRetract(),
+           Continue()] + [Iterate(IterationChoices())] * 8
+    admitted = []
+    for op in ops:
+        apply_op(model, op, admitted)
+    return [[r.status, r.finish_reason, len(r.output_ids)]
+            for r in model.get_observable_state().requests]
+
+print(json.dumps({name: run(name) for name in ("reference", "upstream")}))
+"""
+
+
+@needs_sglang
+def test_the_release_loses_a_chunked_abort_across_a_retract_pause() -> None:
+    """Found 2026-11-29 (docs/upstream-pause-retract.md): the chunked request, in no batch in
+    flight, is aborted (only ``_pending_chunked_abort_req`` is set) and a retract pause
+    follows; the pause re-queues it, the next top drops the marker (no longer chunked, no
+    KV), and after ``continue_generation`` the release runs it to its length cap. The
+    reference finishes it "abort". Not yet a listed finding: the tier's search draws no
+    pause until it is; this pins the release's behaviour so a change to it is seen."""
+    done = subprocess.run([sys.executable, "-W", "ignore", "-c", LOST_ABORT_PROBE],
+                          capture_output=True, text=True, env=dict(os.environ,
+                                                                   PYTHONPATH=str(REPO)),
+                          timeout=300, check=False)
+    assert done.returncode == 0, done.stderr[-2000:]
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    assert result["reference"] == [["finished", "abort", 1]]
+    assert result["upstream"] == [["finished", "length", 4]]
